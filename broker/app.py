@@ -1,0 +1,56 @@
+"""The Celery app every role shares, configured for hour-long episode tasks on Redis.
+
+Why each setting (see the README's delivery guarantee):
+* late ack + reject on worker lost: a task is acknowledged only after its episode finished, so
+  a killed pool process sends its episode back to the queue instead of dropping it.
+* prefetch 1: a worker holds no more episodes than it runs; the rest stay in Redis for others.
+* visibility timeout above the episode budget: Redis redelivers an unacknowledged task after
+  this long, and a running episode must never be redelivered while it runs. A dead worker's
+  episode comes back much sooner through its lease (broker/recovery.py), not through this.
+* msgpack/json only: no pickle, a pickled message is rejected and logged by kombu.
+* no result backend: outcomes travel in the results stream, not in Celery results.
+* cancel_long_running_tasks_on_connection_loss stays False: a Redis restart must not abort
+  episodes that are halfway; their leases and records survive in Redis.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from broker.redisconn import broker_transport_options
+from broker.settings import Settings
+
+EPISODE_TASK = "interactor.run_episode"
+
+
+def make_app(settings: Settings, *, main: str = "interactor") -> Celery:
+    app = Celery(main, broker=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        task_serializer="msgpack",
+        accept_content=["msgpack", "json"],
+        result_accept_content=["msgpack", "json"],
+        task_ignore_result=True,
+        result_backend=None,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=settings.concurrency,
+        worker_pool=settings.pool,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        broker_transport_options=broker_transport_options(settings),
+        broker_heartbeat=0,
+        task_default_queue=settings.queue,
+        task_create_missing_queues=True,
+        task_routes={EPISODE_TASK: {"queue": settings.queue}},
+        # Time limits do nothing in the threads pool; the step loop enforces the budget itself.
+        task_time_limit=None,
+        task_soft_time_limit=None,
+    )
+    return app

@@ -1,0 +1,74 @@
+"""Every Redis key this system writes, named in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "ix"
+
+    # --- jobs and the episode ledger --------------------------------------------------
+    @property
+    def jobs(self) -> str:  # zset job_id -> created_at
+        return f"{self.prefix}:jobs"
+
+    def job_spec(self, job_id: str) -> str:  # msgpack JobSpec
+        return f"{self.prefix}:job:{job_id}:spec"
+
+    def job_episodes(self, job_id: str) -> str:  # hash episode_id -> msgpack EpisodeSpec
+        return f"{self.prefix}:job:{job_id}:episodes"
+
+    def job_state(self, job_id: str) -> str:  # hash episode_id -> ledger state
+        return f"{self.prefix}:job:{job_id}:state"
+
+    def job_attempts(self, job_id: str) -> str:  # hash episode_id -> attempts started
+        return f"{self.prefix}:job:{job_id}:attempts"
+
+    def job_attempt_limit(self, job_id: str) -> str:  # hash episode_id -> last attempt allowed
+        return f"{self.prefix}:job:{job_id}:attempt-limit"
+
+    def job_counts(self, job_id: str) -> str:  # hash state -> number of episodes in it
+        return f"{self.prefix}:job:{job_id}:counts"
+
+    # --- leases and scheduling --------------------------------------------------------
+    def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt>:<nonce>", with a TTL
+        return f"{self.prefix}:lease:{episode_id}"
+
+    @property
+    def running(self) -> str:  # zset "<job> <episode>" -> lease expiry (ms since epoch)
+        return f"{self.prefix}:running"
+
+    @property
+    def retry(self) -> str:  # zset "<job> <episode>" -> when to enqueue again (ms)
+        return f"{self.prefix}:retry"
+
+    @property
+    def sweep_lock(self) -> str:
+        return f"{self.prefix}:sweep-lock"
+
+    # --- results and dead letters -----------------------------------------------------
+    @property
+    def results(self) -> str:  # stream of msgpack records, field "r"
+        return f"{self.prefix}:results"
+
+    @property
+    def dlq(self) -> str:  # hash "<job> <episode>" -> msgpack DeadLetter
+        return f"{self.prefix}:dlq"
+
+    @property
+    def dlq_index(self) -> str:  # zset "<job> <episode>" -> dead-lettered at (s)
+        return f"{self.prefix}:dlq:index"
+
+
+def member(job_id: str, episode_id: str) -> str:
+    """How an episode is named in the shared zsets; ids never contain spaces."""
+    return f"{job_id} {episode_id}"
+
+
+def split_member(m: str | bytes) -> tuple[str, str]:
+    if isinstance(m, bytes):
+        m = m.decode()
+    job_id, _, episode_id = m.partition(" ")
+    return job_id, episode_id

@@ -1,0 +1,204 @@
+"""One settings object for every role, read from the environment and then from flags.
+
+Every field maps to an environment variable ``INTERACTOR_<FIELD>`` (upper case); ``REDIS_URL``
+and ``OPENAI_API_KEY`` are also honoured because users already have them set. Secrets are
+held in :class:`Secret` so that they never show up in ``repr``, logs or task payloads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+from urllib.parse import urlsplit, urlunsplit
+
+ENV_PREFIX = "INTERACTOR_"
+
+
+class Secret(str):
+    """A string that never prints itself (repr, str formatting in logs)."""
+
+    def __repr__(self) -> str:
+        return "Secret('***')" if self else "Secret('')"
+
+    def reveal(self) -> str:
+        return str.__str__(self)
+
+
+def redact_url(url: str) -> str:
+    """``redis://:pw@host/0`` -> ``redis://:***@host/0``: URLs are logged, passwords are not."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit((parts.scheme, f"{user}:***@{netloc}", parts.path, parts.query, parts.fragment))
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- where things live -------------------------------------------------------------
+    redis_url: str = ""  # empty: `interactor run` starts an embedded Redis
+    key_prefix: str = "ix"  # every Redis key this system writes starts with it
+    queue: str = "episodes"  # Celery queue that episode tasks go to by default
+    queues: str = ""  # comma-separated queues a worker serves ("" = the default queue)
+    run_dir: str = "runs"  # embedded Redis data, results database, exports
+    db_path: str = ""  # results database; default <run_dir>/results.sqlite
+
+    # --- policy (model endpoint); the key never leaves the worker ----------------------
+    llm_base_url: str = "http://127.0.0.1:8000/v1"
+    llm_api_key: Secret = Secret("")
+    model: str = "stand-in"
+    temperature: float = 0.3
+    llm_connect_timeout_s: float = 10.0
+    llm_read_timeout_s: float = 600.0
+    llm_retries: int = 6  # extra tries after the first, for 429/5xx/connection/timeout
+    llm_backoff_initial_s: float = 1.0
+    llm_backoff_max_s: float = 30.0
+    llm_session_routing: bool = False  # base URL becomes {llm_base_url}/{episode_id}
+    llm_params: str = ""  # JSON object merged into every request body: max_tokens, top_p, stop, ...
+
+    # --- environment servers -----------------------------------------------------------
+    env_base_url: str = ""  # default for task entries that name no base_url
+    env_connect_timeout_s: float = 5.0
+    env_read_timeout_s: float = 120.0
+    env_retries: int = 3  # extra tries, for what is safe to retry (see workers/envclient.py)
+    env_backoff_initial_s: float = 0.5
+    env_backoff_max_s: float = 10.0
+    max_response_bytes: int = 32 * 1024 * 1024  # a larger env/model answer is malformed
+
+    # --- the step loop (PROTOCOL.md section 3) -----------------------------------------
+    max_steps: int = 1000
+    message_cut: int = 3
+    episode_budget_s: float = 3600.0  # wall clock per attempt, enforced by the loop itself
+    episode_hook: str = ""  # "module:factory"
+
+    # --- delivery guarantees -----------------------------------------------------------
+    lease_ttl_s: float = 30.0  # a dead worker's episode is re-run at most ~this + sweep later
+    sweep_interval_s: float = 5.0
+    max_attempts: int = 3
+    retry_backoff_initial_s: float = 2.0
+    retry_backoff_max_s: float = 60.0
+    shutdown_grace_s: float = 30.0  # after SIGTERM, running episodes get this long to finish
+
+    # --- workers -----------------------------------------------------------------------
+    concurrency: int = 16  # episodes at once per worker process
+    pool: str = "threads"
+
+    # --- results stream and consumer ---------------------------------------------------
+    stream_backlog_max: int = 100_000  # unacked records above which workers slow down
+    consumer_batch: int = 500
+    consumer_block_ms: int = 1000
+    consumer_claim_idle_ms: int = 30_000
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None and f.name == "redis_url":
+                raw = env.get("REDIS_URL")
+            if raw is None and f.name == "llm_api_key":
+                raw = env.get("OPENAI_API_KEY")
+            if raw is not None:
+                values[f.name] = _coerce(f, raw, source=ENV_PREFIX + f.name.upper())
+        for name, value in overrides.items():
+            if value is None:
+                continue
+            f = _field(name)
+            values[name] = _coerce(f, value, source=f"--{name.replace('_', '-')}")
+        return cls(**values).validated()
+
+    def replace(self, **changes: Any) -> "Settings":
+        return self.from_env({}, **{**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def as_environ(self) -> dict[str, str]:
+        """The settings as environment variables, for child processes (workers, consumer)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[ENV_PREFIX + f.name.upper()] = value.reveal() if isinstance(value, Secret) else str(value)
+        return out
+
+    def validated(self) -> "Settings":
+        problems = []
+        if self.max_steps < 1:
+            problems.append("max_steps must be >= 1")
+        if self.concurrency < 1:
+            problems.append("concurrency must be >= 1")
+        if self.max_attempts < 1:
+            problems.append("max_attempts must be >= 1")
+        if self.lease_ttl_s <= 1:
+            problems.append("lease_ttl_s must be > 1")
+        if self.episode_budget_s <= 0:
+            problems.append("episode_budget_s must be > 0")
+        if self.pool not in ("threads", "prefork", "gevent", "solo"):
+            problems.append(f"pool must be threads, prefork, gevent or solo, not {self.pool!r}")
+        if self.llm_params:
+            try:
+                import json
+
+                if not isinstance(json.loads(self.llm_params), dict):
+                    raise ValueError
+            except ValueError:
+                problems.append(f"llm_params must be a JSON object, got {self.llm_params!r}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            problems.append(f"redis_url must start with redis://, rediss:// or unix://, not {redact_url(self.redis_url)!r}")
+        if problems:
+            raise SettingsError("invalid settings: " + "; ".join(problems))
+        return self
+
+    @property
+    def results_db(self) -> str:
+        return self.db_path or os.path.join(self.run_dir, "results.sqlite")
+
+    @property
+    def served_queues(self) -> list[str]:
+        return [q.strip() for q in self.queues.split(",") if q.strip()] or [self.queue]
+
+    @property
+    def visibility_timeout_s(self) -> int:
+        # Above the episode budget, so the broker never redelivers an episode that is still
+        # running; a dead worker's episode comes back much sooner through its lease.
+        return int(self.episode_budget_s + self.shutdown_grace_s + 300)
+
+    def __repr__(self) -> str:  # dataclass repr would be fine too (Secret hides itself); keep it short
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items() if k != "llm_api_key") + ")"
+
+
+def _field(name: str) -> dataclasses.Field:
+    for f in fields(Settings):
+        if f.name == name:
+            return f
+    raise SettingsError(f"unknown setting {name!r}")
+
+
+def _coerce(f: dataclasses.Field, raw: Any, *, source: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind == "Secret":
+            return Secret(raw.reveal() if isinstance(raw, Secret) else str(raw))
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            return str(raw).strip().lower() in ("1", "true", "yes", "on")
+        return str(raw)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{source}: expected {kind}, got {raw!r}") from None
+

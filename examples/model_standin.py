@@ -1,0 +1,385 @@
+"""A STAND-IN for an OpenAI-compatible chat-completions server (PROTOCOL.md section 2).
+
+This is not a model.  It is a small scripted policy behind the OpenAI wire format so the
+demo, the tests and the benchmarks run without a GPU.  For real runs point
+``--llm-base-url`` at vLLM, SGLang, a hosted API or a trainer-side proxy instead.
+
+Routes (stdlib only, keep-alive HTTP/1.1):
+
+* ``POST /v1/chat/completions`` and ``POST /v1/{session_id}/chat/completions``
+  (session routing: a base URL of ``{root}/{session_id}``).  Any path ending in
+  ``/chat/completions`` is accepted; the segment just before ``chat/completions``
+  is taken as the session id unless it is ``v1`` (or absent).
+* ``GET /v1/models`` (also ``/models``): the one model.
+* ``GET /stats``: request counters (see :meth:`ModelStandin.stats`).
+
+The scripted policy:
+
+* ``guess_number`` (see ``examples.envserver``): reads the range ("between LOW and HIGH")
+  and the feedback ("N is too low/high") from the conversation and binary-searches.  Like
+  a model thinking aloud, each reply restates the remaining range
+  (``"The number is in range [26, 49]. My guess: 37"``) so the search survives the
+  driver trimming old turns; the guess is always the last number of the reply.
+* ``arithmetic``: evaluates the "What is <expression>?" of the last user message and
+  answers correctly with probability ``skill`` (default 0.7), else off by one.  The die
+  is seeded from the messages, the temperature, ``fault_seed`` and a request counter, so
+  identical requests (the samples of one group) may get different answers.
+* anything else: ``"I don't know"``.
+
+Fault knobs (constructor, CLI flags, and plain attributes on a running server):
+``latency_ms``, ``error_rate`` (answered 429/500/503 in turn), ``drop_rate`` (connection
+closed without an answer), ``malformed_rate`` (200 without ``choices``), ``length_rate``
+(``finish_reason: "length"`` with a cut reply), ``weight_version`` (top-level
+``metadata.weight_version``; empty string = no metadata) and ``fault_seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import operator
+import random
+import re
+import sys
+import threading
+import time
+from typing import Any
+
+from .envserver import FaultDice, JSONHandler, QuietHTTPServer, add_fault_args, serve_until_signal
+
+__all__ = ["ModelStandin", "scripted_reply", "start_in_thread", "main"]
+
+
+# ---------------------------------------------------------------------------
+# The scripted policy
+# ---------------------------------------------------------------------------
+
+_RANGE_RE = re.compile(r"between\s+(-?\d+)\s+and\s+(-?\d+)", re.I)
+_STATE_RE = re.compile(r"range\s*\[\s*(-?\d+)\s*,\s*(-?\d+)\s*\]", re.I)
+_FEEDBACK_RE = re.compile(r"(-?\d+)\s+is\s+too\s+(low|high)", re.I)
+_INT_RE = re.compile(r"-?\d+")
+_QUESTION_RE = re.compile(r"what\s+is\s+([-+*/×÷xX()\d\s.]*\d[-+*/×÷xX()\d\s.]*)", re.I)
+
+
+def message_text(content: Any) -> str:
+    """Text of a message content: a string, None, or a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text":
+                texts.append(str(part.get("text") or ""))
+        return "\n".join(texts)
+    return str(content)
+
+
+def _guess_number(msgs: list[tuple[str, str]]) -> str | None:
+    if not any(r in ("system", "user") and "guess" in t.lower() for r, t in msgs):
+        return None
+    orig = None
+    for role, text in msgs:
+        if role in ("system", "user"):
+            m = _RANGE_RE.search(text)
+            if m:
+                orig = (int(m.group(1)), int(m.group(2)))
+                break
+    state = None
+    for role, text in msgs:
+        if role == "assistant":
+            found = _STATE_RE.findall(text)
+            if found:
+                state = (int(found[-1][0]), int(found[-1][1]))
+                break
+    if orig is None and state is None:
+        return None
+    lo, hi = orig if orig is not None else state
+    last_guess = None
+    for role, text in msgs:
+        if role == "assistant":
+            found = _STATE_RE.findall(text)
+            if found:  # the range it had before its guess: tighten, never widen
+                lo, hi = max(lo, int(found[-1][0])), min(hi, int(found[-1][1]))
+            ints = _INT_RE.findall(text)
+            last_guess = int(ints[-1]) if ints else None
+        elif role == "user":
+            fb = _FEEDBACK_RE.findall(text)
+            if not fb and last_guess is not None:
+                low = text.lower()
+                if "too low" in low:
+                    fb = [(str(last_guess), "low")]
+                elif "too high" in low:
+                    fb = [(str(last_guess), "high")]
+            for g, direction in fb:
+                if direction.lower() == "low":
+                    lo = max(lo, int(g) + 1)
+                else:
+                    hi = min(hi, int(g) - 1)
+    if lo > hi:  # inconsistent (trimmed or odd feedback): start over
+        lo, hi = orig if orig is not None else state
+    guess = (lo + hi) // 2
+    return f"The number is in range [{lo}, {hi}]. My guess: {guess}"
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _eval(node: ast.AST) -> float:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
+            and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _eval(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+    raise ValueError("unsupported expression")
+
+
+def _arithmetic(msgs: list[tuple[str, str]], rng: random.Random, skill: float) -> str | None:
+    user_texts = [t for r, t in msgs if r == "user"]
+    if not user_texts:
+        return None
+    m = _QUESTION_RE.search(user_texts[-1])
+    if not m:
+        return None
+    expr = m.group(1).replace("×", "*").replace("÷", "/").replace("x", "*").replace("X", "*")
+    try:
+        value = _eval(ast.parse(expr.strip(), mode="eval"))
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if rng.random() >= skill:
+        value = value + rng.choice((-1, 1))
+    if isinstance(value, float):
+        value = round(value, 6)
+    return f"Let me compute {m.group(1).strip()}. The answer is {value}"
+
+
+def scripted_reply(messages: list[dict], rng: random.Random, skill: float = 0.7) -> str:
+    """The stand-in policy: the reply text for a list of chat messages."""
+    msgs = [(str(m.get("role", "")), message_text(m.get("content")))
+            for m in messages if isinstance(m, dict)]
+    for attempt in (lambda: _guess_number(msgs), lambda: _arithmetic(msgs, rng, skill)):
+        reply = attempt()
+        if reply is not None:
+            return reply
+    return "I don't know"
+
+
+# ---------------------------------------------------------------------------
+# The server
+# ---------------------------------------------------------------------------
+
+
+class ModelStandin(QuietHTTPServer):
+    """The stand-in chat-completions server.  Knobs are plain attributes."""
+
+    ERROR_STATUSES = (429, 500, 503)
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, latency_ms: float = 0.0,
+                 error_rate: float = 0.0, length_rate: float = 0.0, weight_version: str = "v1",
+                 drop_rate: float = 0.0, malformed_rate: float = 0.0, skill: float = 0.7,
+                 model_name: str = "standin-policy", fault_seed: int | None = 0,
+                 verbose: bool = False):
+        super().__init__((host, port), _ModelHandler, verbose=verbose)
+        self.latency_ms = latency_ms
+        self.error_rate = error_rate
+        self.length_rate = length_rate
+        self.weight_version = weight_version
+        self.drop_rate = drop_rate
+        self.malformed_rate = malformed_rate
+        self.skill = skill
+        self.model_name = model_name
+        self.fault_seed = fault_seed
+        self.dice = FaultDice(fault_seed)
+        self.lock = threading.Lock()
+        self.counter = 0
+        self.error_turn = 0
+        self.requests = 0
+        self.by_status: dict[str, int] = {}
+        self.by_session: dict[str, int] = {}
+        self.by_finish_reason: dict[str, int] = {}
+        self.faults = {"error": 0, "drop": 0, "malformed": 0, "length": 0}
+        self.auth_headers_seen = 0
+        self.sessionless = 0
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {
+                "requests": self.requests,
+                "by_status": dict(self.by_status),
+                "by_session": dict(self.by_session),
+                "sessionless": self.sessionless,
+                "by_finish_reason": dict(self.by_finish_reason),
+                "faults": dict(self.faults),
+                "auth_headers_seen": self.auth_headers_seen,
+            }
+
+
+class _ModelHandler(JSONHandler):
+    server: ModelStandin
+    server_version = "interactor-model-standin/0.1"
+
+    def answer(self, status: int, obj: Any) -> None:
+        with self.server.lock:
+            key = str(status)
+            self.server.by_status[key] = self.server.by_status.get(key, 0) + 1
+        self.send_json(status, obj)
+
+    def error(self, status: int, message: str, etype: str) -> None:
+        self.answer(status, {"error": {"message": message, "type": etype, "code": status}})
+
+    def dispatch(self, method: str) -> None:
+        srv = self.server
+        body = self.read_body() if method in ("POST", "PUT", "PATCH", "DELETE") else b""
+        parts = self.split_path()
+        if method == "GET" and parts == ["stats"]:
+            return self.send_json(200, srv.stats())
+        if method == "GET" and parts in (["v1", "models"], ["models"]):
+            return self.send_json(200, {"object": "list", "data": [
+                {"id": srv.model_name, "object": "model", "created": 0,
+                 "owned_by": "interactor-standin"}]})
+        if len(parts) >= 2 and parts[-2:] == ["chat", "completions"]:
+            if method != "POST":
+                return self.send_json(405, {"error": {"message": "use POST",
+                                                      "type": "invalid_request_error"}})
+            prefix = parts[:-2]
+            session = prefix[-1] if prefix and prefix[-1] != "v1" else None
+            return self.chat(session, body)
+        return self.send_json(404, {"error": {"message": f"no route for {method} {self.path}",
+                                              "type": "invalid_request_error"}})
+
+    def chat(self, session: str | None, body: bytes) -> None:
+        srv = self.server
+        with srv.lock:
+            srv.requests += 1
+            srv.counter += 1
+            counter = srv.counter
+            if session is None:
+                srv.sessionless += 1
+            else:
+                srv.by_session[session] = srv.by_session.get(session, 0) + 1
+            if self.headers.get("Authorization") is not None:
+                srv.auth_headers_seen += 1
+        if srv.latency_ms:
+            time.sleep(srv.latency_ms / 1000.0)
+
+        fault = srv.dice.roll(("drop", srv.drop_rate), ("error", srv.error_rate),
+                              ("malformed", srv.malformed_rate), ("length", srv.length_rate))
+        if fault in ("drop", "error", "malformed"):
+            with srv.lock:
+                srv.faults[fault] += 1
+                turn = srv.error_turn
+                if fault == "error":
+                    srv.error_turn += 1
+            if fault == "drop":
+                with srv.lock:
+                    srv.by_status["dropped"] = srv.by_status.get("dropped", 0) + 1
+                return self.drop()
+            if fault == "error":
+                status = srv.ERROR_STATUSES[turn % len(srv.ERROR_STATUSES)]
+                return self.error(status, f"injected fault {status} (stand-in)",
+                                  "rate_limit_error" if status == 429 else "server_error")
+            return self.answer(200, {"id": f"chatcmpl-standin-{counter}",
+                                     "object": "chat.completion", "oops": "no choices here"})
+
+        try:
+            req = json.loads(body) if body.strip() else None
+        except ValueError:
+            req = None
+        if not isinstance(req, dict):
+            return self.error(400, "request body must be a JSON object", "invalid_request_error")
+        messages = req.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return self.error(400, "'messages' must be a non-empty list", "invalid_request_error")
+        if req.get("stream"):
+            return self.error(400, "the stand-in does not stream", "invalid_request_error")
+        temperature = req.get("temperature")
+        model = req.get("model") or srv.model_name
+
+        texts = [message_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
+        rng = random.Random(f"{srv.fault_seed}|{temperature}|{counter}|" + "\x1e".join(texts))
+        content = scripted_reply(messages, rng, srv.skill)
+        finish_reason = "stop"
+        if fault == "length":
+            finish_reason = "length"
+            content = content[: max(1, len(content) // 2)]
+        with srv.lock:
+            if fault == "length":
+                srv.faults["length"] += 1
+            srv.by_finish_reason[finish_reason] = srv.by_finish_reason.get(finish_reason, 0) + 1
+
+        prompt_tokens = sum(len(t.split()) for t in texts)
+        completion_tokens = len(content.split())
+        out: dict[str, Any] = {
+            "id": f"chatcmpl-standin-{counter}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0,
+                         "message": {"role": "assistant", "content": content},
+                         "finish_reason": finish_reason}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        }
+        if srv.weight_version:
+            out["metadata"] = {"weight_version": str(srv.weight_version)}
+        self.answer(200, out)
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------
+
+
+def start_in_thread(host: str = "127.0.0.1", port: int = 0,
+                    **knobs: Any) -> tuple[ModelStandin, str]:
+    """Start a :class:`ModelStandin` in a daemon thread; stop it with ``server.shutdown()``.
+
+    The returned base URL is the server root; the OpenAI base URL is ``base_url + "/v1"``.
+    """
+    server = ModelStandin(host, port, **knobs)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              name=f"model-standin:{server.server_address[1]}", daemon=True)
+    thread.start()
+    server.thread = thread  # type: ignore[attr-defined]
+    return server, server.base_url
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.model_standin",
+        description="Stand-in OpenAI-compatible chat-completions server (scripted policy; "
+                    "use vLLM/SGLang/a hosted API for real runs).")
+    add_fault_args(parser)
+    parser.add_argument("--length-rate", type=float, default=0.0,
+                        help='fraction answered with finish_reason "length"')
+    parser.add_argument("--malformed-rate", type=float, default=0.0,
+                        help='fraction answered 200 without "choices"')
+    parser.add_argument("--weight-version", default="v1",
+                        help="metadata.weight_version to report; empty = no metadata")
+    parser.add_argument("--skill", type=float, default=0.7,
+                        help="probability of a correct arithmetic answer")
+    parser.add_argument("--model-name", default="standin-policy")
+    args = parser.parse_args(argv)
+    server = ModelStandin(args.host, args.port, latency_ms=args.latency_ms,
+                          error_rate=args.error_rate, length_rate=args.length_rate,
+                          weight_version=args.weight_version, drop_rate=args.drop_rate,
+                          malformed_rate=args.malformed_rate, skill=args.skill,
+                          model_name=args.model_name, fault_seed=args.fault_seed,
+                          verbose=args.verbose)
+    return serve_until_signal(server)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

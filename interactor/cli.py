@@ -1,0 +1,302 @@
+"""``interactor``: one command line for every role.
+
+  interactor run TASKS...        everything on this machine (embedded Redis unless REDIS_URL)
+  interactor demo                run the bundled example batch against the stand-ins
+  interactor submit TASKS...     producer only: validate, record, enqueue; prints the job id
+  interactor worker              a Celery worker process
+  interactor consumer            the results consumer (and recovery sweeper)
+  interactor results JOB         per env, group and job aggregates (--json for scripts)
+  interactor export JOB          training rows as JSONL or Parquet
+  interactor dlq ...             list, show, redrive, purge dead-lettered episodes
+  interactor reconcile JOB       re-enqueue episodes that nothing will run again
+  interactor status [JOB]        queue, ledger and stream at a glance
+  interactor serve-env / serve-model   the bundled stand-in servers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from broker.settings import Settings, SettingsError
+
+log = logging.getLogger("interactor")
+
+# flag -> settings field; every flag is optional and overrides INTERACTOR_* variables.
+SETTING_FLAGS = {
+    "--redis-url": "redis_url", "--run-dir": "run_dir", "--db": "db_path", "--queue": "queue",
+    "--queues": "queues", "--llm-base-url": "llm_base_url", "--model": "model",
+    "--temperature": "temperature", "--env-base-url": "env_base_url", "--max-steps": "max_steps",
+    "--message-cut": "message_cut", "--episode-budget": "episode_budget_s", "--max-attempts": "max_attempts",
+    "--lease-ttl": "lease_ttl_s", "--concurrency": "concurrency", "--pool": "pool",
+    "--episode-hook": "episode_hook", "--llm-params": "llm_params", "--shutdown-grace": "shutdown_grace_s",
+    "--llm-retries": "llm_retries", "--env-retries": "env_retries", "--key-prefix": "key_prefix",
+}
+
+
+def _add_setting_flags(p: argparse.ArgumentParser, names: list[str]) -> None:
+    for flag in names:
+        p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {field: getattr(args, field) for field in SETTING_FLAGS.values() if getattr(args, field, None) is not None}
+    if getattr(args, "llm_session_routing", False):
+        overrides["llm_session_routing"] = True
+    return Settings.from_env(**overrides)
+
+
+def _redis(settings: Settings):
+    from broker.redisconn import connect
+
+    return connect(settings)
+
+
+# --- roles --------------------------------------------------------------------------------
+def cmd_worker(args) -> int:
+    settings = _settings(args)
+    if not settings.redis_url:
+        raise SettingsError("the worker needs REDIS_URL (or --redis-url)")
+    os.environ.update(settings.as_environ())  # workers.tasks reads its settings at import
+    from workers.tasks import app
+
+    argv = ["worker", "-P", settings.pool, "-c", str(settings.concurrency), "-Q", ",".join(settings.served_queues),
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", args.loglevel]
+    if args.name:
+        argv += ["-n", args.name]
+    app.worker_main(argv)
+    return 0
+
+
+def cmd_consumer(args) -> int:
+    from consumer.ingest import Ingestor
+    from consumer.store import Store
+
+    settings = _settings(args)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    os.makedirs(os.path.dirname(os.path.abspath(settings.results_db)), exist_ok=True)
+    store = Store(settings.results_db)
+    try:
+        Ingestor(_redis(settings), settings, store, name=args.name).run(stop)
+    finally:
+        store.close()
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from producer.enqueue import submit
+
+    settings = _settings(args)
+    sub = submit(_redis(settings), settings, args.tasks, job_id=args.job_id)
+    print(json.dumps({"job_id": sub.job.job_id, "episodes": sub.job.episodes, "groups": sub.job.groups,
+                      "enqueue_s": round(sub.enqueue_s, 3)}))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from interactor.localrun import run_local
+
+    if not args.tasks and not args.resume:
+        raise SettingsError("name task files to run, or --resume JOB")
+    return run_local(_settings(args), args.tasks, workers=args.workers, job_id=args.job_id, resume=args.resume)
+
+
+def cmd_demo(args) -> int:
+    from interactor.localrun import run_demo
+
+    return run_demo(_settings(args), workers=args.workers)
+
+
+# --- reading results ----------------------------------------------------------------------
+def cmd_results(args) -> int:
+    from consumer.store import Store
+    from interactor.report import print_results
+
+    settings = _settings(args)
+    store = Store(settings.results_db)
+    try:
+        if args.job not in store.job_ids():
+            print(f"no job {args.job!r} in {settings.results_db}", file=sys.stderr)
+            return 2
+        res = store.results(args.job)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(res, indent=2, default=str))
+    else:
+        print_results(args.job, res, settings.results_db)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from consumer.export import export_job
+
+    settings = _settings(args)
+    out = args.out or os.path.join(settings.run_dir, f"{args.job}.{args.format}")
+    n = export_job(settings.results_db, args.job, out, fmt=args.format, trainable_only=not args.all_steps,
+                   complete_groups_only=args.complete_groups)
+    print(f"wrote {n} rows to {out}")
+    return 0
+
+
+def cmd_dlq(args) -> int:
+    from broker.dlq import DeadLetterQueue
+
+    settings = _settings(args)
+    dlq = DeadLetterQueue(_redis(settings), settings)
+    if args.dlq_cmd == "list":
+        letters = dlq.list(job_id=args.job, reason=args.reason)
+        if args.json:
+            print(json.dumps([d.to_dict() for d in letters], indent=2, default=str))
+        else:
+            for d in letters:
+                print(f"{d.episode_id}\t{d.reason}\tattempts={d.attempts}\t{d.error[:100]}")
+            print(f"{len(letters)} dead-lettered episodes")
+        return 0
+    if args.dlq_cmd == "show":
+        d = dlq.get(args.episode_id)
+        if d is None:
+            print(f"no dead letter for episode {args.episode_id!r}", file=sys.stderr)
+            return 2
+        print(json.dumps(d.to_dict(), indent=2, default=str))
+        return 0
+    selected = _select_letters(dlq, args)
+    if args.dlq_cmd == "redrive":
+        sent = dlq.redrive(selected)
+        print(f"re-drove {len(sent)} episodes")
+    else:
+        print(f"purged {dlq.purge(selected)} dead letters")
+    return 0
+
+
+def _select_letters(dlq, args):
+    if not (args.ids or args.job or args.reason or args.all):
+        raise SettingsError("say which dead letters: episode ids, --job J, --reason R or --all")
+    letters = dlq.list(job_id=args.job, reason=args.reason)
+    if args.ids:
+        wanted = set(args.ids)
+        letters = [d for d in letters if d.episode_id in wanted]
+        missing = wanted - {d.episode_id for d in letters}
+        if missing:
+            raise SettingsError(f"not in the dead-letter queue: {', '.join(sorted(missing))}")
+    return letters
+
+
+def cmd_reconcile(args) -> int:
+    from broker.recovery import reconcile
+
+    settings = _settings(args)
+    lost = reconcile(_redis(settings), settings, args.job, dry_run=args.dry_run)
+    verb = "would re-enqueue" if args.dry_run else "re-enqueued"
+    print(f"{verb} {len(lost)} episodes" + (": " + " ".join(lost[:20]) if lost else ""))
+    return 0
+
+
+def cmd_status(args) -> int:
+    from interactor.report import print_status
+
+    settings = _settings(args)
+    print_status(_redis(settings), settings, args.job)
+    return 0
+
+
+def cmd_serve(module: str):
+    def run(args) -> int:
+        import importlib
+
+        return importlib.import_module(module).main(args.rest) or 0
+
+    return run
+
+
+# --- parser -------------------------------------------------------------------------------
+ALL = list(SETTING_FLAGS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="interactor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add(name, fn, help_, flags=ALL):
+        sp = sub.add_parser(name, help=help_)
+        _add_setting_flags(sp, flags)
+        sp.add_argument("--llm-session-routing", action="store_true",
+                        help="model base URL becomes {llm-base-url}/{episode_id}")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    sp = add("run", cmd_run, "run task files end to end on this machine")
+    sp.add_argument("tasks", nargs="*")
+    sp.add_argument("--resume", metavar="JOB", help="finish a job already in Redis (same --run-dir)")
+    sp.add_argument("--workers", type=int, default=2, help="local worker processes")
+    sp.add_argument("--job-id")
+    sp = add("demo", cmd_demo, "run the bundled example batch against the stand-in servers")
+    sp.add_argument("--workers", type=int, default=2)
+    sp = add("submit", cmd_submit, "validate and enqueue task files")
+    sp.add_argument("tasks", nargs="+")
+    sp.add_argument("--job-id")
+    sp = add("worker", cmd_worker, "run a worker")
+    sp.add_argument("--name", default=None)
+    sp.add_argument("--loglevel", default="INFO")
+    sp = add("consumer", cmd_consumer, "run the results consumer")
+    sp.add_argument("--name", default=None)
+    sp = add("results", cmd_results, "print a job's results")
+    sp.add_argument("job")
+    sp.add_argument("--json", action="store_true")
+    sp = add("export", cmd_export, "export a job's training rows")
+    sp.add_argument("job")
+    sp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    sp.add_argument("--out")
+    sp.add_argument("--complete-groups", action="store_true", help="only groups whose every episode completed")
+    sp.add_argument("--all-steps", action="store_true", help="not only trainable steps")
+    sp = add("reconcile", cmd_reconcile, "re-enqueue episodes lost by the broker")
+    sp.add_argument("job")
+    sp.add_argument("--dry-run", action="store_true")
+    sp = add("status", cmd_status, "queue, ledger and stream at a glance")
+    sp.add_argument("job", nargs="?")
+
+    dp = add("dlq", cmd_dlq, "dead-letter queue")
+    dsub = dp.add_subparsers(dest="dlq_cmd", required=True)
+    lp = dsub.add_parser("list")
+    lp.add_argument("--job")
+    lp.add_argument("--reason")
+    lp.add_argument("--json", action="store_true")
+    shp = dsub.add_parser("show")
+    shp.add_argument("episode_id")
+    for name in ("redrive", "purge"):
+        rp = dsub.add_parser(name)
+        rp.add_argument("ids", nargs="*")
+        rp.add_argument("--job")
+        rp.add_argument("--reason")
+        rp.add_argument("--all", action="store_true")
+
+    for name, module in (("serve-env", "examples.envserver"), ("serve-model", "examples.model_standin")):
+        sp = sub.add_parser(name, help=f"the bundled {module} stand-in", add_help=False)
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+        sp.set_defaults(fn=cmd_serve(module))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from producer.taskfile import TaskFileError
+
+    try:
+        return args.fn(args)
+    except (SettingsError, TaskFileError) as exc:
+        print(f"interactor: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""``interactor run``: the whole system on one machine, for one job.
+
+Starts an embedded Redis unless ``REDIS_URL`` is set, enqueues the job, runs local worker
+processes and a consumer, shows progress, and prints the summary. The children run in their
+own sessions so that Ctrl-C reaches only us; we then stop them in order (workers hand back
+what they run, the consumer commits what it holds) and say what was left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from broker.embedded import EmbeddedRedis
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.redisconn import connect
+from broker.settings import Settings, redact_url
+from interactor.report import print_left, print_results, progress_line
+
+
+class LocalFleet:
+    """Worker and consumer child processes, restarted if one dies unexpectedly."""
+
+    def __init__(self, settings: Settings, workers: int, log_dir: Path):
+        self.settings = settings
+        self.n_workers = max(1, workers)
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        per_worker = max(1, -(-settings.concurrency // self.n_workers))
+        self.env = {**os.environ, **settings.replace(concurrency=per_worker).as_environ(), "PYTHONUNBUFFERED": "1"}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts = 0
+
+    def _spawn(self, name: str) -> None:
+        role = "consumer" if name == "consumer" else "worker"
+        cmd = [sys.executable, "-m", "interactor.cli", role, "--name", name if role == "consumer" else f"{name}@%h"]
+        log = open(self.log_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+
+    def start(self) -> None:
+        self._spawn("consumer")
+        for i in range(self.n_workers):
+            self._spawn(f"worker{i + 1}")
+
+    def supervise(self) -> None:
+        for name, proc in list(self.procs.items()):
+            if proc.poll() is not None:
+                self.restarts += 1
+                print(f"\n{name} exited with {proc.returncode}; restarting (see {self.log_dir / (name + '.log')})")
+                self._spawn(name)
+
+    def stop(self, grace_s: float) -> None:
+        # Workers first (they hand back or finish episodes), then the consumer drains.
+        self._terminate([p for n, p in self.procs.items() if n != "consumer"], grace_s)
+        self._terminate([p for n, p in self.procs.items() if n == "consumer"], 30)
+
+    @staticmethod
+    def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def run_local(settings: Settings, tasks: list[str], *, workers: int = 2, job_id: str | None = None,
+              resume: str | None = None) -> int:
+    from consumer.store import Store
+    from producer.enqueue import new_job_id, plan, submit_plan
+
+    run_dir = Path(settings.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_id = resume or job_id or new_job_id()
+    planned = None if resume else plan(settings, tasks, job_id)  # a bad file stops us before anything starts
+
+    embedded = None
+    if not settings.redis_url:
+        embedded = EmbeddedRedis(run_dir / "redis", port=None, password=_persistent_password(run_dir)).start()
+        settings = settings.replace(redis_url=embedded.url)
+        print(f"embedded Redis on 127.0.0.1:{embedded.port} (data in {run_dir / 'redis'})")
+    else:
+        print(f"Redis at {redact_url(settings.redis_url)}")
+    client = connect(settings)
+    ledger = Ledger(client, Keys(settings.key_prefix), settings.lease_ttl_s)
+    fleet = LocalFleet(settings, workers, run_dir / "logs")
+    interrupted = False
+    t0 = time.monotonic()
+    try:
+        if planned is not None:
+            sub = submit_plan(client, settings, planned)
+            print(f"job {job_id}: {sub.job.episodes} episodes in {sub.job.groups} groups enqueued "
+                  f"in {sub.enqueue_s:.2f}s")
+            total = sub.job.episodes
+        else:
+            spec = ledger.job_spec(job_id)
+            if spec is None:
+                print(f"no job {job_id!r} in this Redis", file=sys.stderr)
+                return 2
+            total = spec.episodes
+            from broker.recovery import reconcile
+
+            print(f"resuming job {job_id}: re-enqueued {len(reconcile(client, settings, job_id))} lost episodes")
+        fleet.start()
+        store = Store(settings.results_db)
+        try:
+            _wait(job_id, total, ledger, store, fleet, t0)
+        except KeyboardInterrupt:
+            interrupted = True
+            print(f"\ninterrupted: stopping workers (up to {settings.shutdown_grace_s:.0f}s for running episodes; "
+                  "Ctrl-C again to kill)")
+        try:
+            fleet.stop(settings.shutdown_grace_s + 10)
+        except KeyboardInterrupt:
+            fleet.stop(0)
+        results = store.results(job_id)
+        store.close()
+        print()
+        print_results(job_id, results, settings.results_db)
+        if interrupted:
+            print_left(ledger.counts(job_id), job_id, run_dir)
+            return 130
+        if fleet.restarts:
+            print(f"note: {fleet.restarts} local processes were restarted; see {run_dir / 'logs'}")
+        return 0 if results["job"].get("failed", 0) == 0 else 1
+    finally:
+        if fleet.procs:
+            fleet.stop(5)
+        if embedded:
+            embedded.stop()
+
+
+def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0: float) -> None:
+    last_steps, last_t = 0, time.monotonic()
+    rate = 0.0
+    tty = sys.stdout.isatty()
+    last_print = 0.0
+    while True:
+        time.sleep(0.5)
+        fleet.supervise()
+        counts = ledger.counts(job_id)
+        res = store.results(job_id)["job"]
+        now = time.monotonic()
+        steps = int(res.get("steps", 0))
+        if now - last_t >= 1.0:
+            rate = (steps - last_steps) / (now - last_t)
+            last_steps, last_t = steps, now
+        line = progress_line(counts, res, total, rate, now - t0)
+        if tty:
+            print("\r" + line, end="", flush=True)
+        elif now - last_print >= 5:
+            print(line, flush=True)
+            last_print = now
+        stored_final = int(res.get("completed", 0)) + int(res.get("failed", 0))
+        if counts["done"] + counts["failed"] >= total and stored_final >= total:
+            print("\r" + line if tty else line)
+            return
+
+
+def _persistent_password(run_dir: Path) -> str:
+    """The embedded Redis keeps its password across restarts of the same run folder."""
+    import secrets
+
+    path = run_dir / "redis" / "password"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(secrets.token_hex(16))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def run_demo(settings: Settings, *, workers: int = 2) -> int:
+    """Start the bundled env server and model stand-in, then run examples/tasks.yaml."""
+    import examples
+
+    folder = Path(examples.__file__).parent
+    servers = []
+    try:
+        env_url = _start_server(servers, "examples.envserver", [])
+        model_url = _start_server(servers, "examples.model_standin", ["--latency-ms", "50"])
+        print(f"example env server at {env_url}, model stand-in at {model_url}/v1 (a stand-in, not a model)")
+        settings = settings.replace(env_base_url=env_url, llm_base_url=model_url + "/v1", model="stand-in")
+        return run_local(settings, [str(folder / "tasks.yaml")], workers=workers)
+    finally:
+        for p in servers:
+            p.terminate()
+            p.wait(5)
+
+
+def _start_server(servers: list, module: str, extra: list[str]) -> str:
+    p = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *extra], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    servers.append(p)
+    line = p.stdout.readline()
+    if "listening on" not in line:
+        raise RuntimeError(f"{module} did not start: {line!r}")
+    return line.split("listening on", 1)[1].strip()

@@ -1,0 +1,64 @@
+"""What the terminal shows: progress, the summary table, status, what was left."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.settings import Settings
+
+
+def _f(x, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def progress_line(counts: dict, job: dict, total: int, steps_per_s: float, elapsed_s: float) -> str:
+    done, failed = counts.get("done", 0), counts.get("failed", 0)
+    running = counts.get("running", 0)
+    waiting = counts.get("queued", 0) + counts.get("retrying", 0)
+    width = 24
+    filled = int(width * (done + failed) / total) if total else width
+    bar = "#" * filled + "." * (width - filled)
+    return (f"[{bar}] {done + failed}/{total} done={done} failed={failed} running={running} waiting={waiting} "
+            f"| {steps_per_s:6.1f} steps/s | mean reward {_f(job.get('mean_reward'))} | {elapsed_s:5.0f}s")
+
+
+def print_results(job_id: str, res: dict, db_path: str) -> None:
+    job = res["job"]
+    rows = [("env_name", "episodes", "completed", "failed", "mean", "min", "max")]
+    for env, e in sorted(res["by_env"].items()):
+        rows.append((env, str(e["episodes"]), str(e["completed"]), str(e["failed"]), _f(e["mean"]), _f(e["min"]),
+                     _f(e["max"])))
+    rows.append(("all", str(job["episodes"]), str(job["completed"]), str(job["failed"]), _f(job["mean_reward"]),
+                 "", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print(f"job {job_id}: {job['steps']} steps, {job['attempts']} attempts")
+    for i, r in enumerate(rows):
+        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0 or i == len(rows) - 2:
+            print("  ".join("-" * w for w in widths))
+    g = res["groups"]
+    print(f"groups: {g['total']} total, {g['complete']} complete, {g['incomplete']} incomplete "
+          f"({g['failed']} with a dead-lettered episode), mean reward std {_f(g['mean_std'])}")
+    print(f"results database: {Path(db_path).resolve()}")
+
+
+def print_left(counts: dict, job_id: str, run_dir: Path) -> None:
+    left = {k: v for k, v in counts.items() if k not in ("done", "failed") and v}
+    print("left unfinished: " + (", ".join(f"{v} {k}" for k, v in left.items()) or "nothing"))
+    if left:
+        print(f"the ledger is kept in {run_dir / 'redis'}; finish with: interactor run --resume {job_id} "
+              f"--run-dir {run_dir}")
+
+
+def print_status(client, settings: Settings, job_id: str | None) -> None:
+    keys = Keys(settings.key_prefix)
+    ledger = Ledger(client, keys, settings.lease_ttl_s)
+    queues = {q: client.llen(q) for q in settings.served_queues}
+    print("queues: " + ", ".join(f"{q}={n}" for q, n in queues.items()))
+    print(f"running leases: {client.zcard(keys.running)}  retry scheduled: {client.zcard(keys.retry)}  "
+          f"dead letters: {client.hlen(keys.dlq)}  results stream: {client.xlen(keys.results)}")
+    for j in [job_id] if job_id else ledger.job_ids()[-10:]:
+        c = ledger.counts(j)
+        print(f"job {j}: " + " ".join(f"{k}={v}" for k, v in c.items()))

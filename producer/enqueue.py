@@ -1,0 +1,77 @@
+"""Submitting a job: plan every episode, record the ledger, then send the tasks.
+
+The ledger is written first (every episode ``queued``), the tasks second: a crash in between
+leaves episodes that the ledger knows and no queue holds, which ``interactor reconcile``
+finds and sends. The other order could leave tasks for episodes nobody knows about.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis
+
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.queueing import send_episodes
+from broker.records import JobSpec
+from broker.settings import Settings
+from producer.taskfile import PlannedJob, plan_job
+
+log = logging.getLogger("interactor.producer")
+
+
+def new_job_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        llm_base_url=settings.llm_base_url,
+        model=settings.model,
+        temperature=settings.temperature,
+        max_steps=settings.max_steps,
+        message_cut=settings.message_cut,
+        episode_budget_s=settings.episode_budget_s,
+        max_attempts=settings.max_attempts,
+        session_routing=settings.llm_session_routing,
+        episode_hook=settings.episode_hook,
+        llm_params=json.loads(settings.llm_params) if settings.llm_params else {},
+        episodes=len(plan.episodes),
+        groups=plan.groups,
+        sources=plan.sources,
+    )
+
+
+@dataclass
+class Submitted:
+    job: JobSpec
+    plan: PlannedJob
+    enqueue_s: float
+
+
+def plan(settings: Settings, paths: list[str], job_id: str | None = None) -> PlannedJob:
+    """Read and validate every task file; raises TaskFileError naming the fault."""
+    return plan_job(paths, job_id=job_id or new_job_id(), default_base_url=settings.env_base_url,
+                    default_queue=settings.queue)
+
+
+def submit_plan(client: redis.Redis, settings: Settings, planned: PlannedJob) -> Submitted:
+    job_id = planned.episodes[0].job_id if planned.episodes else new_job_id()
+    job = job_spec(settings, job_id, planned)
+    t0 = time.perf_counter()
+    Ledger(client, Keys(settings.key_prefix), settings.lease_ttl_s).create_job(job, planned.episodes)
+    send_episodes(client, ((job_id, e.episode_id, e.queue or settings.queue) for e in planned.episodes))
+    dt = time.perf_counter() - t0
+    log.info("job %s: %d episodes in %d groups enqueued in %.2fs", job_id, len(planned.episodes), planned.groups, dt)
+    return Submitted(job, planned, dt)
+
+
+def submit(client: redis.Redis, settings: Settings, paths: list[str], *, job_id: str | None = None) -> Submitted:
+    """Validate every task file, then enqueue; a bad file raises TaskFileError and sends nothing."""
+    return submit_plan(client, settings, plan(settings, paths, job_id))

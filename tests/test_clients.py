@@ -1,0 +1,602 @@
+"""EnvClient and ModelClient against real HTTP servers on loopback (no mocks of requests)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections import Counter, defaultdict, deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from broker.errors import (
+    ENV_BAD_REQUEST,
+    ENV_INSTANCE_LOST,
+    ENV_MALFORMED,
+    ENV_SERVER_ERROR,
+    ENV_UNREACHABLE,
+    EPISODE_TIMEOUT,
+    MODEL_BAD_REQUEST,
+    MODEL_MALFORMED,
+    MODEL_UNAVAILABLE,
+    EpisodeError,
+)
+from broker.settings import Secret, Settings
+from workers.envclient import EnvClient, StepResult
+from workers.modelclient import Completion, ModelClient
+
+ENV, EID = "demo", "ep-1"
+P = f"/{ENV}/{EID}"
+KEY = "sk-very-secret-key-123"
+OK_COMPLETION = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+OK_STEP = {"observation": {}, "reward": 1.5, "terminated": False, "truncated": False, "info": {"k": 1}}
+
+
+# ---------------------------------------------------------------------------------------------
+# A scriptable HTTP server
+# ---------------------------------------------------------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, so the client's pool is exercised
+    disable_nagle_algorithm = True  # no 40 ms delayed-ACK stalls between header and body writes
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_GET(self):
+        self._handle()
+
+    def do_POST(self):
+        self._handle()
+
+    def do_DELETE(self):
+        self._handle()
+
+    def _handle(self):
+        fake: FakeServer = self.server.fake  # type: ignore[attr-defined]
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        key = (self.command, self.path)
+        with fake.lock:
+            fake.counts[key] += 1
+            fake.requests.append({"key": key, "headers": dict(self.headers), "body": body, "peer": self.client_address})
+            queue = fake.scripts.get(key)
+            action = queue.popleft() if queue else fake.defaults.get(key, {"status": 404, "json": {"error": "unscripted"}})
+        if action.get("sleep"):
+            time.sleep(action["sleep"])
+        if action.get("drop"):
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        status = action.get("status", 200)
+        payload = action["raw"] if "raw" in action else json.dumps(action.get("json", {})).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            for name, value in action.get("headers", {}).items():
+                self.send_header(name, value)
+            if action.get("no_length"):  # body delimited by closing the connection
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            else:
+                self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except OSError:  # the client gave up (read timeout): fine
+            self.close_connection = True
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):  # no tracebacks from dropped clients
+        pass
+
+
+class FakeServer:
+    def __init__(self, port: int = 0, defaults: dict | None = None):
+        self.lock = threading.Lock()
+        self.scripts: dict[tuple[str, str], deque] = defaultdict(deque)
+        self.defaults: dict[tuple[str, str], dict] = dict(defaults or {})
+        self.counts: Counter = Counter()
+        self.requests: list[dict] = []
+        self.httpd = _Server(("127.0.0.1", port), _Handler)
+        self.httpd.fake = self  # type: ignore[attr-defined]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def script(self, method: str, path: str, *actions: dict, default: dict | None = None) -> None:
+        with self.lock:
+            self.scripts[(method, path)].extend(actions)
+            if default is not None:
+                self.defaults[(method, path)] = default
+
+    def count(self, method: str, path: str) -> int:
+        return self.counts[(method, path)]
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    srv = FakeServer()
+    yield srv
+    srv.stop()
+
+
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def fast(**overrides) -> Settings:
+    base = dict(
+        env_backoff_initial_s=0.01, env_backoff_max_s=0.05, env_retries=3,
+        env_connect_timeout_s=1.0, env_read_timeout_s=3.0,
+        llm_backoff_initial_s=0.01, llm_backoff_max_s=0.05, llm_retries=4,
+        llm_connect_timeout_s=1.0, llm_read_timeout_s=3.0,
+        concurrency=2,
+    )
+    base.update(overrides)
+    return Settings.from_env({}, **base)
+
+
+def far() -> float:
+    return time.monotonic() + 30
+
+
+def retry_logs(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "retrying" in r.getMessage()]
+
+
+# ---------------------------------------------------------------------------------------------
+# ModelClient
+# ---------------------------------------------------------------------------------------------
+
+
+def complete(client: ModelClient, server: FakeServer, *, deadline: float | None = None, api_key: str = "", **params):
+    return client.complete(
+        server.url + "/v1/", [{"role": "user", "content": "x"}], model="m", temperature=0.5,
+        params=params, deadline=deadline or far(), api_key=api_key,
+    )
+
+
+def test_model_retries_429_and_5xx_then_succeeds(server):
+    server.script(
+        "POST", "/v1/chat/completions",
+        {"status": 429, "json": {"error": "slow down"}},
+        {"status": 500, "json": {"error": "boom"}},
+        {"status": 503, "raw": b"unavailable"},
+        {"status": 200, "json": OK_COMPLETION},
+    )
+    out = complete(ModelClient(fast()), server, max_tokens=7, stop=["\n"], extra_field=True)
+    assert isinstance(out, Completion)
+    assert (out.content, out.finish_reason, out.weight_version, out.attempts) == ("hi", "stop", None, 4)
+    assert out.latency_s >= 0
+    assert server.count("POST", "/v1/chat/completions") == 4
+    sent = json.loads(server.requests[-1]["body"])
+    assert sent == {
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.5,
+        "max_tokens": 7, "stop": ["\n"], "extra_field": True,
+    }
+    assert "Authorization" not in server.requests[-1]["headers"]  # no key, no header
+
+
+def test_model_retries_exhausted_is_transient_unavailable(server):
+    server.script("POST", "/v1/chat/completions", default={"status": 503, "json": {"error": "loading"}})
+    with pytest.raises(EpisodeError) as ei:
+        complete(ModelClient(fast(llm_retries=2)), server)
+    assert ei.value.reason == MODEL_UNAVAILABLE and ei.value.transient
+    assert server.count("POST", "/v1/chat/completions") == 3
+
+
+def test_model_connection_refused_retried_then_unavailable(caplog):
+    caplog.set_level(logging.WARNING)
+    client = ModelClient(fast(llm_retries=2))
+    with pytest.raises(EpisodeError) as ei:
+        client.complete(f"http://127.0.0.1:{closed_port()}/v1", [], model="m", temperature=0, params={},
+                        deadline=far(), api_key="")
+    assert ei.value.reason == MODEL_UNAVAILABLE and ei.value.transient
+    assert len(retry_logs(caplog)) == 2
+
+
+def test_model_400_is_permanent_and_not_retried(server):
+    server.script("POST", "/v1/chat/completions",
+                  {"status": 400, "json": {"error": {"message": "context too long: " + "x" * 2000}}})
+    with pytest.raises(EpisodeError) as ei:
+        complete(ModelClient(fast()), server)
+    assert ei.value.reason == MODEL_BAD_REQUEST and not ei.value.transient
+    assert "context too long" in str(ei.value) and len(str(ei.value)) < 600
+    assert server.count("POST", "/v1/chat/completions") == 1
+
+
+@pytest.mark.parametrize(
+    "action",
+    [
+        {"raw": b"<html>not json</html>"},
+        {"json": ["not", "an", "object"]},
+        {"json": {"choices": []}},
+        {"json": {"object": "chat.completion"}},
+        {"json": {"choices": ["x"]}},
+        {"json": {"choices": [{"finish_reason": "stop"}]}},
+        {"json": {"choices": [{"message": {"content": 5}}]}},
+        {"json": {"choices": [{"message": {"content": "a"}, "finish_reason": 3}]}},
+        {"raw": b'{"choices": [{"message": {"content": "' + b"x" * 5000 + b'"}}]}', "limit": 4000},
+        {"raw": b"[" * 100_000 + b"]" * 100_000},
+    ],
+    ids=["html", "list", "no-choices", "choices-absent", "choice-str", "no-message", "content-int",
+         "finish-int", "too-large", "deep-nesting"],
+)
+def test_model_malformed(server, action):
+    action = dict(action)
+    limit = action.pop("limit", 10**7)
+    server.script("POST", "/v1/chat/completions", {"status": 200, **action})
+    with pytest.raises(EpisodeError) as ei:
+        complete(ModelClient(fast(max_response_bytes=limit)), server)
+    assert ei.value.reason == MODEL_MALFORMED and not ei.value.transient
+    assert server.count("POST", "/v1/chat/completions") == 1
+
+
+def test_model_too_large_without_content_length(server):
+    body = json.dumps({"choices": [{"message": {"content": "y" * 50_000}}]}).encode()
+    server.script("POST", "/v1/chat/completions", {"raw": body, "no_length": True})
+    with pytest.raises(EpisodeError) as ei:
+        complete(ModelClient(fast(max_response_bytes=10_000)), server)
+    assert ei.value.reason == MODEL_MALFORMED
+
+
+def test_model_null_content_absent_finish_reason_and_weight_version(server):
+    server.script(
+        "POST", "/v1/chat/completions",
+        {"json": {"choices": [{"message": {"role": "assistant", "content": None}}], "metadata": {"weight_version": 7}}},
+        {"json": {"choices": [{"message": {"content": "ok"}, "finish_reason": "length"}],
+                  "metadata": {"weight_version": "v12"}}},
+        {"json": {"choices": [{"message": {"content": "ok"}, "finish_reason": None}], "metadata": {"other": 1}}},
+    )
+    client = ModelClient(fast())
+    a, b, c = (complete(client, server) for _ in range(3))
+    assert (a.content, a.finish_reason, a.weight_version) == ("", "stop", "7")
+    assert (b.content, b.finish_reason, b.weight_version) == ("ok", "length", "v12")
+    assert (c.finish_reason, c.weight_version) == ("stop", None)
+    # one pooled keep-alive connection served all three
+    assert len({r["peer"] for r in server.requests}) == 1
+
+
+def test_model_retry_after_is_honoured_and_capped(server):
+    server.script("POST", "/v1/chat/completions",
+                  {"status": 429, "headers": {"Retry-After": "0.4"}}, {"json": OK_COMPLETION})
+    started = time.monotonic()
+    complete(ModelClient(fast(llm_backoff_max_s=2.0)), server)
+    assert 0.35 <= time.monotonic() - started < 1.5
+
+    server.script("POST", "/v1/chat/completions",
+                  {"status": 503, "headers": {"Retry-After": "3600"}}, {"json": OK_COMPLETION})
+    started = time.monotonic()
+    complete(ModelClient(fast(llm_backoff_max_s=0.2)), server)
+    assert time.monotonic() - started < 1.0
+
+
+def test_model_backoff_that_would_pass_the_deadline_is_not_slept(server):
+    server.script("POST", "/v1/chat/completions", default={"status": 429, "headers": {"Retry-After": "5"}})
+    started = time.monotonic()
+    with pytest.raises(EpisodeError) as ei:
+        complete(ModelClient(fast(llm_backoff_max_s=10.0)), server, deadline=time.monotonic() + 0.5)
+    assert ei.value.reason == EPISODE_TIMEOUT
+    assert time.monotonic() - started < 0.3
+    assert server.count("POST", "/v1/chat/completions") == 1
+
+
+def test_model_deadline_against_slow_server(server):
+    server.script("POST", "/v1/chat/completions", {"sleep": 2.0, "json": OK_COMPLETION})
+    started = time.monotonic()
+    with pytest.raises(EpisodeError) as ei:
+        complete(ModelClient(fast()), server, deadline=time.monotonic() + 0.3)
+    assert ei.value.reason == EPISODE_TIMEOUT
+    assert time.monotonic() - started < 0.5
+
+
+def test_model_deadline_already_passed(server):
+    with pytest.raises(EpisodeError) as ei:
+        complete(ModelClient(fast()), server, deadline=time.monotonic() - 1)
+    assert ei.value.reason == EPISODE_TIMEOUT
+    assert server.count("POST", "/v1/chat/completions") == 0
+
+
+def test_model_api_key_sent_but_never_shown(server, caplog):
+    caplog.set_level(logging.DEBUG)
+    server.script(
+        "POST", "/v1/chat/completions",
+        {"json": OK_COMPLETION},
+        {"status": 503, "json": {"error": f"bad token Bearer {KEY}"}},
+        {"status": 503, "json": {"error": f"bad token Bearer {KEY}"}},
+        {"status": 401, "json": {"error": f"invalid api key {KEY}"}},
+    )
+    client = ModelClient(fast(llm_retries=1))
+    complete(client, server, api_key=Secret(KEY))
+    assert server.requests[0]["headers"]["Authorization"] == f"Bearer {KEY}"
+    with pytest.raises(EpisodeError) as unavailable:
+        complete(client, server, api_key=KEY)
+    with pytest.raises(EpisodeError) as bad:
+        complete(client, server, api_key=KEY)
+    assert bad.value.reason == MODEL_BAD_REQUEST and unavailable.value.reason == MODEL_UNAVAILABLE
+    for err in (unavailable.value, bad.value):
+        assert KEY not in str(err) and KEY not in repr(err) and KEY not in repr(err.args)
+        assert "***" in str(err)
+    assert all(KEY not in r.getMessage() for r in caplog.records)
+    assert KEY not in repr(client)
+    # a key that would be an invalid header is refused without quoting it
+    with pytest.raises(EpisodeError) as ei:
+        complete(client, server, api_key=KEY + "\r\nX-Evil: 1")
+    assert ei.value.reason == MODEL_BAD_REQUEST and KEY not in str(ei.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# EnvClient
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "action, reason",
+    [
+        ({"status": 500, "json": {"error": "boom"}}, ENV_SERVER_ERROR),
+        ({"drop": True}, ENV_UNREACHABLE),
+        ({"sleep": 1.0, "json": OK_STEP}, ENV_UNREACHABLE),  # read timeout (0.3 s)
+    ],
+    ids=["500", "dropped", "read-timeout"],
+)
+@pytest.mark.parametrize("call", ["step", "get_task_prompt"])
+def test_non_idempotent_calls_are_not_retried_once_sent(server, action, reason, call):
+    client = EnvClient(fast(env_read_timeout_s=0.3))
+    method = "POST" if call == "step" else "GET"
+    server.script(method, f"{P}/{call}", action, default={"json": OK_STEP if call == "step" else []})
+    with pytest.raises(EpisodeError) as ei:
+        if call == "step":
+            client.step(server.url, ENV, EID, "act", deadline=far())
+        else:
+            client.get_task_prompt(server.url, ENV, EID, deadline=far())
+    assert ei.value.reason == reason and ei.value.transient
+    assert ENV in str(ei.value) and EID in str(ei.value) and call in str(ei.value)
+    assert server.count(method, f"{P}/{call}") == 1
+
+
+def test_step_retried_when_connection_refused(caplog):
+    caplog.set_level(logging.WARNING)
+    client = EnvClient(fast(env_retries=3))
+    started = time.monotonic()
+    with pytest.raises(EpisodeError) as ei:
+        client.step(f"http://127.0.0.1:{closed_port()}", ENV, EID, "act", deadline=far())
+    assert ei.value.reason == ENV_UNREACHABLE and ei.value.transient
+    assert len(retry_logs(caplog)) == 3  # 4 tries
+    assert time.monotonic() - started < 2.0
+
+
+def test_step_retried_until_the_server_comes_up(caplog):
+    caplog.set_level(logging.WARNING)
+    port = closed_port()
+    holder: list[FakeServer] = []
+    timer = threading.Timer(
+        0.3, lambda: holder.append(FakeServer(port, defaults={("POST", f"{P}/step"): {"json": OK_STEP}}))
+    )
+    timer.start()
+    try:
+        # plenty of tries at <= 0.1 s apart to outlast the 0.3 s gap
+        client = EnvClient(fast(env_retries=30, env_backoff_initial_s=0.05, env_backoff_max_s=0.1))
+        out = client.step(f"http://127.0.0.1:{port}", ENV, EID, "act", deadline=far())
+        assert out.reward == 1.5
+        assert holder[0].count("POST", f"{P}/step") == 1
+        assert len(retry_logs(caplog)) >= 2
+    finally:
+        timer.join()
+        for srv in holder:
+            srv.stop()
+
+
+def test_step_parses_and_normalises(server):
+    server.script(
+        "POST", f"{P}/step",
+        {"json": OK_STEP},
+        {"json": {"reward": None, "terminated": 1, "truncated": "false", "info": ["not", "a", "dict"]}},
+        {"json": {"reward": 2, "terminated": True}},
+    )
+    client = EnvClient(fast())
+    a, b, c = (client.step(server.url, ENV, EID, "act", deadline=far()) for _ in range(3))
+    assert a == StepResult(reward=1.5, terminated=False, truncated=False, info={"k": 1})
+    assert b == StepResult(reward=0.0, terminated=True, truncated=False, info=None)
+    assert c == StepResult(reward=2.0, terminated=True, truncated=False, info=None)
+    assert json.loads(server.requests[0]["body"]) == {"action": "act"}
+
+
+def test_prompt_parses(server):
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": "t"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+    ]
+    server.script("GET", f"{P}/get_task_prompt", {"json": msgs}, {"json": []})
+    client = EnvClient(fast())
+    assert client.get_task_prompt(server.url, ENV, EID, deadline=far()) == msgs
+    assert client.get_task_prompt(server.url, ENV, EID, deadline=far()) == []
+
+
+@pytest.mark.parametrize(
+    "call, action",
+    [
+        ("step", {"raw": b"not json"}),
+        ("step", {"json": [1, 2]}),
+        ("step", {"json": {"reward": "high", "terminated": False, "truncated": False}}),
+        ("step", {"json": {"reward": True, "terminated": False, "truncated": False}}),
+        ("step", {"raw": b'{"reward": NaN, "terminated": false, "truncated": false}'}),
+        ("step", {"json": {"reward": 1, "terminated": "maybe", "truncated": False}}),
+        ("step", {"json": {"reward": 1, "terminated": False, "truncated": [1]}}),
+        ("get_task_prompt", {"json": {"messages": []}}),
+        ("get_task_prompt", {"json": ["hello"]}),
+        ("get_task_prompt", {"json": [{"content": "no role"}]}),
+        ("get_task_prompt", {"json": [{"role": "user"}]}),
+        ("get_task_prompt", {"json": [{"role": "user", "content": 3}]}),
+        ("reset", {"json": ["not", "an", "object"]}),
+        ("reset", {"raw": b"\xff\xfe\xfa"}),
+    ],
+)
+def test_env_malformed(server, call, action):
+    method = "GET" if call == "get_task_prompt" else "POST"
+    server.script(method, f"{P}/{call}", {"status": 200, **action})
+    client = EnvClient(fast())
+    with pytest.raises(EpisodeError) as ei:
+        if call == "step":
+            client.step(server.url, ENV, EID, "a", deadline=far())
+        elif call == "reset":
+            client.reset(server.url, ENV, EID, {}, None, deadline=far())
+        else:
+            client.get_task_prompt(server.url, ENV, EID, deadline=far())
+    assert ei.value.reason == ENV_MALFORMED and not ei.value.transient
+    assert f"{ENV}/{EID}" in str(ei.value)
+    assert server.count(method, f"{P}/{call}") == 1
+
+
+@pytest.mark.parametrize("no_length", [False, True])
+def test_env_oversized_body_is_malformed(server, no_length):
+    big = {"observation": {"blob": "z" * 50_000}, "reward": 0, "terminated": False, "truncated": False}
+    server.script("POST", f"{P}/step", {"json": big, "no_length": no_length})
+    with pytest.raises(EpisodeError) as ei:
+        EnvClient(fast(max_response_bytes=10_000)).step(server.url, ENV, EID, "a", deadline=far())
+    assert ei.value.reason == ENV_MALFORMED and "max_response_bytes" in str(ei.value)
+    assert "zzzz" not in str(ei.value)
+
+
+def test_env_4xx_mapping(server):
+    server.script("POST", f"{P}/step", {"status": 404, "json": {"error": "no such env_id"}},
+                  {"status": 422, "json": {"detail": "action must be a string"}})
+    server.script("GET", f"{P}/get_task_prompt", {"status": 404, "json": {}})
+    client = EnvClient(fast())
+    with pytest.raises(EpisodeError) as lost:
+        client.step(server.url, ENV, EID, "a", deadline=far())
+    with pytest.raises(EpisodeError) as bad:
+        client.step(server.url, ENV, EID, "a", deadline=far())
+    with pytest.raises(EpisodeError) as lost_prompt:
+        client.get_task_prompt(server.url, ENV, EID, deadline=far())
+    assert lost.value.reason == ENV_INSTANCE_LOST and lost.value.transient
+    assert lost_prompt.value.reason == ENV_INSTANCE_LOST
+    assert bad.value.reason == ENV_BAD_REQUEST and not bad.value.transient
+    assert "action must be a string" in str(bad.value)
+    assert server.count("POST", f"{P}/step") == 2
+
+
+def test_reset_retried_on_5xx_and_drop_then_succeeds(server):
+    server.script("POST", f"{P}/reset", {"status": 500, "json": {"error": "init failed"}}, {"drop": True},
+                  {"json": {"observation": {}, "info": {"a": 1}}})
+    out = EnvClient(fast()).reset(server.url, ENV, EID, {"dataset": {"q": 1}}, 42, deadline=far())
+    assert out == {"observation": {}, "info": {"a": 1}}
+    assert server.count("POST", f"{P}/reset") == 3
+    assert json.loads(server.requests[-1]["body"]) == {"env_param": {"dataset": {"q": 1}}, "seed": 42}
+
+
+def test_reset_5xx_exhausted(server):
+    server.script("POST", f"{P}/reset", default={"status": 502, "raw": b"bad gateway"})
+    with pytest.raises(EpisodeError) as ei:
+        EnvClient(fast(env_retries=2)).reset(server.url, ENV, EID, {}, None, deadline=far())
+    assert ei.value.reason == ENV_SERVER_ERROR and ei.value.transient
+    assert server.count("POST", f"{P}/reset") == 3
+
+
+def test_reset_4xx_is_permanent_with_truncated_server_text(server):
+    server.script("POST", f"{P}/reset", {"status": 400, "json": {"error": "Unknown env_name demo " + "q" * 5000}})
+    with pytest.raises(EpisodeError) as ei:
+        EnvClient(fast()).reset(server.url, ENV, EID, {}, None, deadline=far())
+    assert ei.value.reason == ENV_BAD_REQUEST and not ei.value.transient
+    assert "Unknown env_name demo" in str(ei.value) and len(str(ei.value)) < 500
+    assert server.count("POST", f"{P}/reset") == 1
+
+
+def test_env_deadline_against_slow_server(server):
+    server.script("POST", f"{P}/step", {"sleep": 2.0, "json": OK_STEP})
+    started = time.monotonic()
+    with pytest.raises(EpisodeError) as ei:
+        EnvClient(fast()).step(server.url, ENV, EID, "a", deadline=time.monotonic() + 0.3)
+    assert ei.value.reason == EPISODE_TIMEOUT
+    assert time.monotonic() - started < 0.5
+
+
+def test_reset_backoff_stops_at_the_deadline(server):
+    server.script("POST", f"{P}/reset", default={"status": 500})
+    started = time.monotonic()
+    with pytest.raises(EpisodeError) as ei:
+        EnvClient(fast(env_retries=50, env_backoff_initial_s=0.1, env_backoff_max_s=0.2)).reset(
+            server.url, ENV, EID, {}, None, deadline=time.monotonic() + 0.4)
+    assert ei.value.reason == EPISODE_TIMEOUT
+    assert time.monotonic() - started < 0.45
+
+
+def test_close_deletes(server):
+    server.script("DELETE", P, {"json": {"status": "ok"}})
+    EnvClient(fast()).close(server.url, ENV, EID)
+    assert server.count("DELETE", P) == 1 and server.count("POST", f"{P}/close") == 0
+
+
+def test_close_falls_back_to_post_on_404(server):
+    server.script("DELETE", P, {"status": 404, "raw": b"Not Found"})
+    server.script("POST", f"{P}/close", {"json": {"status": "ok"}})
+    EnvClient(fast()).close(server.url, ENV, EID, deadline=far())
+    assert server.count("DELETE", P) == 1 and server.count("POST", f"{P}/close") == 1
+
+
+def test_close_retries_5xx(server):
+    server.script("DELETE", P, {"status": 500}, {"drop": True}, {"json": {"status": "ok"}})
+    EnvClient(fast()).close(server.url, ENV, EID)
+    assert server.count("DELETE", P) == 3
+
+
+def test_close_never_raises(server, caplog):
+    caplog.set_level(logging.WARNING)
+    client = EnvClient(fast(env_retries=2))
+    started = time.monotonic()
+    assert client.close(f"http://127.0.0.1:{closed_port()}", ENV, EID) is None
+    server.script("DELETE", P, default={"status": 500})
+    assert client.close(server.url, ENV, EID, deadline=time.monotonic() - 5) is None  # deadline passed: still tries
+    server.script("DELETE", P, {"status": 403, "raw": b"forbidden"})
+    assert client.close(server.url, ENV, EID) is None
+    assert time.monotonic() - started < 3.0
+    assert server.count("DELETE", P) == 4
+    assert any("close" in r.getMessage() and "linger" in r.getMessage() for r in caplog.records)
+
+
+def test_ready(server):
+    server.script("GET", "/envs", default={"json": ["demo"]})
+    client = EnvClient(fast())
+    assert client.ready(server.url + "/")
+    assert not client.ready(f"http://127.0.0.1:{closed_port()}", timeout=0.5)
+    server.script("GET", "/envs", {"status": 503})
+    assert not client.ready(server.url)
+
+
+def test_concurrent_use_of_one_client(server):
+    server.script("POST", f"{P}/step", default={"json": OK_STEP})
+    client = EnvClient(fast(concurrency=4))
+    results: list = []
+
+    def work():
+        for _ in range(10):
+            results.append(client.step(server.url, ENV, EID, "a", deadline=far()).reward)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [1.5] * 80
+    assert len({r["peer"] for r in server.requests}) <= 8  # connections were reused

@@ -1,0 +1,161 @@
+"""The step loop: PROTOCOL.md section 3, as a plain function over small ports.
+
+No broker, no Redis, no Celery here: ``run_episode`` takes an env port, a policy port, an
+episode hook and a ``publish`` callable, so every rule is unit-testable with plain objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from broker.records import StepRecord
+from workers.hooks import EpisodeHook
+
+log = logging.getLogger("interactor.loop")
+
+
+class EnvPort(Protocol):
+    """One environment instance, already bound to its base_url, env_name and env_id."""
+
+    def reset(self) -> Any: ...
+    def get_task_prompt(self) -> Any: ...
+    def step(self, action: str) -> Any: ...  # -> object with reward, terminated, truncated, info
+    def close(self) -> None: ...
+
+
+class PolicyPort(Protocol):
+    def complete(self, messages: list[dict]) -> Any: ...  # -> content, finish_reason, weight_version
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    job_id: str
+    episode_id: str
+    env_name: str
+    group_id: str
+    llm_model: str
+    attempt: int = 1
+    max_steps: int = 1000
+    message_cut: int = 3
+
+
+@dataclass
+class EpisodeOutcome:
+    total_reward: float = 0.0
+    steps: int = 0
+    last_info: dict | None = None
+    ended_by: str = ""  # terminated | truncated | length | empty_prompt | max_steps
+
+
+def trim_messages(prompt: Any, message_cut: int) -> list:
+    """Keep a leading system message plus the last ``2*message_cut-1`` messages."""
+    if not isinstance(prompt, list) or not prompt:
+        return []
+    if message_cut <= 0:
+        return prompt
+    out = []
+    start = 0
+    if isinstance(prompt[0], dict) and prompt[0].get("role") == "system":
+        out.append(prompt[0])
+        start = 1
+    out.extend(prompt[start:][-(message_cut * 2 - 1):])
+    return out
+
+
+def is_trainable(message_cut: int, terminated: bool, truncated: bool) -> bool:
+    # With the full history in every prompt (message_cut <= 0) only the final step carries
+    # the whole trajectory; with a cut, each step's prompt is a sample of its own.
+    return message_cut > 0 or terminated or truncated
+
+
+def run_episode(
+    cfg: LoopConfig,
+    *,
+    env: EnvPort,
+    policy: PolicyPort,
+    publish: Callable[[StepRecord], None],
+    hook: EpisodeHook,
+    check: Callable[[], None] = lambda: None,
+) -> EpisodeOutcome:
+    """Reset, step until the episode ends, always close and always call the end hook.
+
+    ``check`` is called before every env or model call; it raises to abort (budget spent,
+    lease lost, worker shutting down). Every exception propagates after the env is closed.
+    """
+    out = EpisodeOutcome()
+    try:
+        check()
+        env.reset()
+        for step_id in range(1, cfg.max_steps + 1):
+            check()
+            t0 = time.perf_counter()
+            prompt_raw = env.get_task_prompt()
+            env_s = time.perf_counter() - t0
+            prompt_raw = _hook_handle(hook, cfg, step_id, prompt_raw)
+            prompt = trim_messages(prompt_raw, cfg.message_cut)
+            if not prompt:
+                out.ended_by = "empty_prompt"
+                break
+
+            check()
+            t0 = time.perf_counter()
+            completion = policy.complete(prompt)
+            model_s = time.perf_counter() - t0
+            action = completion.content or ""
+            finish_reason = completion.finish_reason or "stop"
+            common = dict(
+                job_id=cfg.job_id, env_id=cfg.episode_id, attempt=cfg.attempt, step_id=step_id,
+                env_name=cfg.env_name, llm_model=cfg.llm_model, group_id=cfg.group_id,
+                messages=prompt, response=action, weight_version=completion.weight_version,
+                finish_reason=finish_reason, model_latency_s=model_s,
+            )
+
+            if finish_reason == "length":
+                # The answer was cut off: the env never sees it; the episode ends truncated.
+                out.steps = step_id
+                out.ended_by = "length"
+                publish(StepRecord(**common, step_reward=0.0, cumulative_reward=out.total_reward,
+                                   terminated=True, truncated=True, episode_finished=True,
+                                   is_trainable=True, env_latency_s=env_s))
+                break
+
+            check()
+            t0 = time.perf_counter()
+            result = env.step(action)
+            env_s += time.perf_counter() - t0
+            reward = float(result.reward or 0.0)
+            out.total_reward += reward
+            out.steps = step_id
+            out.last_info = result.info if isinstance(result.info, dict) else None
+            done = bool(result.terminated or result.truncated)
+            publish(StepRecord(**common, step_reward=reward, cumulative_reward=out.total_reward,
+                               terminated=bool(result.terminated), truncated=bool(result.truncated),
+                               episode_finished=done or step_id == cfg.max_steps,
+                               is_trainable=is_trainable(cfg.message_cut, result.terminated, result.truncated),
+                               env_latency_s=env_s))
+            if done:
+                out.ended_by = "terminated" if result.terminated else "truncated"
+                break
+        else:
+            out.ended_by = "max_steps"
+        return out
+    finally:
+        try:
+            hook.on_episode_end(cfg.env_name, cfg.episode_id, out.total_reward, out.last_info)
+        except Exception:
+            log.exception("episode %s: on_episode_end hook failed (ignored)", cfg.episode_id)
+        try:
+            env.close()
+        except Exception:
+            log.exception("episode %s: closing the env failed (ignored)", cfg.episode_id)
+
+
+def _hook_handle(hook: EpisodeHook, cfg: LoopConfig, step_id: int, prompt: Any) -> Any:
+    try:
+        return hook.handle(cfg.env_name, cfg.episode_id, step_id, prompt)
+    except Exception:
+        log.exception("episode %s step %d: episode hook handle() failed; prompt left as is", cfg.episode_id, step_id)
+        return prompt

@@ -1,0 +1,188 @@
+"""HTTP client for the policy: any OpenAI-compatible chat-completions endpoint (PROTOCOL.md §2).
+
+``complete`` POSTs ``{base_url}/chat/completions`` with ``{"model", "messages", "temperature",
+**params}`` (``params`` carries ``max_tokens``, ``top_p``, ``stop`` and any extra body fields) and
+``Authorization: Bearer <api_key>`` when a key is given.
+
+Retry rule: a chat completion has no side effects we care about, so 429, 5xx, connection errors
+and timeouts are retried: at most ``1 + settings.llm_retries`` tries, capped exponential back-off
+with full jitter (``llm_backoff_initial_s`` .. ``llm_backoff_max_s``), a ``Retry-After`` header
+(seconds or HTTP date) replacing the back-off when present, capped at ``llm_backoff_max_s``.
+Exhausted: ``MODEL_UNAVAILABLE`` (transient). Any other 4xx: ``MODEL_BAD_REQUEST`` at once
+(permanent: context too long, bad parameters). Not JSON, no choices, wrong types, or an answer
+larger than ``settings.max_response_bytes``: ``MODEL_MALFORMED`` (permanent).
+
+Deadline: as in :mod:`workers.envclient`, ``deadline`` is an absolute ``time.monotonic()``; no
+request starts and no back-off sleep is taken that would pass it (``EPISODE_TIMEOUT``).
+
+The api key is never put into an exception message, a log line or a repr (error texts quoted
+from the server are scrubbed of it too); URLs are logged through ``redact_url``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from broker.errors import EPISODE_TIMEOUT, MODEL_BAD_REQUEST, MODEL_MALFORMED, MODEL_UNAVAILABLE, EpisodeError
+from broker.settings import Secret, Settings, redact_url
+from workers.envclient import (
+    Reply,
+    Retryable,
+    TooLarge,
+    deadline_passed,
+    describe,
+    error_text,
+    make_session,
+    parse_json,
+    retry_after_s,
+    run_with_retries,
+    send,
+    timeouts,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    content: str  # null content -> ""
+    finish_reason: str  # absent -> "stop"
+    weight_version: str | None  # top-level metadata.weight_version, stringified
+    latency_s: float  # wall time of the request that answered (not counting failed tries)
+    attempts: int = 1  # how many requests it took
+
+
+class ModelClient:
+    """Calls the policy endpoint. One instance per worker process, shared by its threads."""
+
+    def __init__(self, settings: Settings, *, session: requests.Session | None = None):
+        self.settings = settings
+        self.session = session or make_session(settings)
+
+    def shutdown(self) -> None:
+        self.session.close()
+
+    def __repr__(self) -> str:
+        return "ModelClient()"
+
+    def complete(
+        self,
+        base_url: str,
+        messages: list,
+        *,
+        model: str,
+        temperature: float,
+        params: dict | None = None,
+        deadline: float,
+        api_key: str = "",
+    ) -> Completion:
+        s = self.settings
+        url = f"{base_url.rstrip('/')}/chat/completions"
+        shown = redact_url(url)
+        what = f"chat completion ({model} at {shown})"
+        key = api_key.reveal() if isinstance(api_key, Secret) else str(api_key or "")
+        key = key.strip()
+
+        headers = {"Accept": "application/json"}
+        if key:
+            # requests would quote a bad header value in its exception message: check it here.
+            if any(ord(c) < 0x20 or ord(c) == 0x7F for c in key) or not key.isascii():
+                raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: the api key contains characters not allowed in a header")
+            headers["Authorization"] = f"Bearer {key}"
+        try:
+            body = json.dumps({"model": model, "messages": messages, "temperature": temperature, **(params or {})})
+        except (TypeError, ValueError) as exc:
+            raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request body is not JSON-serialisable ({type(exc).__name__})") from None
+        data = body.encode("utf-8")
+        tries = 0
+
+        def attempt() -> Reply:
+            nonlocal tries
+            timeout = timeouts(deadline, s.llm_connect_timeout_s, s.llm_read_timeout_s, what=what)
+            tries += 1
+            try:
+                reply = send(
+                    self.session, "POST", url, deadline=deadline, timeout=timeout,
+                    max_bytes=s.max_response_bytes, what=what, body=data, headers=headers,
+                )
+            except TooLarge as exc:
+                raise EpisodeError(
+                    MODEL_MALFORMED, f"{what}: answer larger than max_response_bytes={s.max_response_bytes} ({exc})"
+                ) from None
+            except requests.exceptions.RequestException as exc:
+                if deadline_passed(deadline):
+                    raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out") from None
+                # The request exception's text holds host/port/path only, but it is not chained
+                # (belt and braces: nothing of the request can leak through a traceback).
+                raise Retryable(EpisodeError(MODEL_UNAVAILABLE, f"{what}: {describe(exc)}")) from None
+            except Exception as exc:  # e.g. InvalidHeader/InvalidURL, whose text may quote values
+                raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request could not be sent ({type(exc).__name__})") from None
+            if reply.ok:
+                return reply
+            text = error_text(reply, scrub=key)
+            if reply.status == 429 or reply.status >= 500:
+                raise Retryable(
+                    EpisodeError(MODEL_UNAVAILABLE, f"{what}: HTTP {reply.status}: {text}"),
+                    retry_after=retry_after_s(reply.headers, s.llm_backoff_max_s),
+                )
+            raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: HTTP {reply.status}: {text}")
+
+        reply = run_with_retries(
+            attempt,
+            attempts=1 + max(0, s.llm_retries),
+            backoff_initial_s=s.llm_backoff_initial_s,
+            backoff_max_s=s.llm_backoff_max_s,
+            deadline=deadline,
+            what=what,
+            log_target=shown,
+            logger=log,
+        )
+        return _parse(reply, what, tries)
+
+
+def _parse(reply: Reply, what: str, tries: int) -> Completion:
+    def bad(detail: str) -> EpisodeError:
+        return EpisodeError(MODEL_MALFORMED, f"{what}: {detail}")
+
+    try:
+        obj: Any = parse_json(reply.body)
+    except ValueError:
+        raise bad(f"answer is not JSON ({len(reply.body)} bytes)") from None
+    if not isinstance(obj, dict):
+        raise bad(f"answer is a JSON {type(obj).__name__}, not an object")
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise bad("answer has no choices")
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise bad(f"choices[0] is a {type(choice).__name__}, not an object")
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise bad("choices[0].message is missing or not an object")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise bad(f"choices[0].message.content is a {type(content).__name__}, not a string")
+    finish = choice.get("finish_reason")
+    if finish is None:
+        finish = "stop"
+    elif not isinstance(finish, str):
+        raise bad(f"choices[0].finish_reason is a {type(finish).__name__}, not a string")
+    weight_version = None
+    metadata = obj.get("metadata")
+    if isinstance(metadata, dict) and metadata.get("weight_version") is not None:
+        wv = metadata["weight_version"]
+        weight_version = wv if isinstance(wv, str) else json.dumps(wv) if isinstance(wv, (dict, list)) else str(wv)
+    return Completion(
+        content=content,
+        finish_reason=finish,
+        weight_version=weight_version,
+        latency_s=reply.elapsed_s,
+        attempts=tries,
+    )

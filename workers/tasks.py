@@ -1,0 +1,59 @@
+"""The Celery side of a worker: one task, wired to a per-process :class:`WorkerRuntime`.
+
+Run with ``interactor worker`` (or ``celery -A workers.tasks worker``); settings come from
+the environment (``REDIS_URL``, ``INTERACTOR_*``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis.exceptions
+from celery import signals
+from celery.exceptions import Reject
+
+from broker.app import EPISODE_TASK, make_app
+from broker.settings import Settings
+from workers.runner import WorkerRuntime
+
+log = logging.getLogger("interactor.worker")
+
+settings = Settings.from_env()
+app = make_app(settings)
+
+_runtime: WorkerRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime() -> WorkerRuntime:
+    global _runtime
+    if _runtime is None:
+        with _runtime_lock:
+            if _runtime is None:
+                _runtime = WorkerRuntime(settings)
+    return _runtime
+
+
+@app.task(name=EPISODE_TASK)
+def run_episode_task(job_id: str, episode_id: str) -> None:
+    try:
+        runtime().run(job_id, episode_id)
+    except redis.exceptions.RedisError as exc:
+        # Redis went away for longer than the client's own retries. The episode's state is
+        # in Redis, so hand the message back rather than acknowledging it as done.
+        log.error("episode %s: Redis unavailable (%s); message requeued", episode_id, exc)
+        raise Reject(str(exc), requeue=True) from None
+
+
+@signals.worker_process_init.connect
+def _fresh_runtime_after_fork(**_):
+    # A prefork child must not share the parent's sockets or renewal thread.
+    global _runtime
+    _runtime = None
+
+
+@signals.worker_shutting_down.connect
+def _on_shutdown(**_):
+    if _runtime is not None:
+        _runtime.begin_shutdown()
