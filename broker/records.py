@@ -12,7 +12,7 @@ record whose version it knows and ignores fields it does not (so a newer writer 
 from __future__ import annotations
 
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -43,7 +43,9 @@ class _Record:
     KIND: ClassVar[str] = ""
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # Shallow on purpose: asdict() deep-copies every nested message list, and records are
+        # packed right away, so sharing the nested objects is safe and several times faster.
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["kind"] = self.KIND
         d["v"] = SCHEMA_VERSION
         return d

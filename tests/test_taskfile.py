@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from broker.records import EpisodeSpec, unpack
+from broker.records import unpack
 from producer.taskfile import PlannedJob, TaskFileError, derive_seed, load_task_file, plan_job
 
 URL = "http://env.local:8000"

@@ -1,0 +1,162 @@
+"""Shared fixtures: a real Redis (embedded, free port, with a password), the stand-in servers
+on loopback, and real worker / consumer processes.
+
+One embedded Redis serves the whole session; each test gets its own key prefix and queue, so
+tests do not see each other's episodes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker.embedded import EmbeddedRedis
+from broker.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), password="s3cret-redis-pw")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(redis_server, tmp_path) -> Settings:
+    """Settings for one test: its own key prefix, queue and database; fast timings."""
+    tag = uuid.uuid4().hex[:8]
+    return Settings.from_env(
+        {},
+        redis_url=redis_server.url,
+        key_prefix=f"t{tag}",
+        queue=f"q{tag}",
+        run_dir=str(tmp_path / "run"),
+        db_path=str(tmp_path / "results.sqlite"),
+        lease_ttl_s=3.0,
+        sweep_interval_s=0.5,
+        retry_backoff_initial_s=0.2,
+        retry_backoff_max_s=1.0,
+        llm_backoff_initial_s=0.05,
+        llm_backoff_max_s=0.2,
+        env_backoff_initial_s=0.05,
+        env_backoff_max_s=0.2,
+        env_read_timeout_s=10,
+        llm_read_timeout_s=10,
+        episode_budget_s=60,
+        consumer_claim_idle_ms=2000,
+        consumer_block_ms=200,
+        shutdown_grace_s=3,
+        concurrency=8,
+        model="stand-in",
+    )
+
+
+@pytest.fixture
+def env_server():
+    from examples.envserver import start_in_thread
+
+    server, url = start_in_thread()
+    yield server, url
+    server.shutdown()
+
+
+@pytest.fixture
+def model_server():
+    from examples.model_standin import start_in_thread
+
+    server, url = start_in_thread()
+    yield server, url
+    server.shutdown()
+
+
+class Procs:
+    """Child processes of one test, all stopped at its end."""
+
+    def __init__(self, settings: Settings, log_dir: Path):
+        self.settings = settings
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def env(self, **overrides) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+        env.update(self.settings.replace(**overrides).as_environ() if overrides else self.settings.as_environ())
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start(self, name: str, role: str, *args: str, cwd: str | None = None, **overrides) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        cmd = [sys.executable, "-m", "interactor.cli", role, *args]
+        if role in ("worker", "consumer"):
+            cmd += ["--name", name if role == "consumer" else f"{name}@%h"]
+        p = subprocess.Popen(cmd, env=self.env(**overrides), stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, cwd=cwd or str(ROOT), start_new_session=True)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def worker(self, name: str = "w1", **overrides) -> subprocess.Popen:
+        return self.start(name, "worker", **overrides)
+
+    def consumer(self, name: str = "consumer", **overrides) -> subprocess.Popen:
+        return self.start(name, "consumer", **overrides)
+
+    def kill(self, name: str, sig=signal.SIGKILL) -> None:
+        p = self.procs[name]
+        if p.poll() is None:
+            os.killpg(p.pid, sig)  # the whole group: a prefork worker's children too
+            p.wait(30)
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 20
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+
+
+@pytest.fixture
+def procs(settings, tmp_path):
+    p = Procs(settings, tmp_path / "logs")
+    yield p
+    p.stop_all()
+
+
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

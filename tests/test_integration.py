@@ -1,0 +1,150 @@
+"""End to end: producer -> Redis -> Celery worker processes -> results stream -> consumer -> SQLite,
+against the stand-in env server and model over loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from broker.keys import Keys
+from broker.ledger import Ledger
+from consumer.store import Store
+from producer.enqueue import submit
+from tests.conftest import ROOT, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def write_tasks(tmp_path, env_url: str, *, guess: int = 3, rows: int = 5, arith_num: int = 2) -> str:
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i + 3}?", "answer": 2 * i + 3}) + "\n"
+                            for i in range(rows)))
+    path = tmp_path / "tasks.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        environments:
+          - env_name: guess_number
+            base_url: {env_url}
+            env_params: {{low: 1, high: 64, max_turns: 10}}
+            env_num: {guess}
+          - env_name: arithmetic
+            base_url: {env_url}
+            env_params: {{}}
+            dataset: arith.jsonl
+            env_num: {arith_num}
+        """))
+    return str(path)
+
+
+def db_rows(db: str, sql: str, args=()) -> list[tuple]:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+def wait_job_stored(settings, job_id: str, total: int, timeout: float = 90):
+    store = Store(settings.results_db)
+    try:
+        def finished():
+            res = store.results(job_id)["job"]
+            return res if res["completed"] + res["failed"] >= total else None
+
+        return wait_for(finished, timeout, what=f"{total} episodes of {job_id} stored")
+    finally:
+        store.close()
+
+
+def assert_trajectories_sound(db: str, job_id: str) -> None:
+    """Every completed episode: steps 1..n in order, rewards add up, one trajectory, no duplicates."""
+    episodes = db_rows(db, "SELECT episode_id, attempt, total_reward, steps FROM episodes "
+                           "WHERE job_id = ? AND status = 'completed'", (job_id,))
+    assert episodes
+    for episode_id, attempt, total, steps in episodes:
+        rows = db_rows(db, "SELECT step_id, step_reward, cumulative_reward, attempt FROM session_steps "
+                           "WHERE env_id = ? AND superseded = 0 ORDER BY step_id", (episode_id,))
+        assert [r[0] for r in rows] == list(range(1, len(rows) + 1)), episode_id
+        assert len(rows) == steps
+        assert {r[3] for r in rows} == {attempt}, "one attempt's steps per trajectory"
+        running = 0.0
+        for _, reward, cumulative, _ in rows:
+            running += reward
+            assert cumulative == pytest.approx(running)
+        assert total == pytest.approx(running)
+    dup = db_rows(db, "SELECT env_id, attempt, step_id, COUNT(*) FROM session_steps WHERE job_id = ? "
+                      "GROUP BY env_id, attempt, step_id HAVING COUNT(*) > 1", (job_id,))
+    assert dup == []
+
+
+def test_batch_end_to_end(settings, procs, env_server, model_server, redis_client, tmp_path):
+    env, env_url = env_server
+    model, model_url = model_server
+    settings = settings.replace(llm_base_url=model_url + "/v1", llm_api_key="sk-test-planted-secret-123")
+    procs.settings = settings
+    tasks = write_tasks(tmp_path, env_url)
+    sub = submit(redis_client, settings, [tasks])
+    total = 3 + 5 * 2
+    assert sub.job.episodes == total and sub.job.groups == 1 + 5
+
+    procs.worker("w1")
+    procs.worker("w2")
+    procs.consumer()
+    res = wait_job_stored(settings, sub.job.job_id, total)
+    assert res["completed"] == total, procs.log("w1")[-3000:]
+
+    db = settings.results_db
+    assert_trajectories_sound(db, sub.job.job_id)
+    groups = db_rows(db, "SELECT size, completed, complete FROM groups WHERE job_id = ?", (sub.job.job_id,))
+    assert len(groups) == 6 and all(size == done and complete == 1 for size, done, complete in groups)
+    # The env owns the conversation: multi-turn prompts grow, and each step sent the env's turns.
+    wv = db_rows(db, "SELECT DISTINCT weight_version FROM session_steps WHERE job_id = ?", (sub.job.job_id,))
+    assert wv == [("v1",)]
+    ledger = Ledger(redis_client, Keys(settings.key_prefix))
+    assert ledger.counts(sub.job.job_id)["done"] == total
+    # Every instance was reset once and closed.
+    stats = env.stats()
+    assert stats["resets"] == total and stats["live"] == 0
+    # The key went to the model as a header and nowhere into Redis or the database.
+    assert model.stats()["auth_headers_seen"] > 0
+    for key in redis_client.scan_iter(f"{settings.key_prefix}:*"):
+        assert b"planted-secret" not in redis_client.dump(key)
+    assert b"planted-secret" not in open(db, "rb").read()
+    assert "planted-secret" not in procs.log("w1") + procs.log("w2") + procs.log("consumer")
+
+
+def test_interactor_run_with_embedded_redis(env_server, model_server, tmp_path):
+    """The README's `interactor run`: no REDIS_URL, so it starts and stops its own Redis."""
+    _, env_url = env_server
+    _, model_url = model_server
+    tasks = write_tasks(tmp_path, env_url, guess=2, rows=3, arith_num=2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    run_dir = tmp_path / "runs"
+    out = subprocess.run([sys.executable, "-m", "interactor.cli", "run", tasks, "--llm-base-url", model_url + "/v1",
+                          "--run-dir", str(run_dir), "--concurrency", "4", "--workers", "1"],
+                         env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "embedded Redis" in out.stdout
+    assert "guess_number" in out.stdout and "arithmetic" in out.stdout
+    assert f"results database: {(run_dir / 'results.sqlite').resolve()}" in out.stdout
+    jobs = db_rows(str(run_dir / "results.sqlite"), "SELECT status, COUNT(*) FROM episodes GROUP BY status")
+    assert jobs == [("completed", 2 + 3 * 2)]
+    assert (run_dir / "redis" / "appendonly.aof").exists() or list((run_dir / "redis").glob("appendonly*"))
+
+
+def test_bad_task_file_enqueues_nothing(settings, redis_client, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("environments:\n  - env_name: guess_number\n    env_num: zero\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_")}
+    env.update(settings.as_environ())
+    out = subprocess.run([sys.executable, "-m", "interactor.cli", "submit", str(bad), "--env-base-url",
+                          "http://127.0.0.1:9"], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "bad.yaml" in out.stderr and "entry 1" in out.stderr and "env_num" in out.stderr
+    assert list(redis_client.scan_iter(f"{settings.key_prefix}:*")) == []
+    assert redis_client.llen(settings.queue) == 0
