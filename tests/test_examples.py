@@ -83,7 +83,6 @@ def test_guess_number_flow_and_non_idempotent_prompt(env, http):
     assert p3[4]["role"] == "user" and "not a number" in p3[4]["content"]
 
     # Run out of turns with wrong guesses -> truncated, prompt becomes [].
-    target = None
     for guess in ("0", "11"):  # outside the range: always wrong
         s = http.post(f"{url}/guess_number/g1/step", json={"action": guess}, timeout=5).json()
     assert s["truncated"] is True and s["terminated"] is False

@@ -1,0 +1,472 @@
+"""The episode ledger's Lua transitions, against the real (embedded) Redis of the fixtures."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from broker.keys import Keys, member
+from broker.ledger import Lease, Ledger
+from broker.records import (
+    ABANDONED,
+    ATTEMPT_FAILED,
+    ATTEMPT_RETRYING,
+    COMPLETED,
+    DONE,
+    FAILED,
+    LEDGER_STATES,
+    QUEUED,
+    RETRYING,
+    RUNNING,
+    AttemptRecord,
+    DeadLetter,
+    EpisodeSpec,
+    JobSpec,
+    StepRecord,
+    unpack,
+)
+
+JOB = "job1"
+N = 5
+
+
+def ep_id(i: int) -> str:
+    return f"{JOB}.1.1.1.{i}"
+
+
+def make_job(n: int = N) -> tuple[JobSpec, list[EpisodeSpec]]:
+    job = JobSpec(job_id=JOB, llm_base_url="http://127.0.0.1:1/v1", model="stand-in", episodes=n, groups=1)
+    eps = [EpisodeSpec(job_id=JOB, episode_id=ep_id(i), group_id=f"{JOB}.1.1.1", group_size=n,
+                       env_name="arith", base_url="http://127.0.0.1:2", env_params={"k": i}, seed=i,
+                       queue="q", source=f"tasks.yaml entry 1 row {i}")
+           for i in range(1, n + 1)]
+    return job, eps
+
+
+def attempt_rec(lease: Lease, status: str = COMPLETED, **kw) -> AttemptRecord:
+    return AttemptRecord(job_id=lease.job_id, episode_id=lease.episode_id, attempt=lease.attempt, status=status,
+                         group_id=f"{JOB}.1.1.1", group_size=N, env_name="arith", llm_model="stand-in", **kw)
+
+
+def step_rec(lease: Lease, step_id: int = 1) -> bytes:
+    return StepRecord(job_id=lease.job_id, env_id=lease.episode_id, attempt=lease.attempt, step_id=step_id,
+                      env_name="arith", llm_model="stand-in", group_id=f"{JOB}.1.1.1", messages=[],
+                      response="a", step_reward=1.0, cumulative_reward=1.0, terminated=True, truncated=False,
+                      episode_finished=True, is_trainable=True).pack()
+
+
+@pytest.fixture
+def keys(settings) -> Keys:
+    return Keys(settings.key_prefix)
+
+
+@pytest.fixture
+def ledger(redis_client, keys) -> Ledger:
+    return Ledger(redis_client, keys, lease_ttl_s=3.0)
+
+
+@pytest.fixture
+def job(ledger):
+    job, eps = make_job()
+    ledger.create_job(job, eps)
+    return job, eps
+
+
+def stream_len(r, keys) -> int:
+    return r.xlen(keys.results)
+
+
+def stream_records(r, keys) -> list:
+    return [unpack(fields[b"r"]) for _, fields in r.xrange(keys.results)]
+
+
+def assert_counts_consistent(ledger: Ledger, n: int = N):
+    counts = ledger.counts(JOB)
+    assert sum(counts.values()) == n, counts
+    assert all(v >= 0 for v in counts.values()), counts
+    # and the counts agree with the per-episode states
+    states = ledger.states(JOB)
+    for s in LEDGER_STATES:
+        assert counts[s] == sum(1 for v in states.values() if v == s), (s, counts, states)
+
+
+def start_ok(ledger: Ledger, episode: str, worker: str = "w1") -> Lease:
+    res = ledger.start(JOB, episode, worker)
+    assert res.status == "ok", res
+    assert res.lease is not None
+    return res.lease
+
+
+# --- create ------------------------------------------------------------------------------
+
+
+def test_create_job_sets_every_episode_queued(ledger, job, redis_client, keys):
+    spec, eps = job
+    assert ledger.states(JOB) == {e.episode_id: QUEUED for e in eps}
+    assert ledger.counts(JOB) == {QUEUED: N, RUNNING: 0, RETRYING: 0, DONE: 0, FAILED: 0}
+    assert ledger.job_ids() == [JOB]
+    assert ledger.job_spec(JOB) == spec
+    assert ledger.episode_spec(JOB, ep_id(3)) == eps[2]
+    assert ledger.episode_spec(JOB, "nope") is None
+    assert ledger.job_spec("nope") is None
+    recs = stream_records(redis_client, keys)
+    assert len(recs) == 1 and isinstance(recs[0], JobSpec) and recs[0].job_id == JOB
+
+
+def test_create_job_in_chunks(redis_client, keys):
+    ledger = Ledger(redis_client, keys)
+    spec, eps = make_job(7)
+    ledger.create_job(spec, eps, chunk=3)
+    assert ledger.states(JOB) == {e.episode_id: QUEUED for e in eps}
+    assert ledger.counts(JOB)[QUEUED] == 7
+
+
+# --- start -------------------------------------------------------------------------------
+
+
+def test_start_ok_takes_lease_with_ttl(ledger, job, redis_client, keys):
+    lease = start_ok(ledger, ep_id(1), "w1@host")
+    assert lease.attempt == 1
+    assert lease.job_id == JOB and lease.episode_id == ep_id(1)
+    assert lease.token.startswith("w1@host:") and lease.token.endswith(":1")
+    assert redis_client.get(keys.lease(ep_id(1))).decode() == lease.token
+    ttl = redis_client.pttl(keys.lease(ep_id(1)))
+    assert 0 < ttl <= 3000
+    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert ledger.attempts(JOB, ep_id(1)) == 1
+    score = redis_client.zscore(keys.running, member(JOB, ep_id(1)))
+    assert score is not None and abs(score - (time.time() * 1000 + 3000)) < 2000
+    assert ledger.counts(JOB)[RUNNING] == 1 and ledger.counts(JOB)[QUEUED] == N - 1
+    assert not lease.lost.is_set()
+    assert_counts_consistent(ledger)
+
+
+def test_second_start_while_lease_lives_is_busy(ledger, job):
+    lease = start_ok(ledger, ep_id(1), "w1")
+    res = ledger.start(JOB, ep_id(1), "w2")
+    assert res.status == "busy" and res.lease is None
+    assert res.detail == lease.token
+    assert ledger.attempts(JOB, ep_id(1)) == 1
+    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert_counts_consistent(ledger)
+
+
+@pytest.mark.parametrize("state", [DONE, FAILED])
+def test_start_on_finished_episode(ledger, job, state):
+    lease = start_ok(ledger, ep_id(1))
+    assert ledger.finish(lease, attempt_rec(lease), state)
+    res = ledger.start(JOB, ep_id(1), "w2")
+    assert res.status == "finished" and res.lease is None and res.detail == state
+    assert ledger.attempts(JOB, ep_id(1)) == 1
+    assert_counts_consistent(ledger)
+
+
+def test_start_unknown_episode(ledger, job, redis_client, keys):
+    res = ledger.start(JOB, "no-such-episode", "w1")
+    assert res.status == "unknown" and res.lease is None
+    assert redis_client.get(keys.lease("no-such-episode")) is None
+    res = ledger.start("no-such-job", ep_id(1), "w1")
+    assert res.status == "unknown"
+    assert_counts_consistent(ledger)
+
+
+def test_start_running_without_lease_takes_over(ledger, job, redis_client, keys):
+    first = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))  # the holder died and its lease expired
+    second = start_ok(ledger, ep_id(1), "w2")
+    assert second.attempt == 2 and second.token != first.token
+    assert ledger.counts(JOB)[RUNNING] == 1
+    assert_counts_consistent(ledger)
+
+
+def test_start_retrying_episode(ledger, job):
+    lease = start_ok(ledger, ep_id(1))
+    assert ledger.finish(lease, attempt_rec(lease, ATTEMPT_RETRYING), RETRYING, retry_at=time.time() + 60)
+    again = start_ok(ledger, ep_id(1))
+    assert again.attempt == 2
+    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert_counts_consistent(ledger)
+
+
+# --- publish -----------------------------------------------------------------------------
+
+
+def test_publish_with_token_appends(ledger, job, redis_client, keys):
+    lease = start_ok(ledger, ep_id(1))
+    before = stream_len(redis_client, keys)
+    n = ledger.publish(lease, step_rec(lease, 1))
+    assert n == before + 1
+    assert ledger.publish(lease, step_rec(lease, 2)) == before + 2
+    recs = stream_records(redis_client, keys)
+    assert [r.step_id for r in recs if isinstance(r, StepRecord)] == [1, 2]
+    assert not lease.lost.is_set()
+
+
+def test_publish_with_wrong_token_refused(ledger, job, redis_client, keys):
+    lease = start_ok(ledger, ep_id(1))
+    bogus = Lease(JOB, ep_id(1), lease.attempt, lease.token + "x")
+    before = stream_len(redis_client, keys)
+    assert ledger.publish(bogus, step_rec(lease)) == -1
+    assert stream_len(redis_client, keys) == before
+    assert bogus.lost.is_set()
+    assert not lease.lost.is_set()
+
+
+def test_publish_with_stale_token_after_takeover(ledger, job, redis_client, keys):
+    old = start_ok(ledger, ep_id(1), "w1")
+    redis_client.delete(keys.lease(ep_id(1)))
+    new = start_ok(ledger, ep_id(1), "w2")
+    before = stream_len(redis_client, keys)
+    assert ledger.publish(old, step_rec(old)) == -1
+    assert old.lost.is_set()
+    assert stream_len(redis_client, keys) == before
+    assert ledger.publish(new, step_rec(new)) == before + 1
+
+
+def test_publish_after_finish_refused(ledger, job, redis_client, keys):
+    lease = start_ok(ledger, ep_id(1))
+    assert ledger.finish(lease, attempt_rec(lease), DONE)
+    before = stream_len(redis_client, keys)
+    assert ledger.publish(lease, step_rec(lease)) == -1
+    assert stream_len(redis_client, keys) == before
+
+
+# --- finish ------------------------------------------------------------------------------
+
+
+def test_finish_done(ledger, job, redis_client, keys):
+    lease = start_ok(ledger, ep_id(2))
+    before = stream_len(redis_client, keys)
+    rec = attempt_rec(lease, COMPLETED, total_reward=3.0, steps=2)
+    assert ledger.finish(lease, rec, DONE) is True
+    assert ledger.state(JOB, ep_id(2)) == DONE
+    assert ledger.counts(JOB) == {QUEUED: N - 1, RUNNING: 0, RETRYING: 0, DONE: 1, FAILED: 0}
+    assert redis_client.exists(keys.lease(ep_id(2))) == 0
+    assert redis_client.zscore(keys.running, member(JOB, ep_id(2))) is None
+    assert redis_client.zcard(keys.retry) == 0
+    assert redis_client.hlen(keys.dlq) == 0
+    assert stream_len(redis_client, keys) == before + 1
+    last = stream_records(redis_client, keys)[-1]
+    assert isinstance(last, AttemptRecord) and last.status == COMPLETED and last.total_reward == 3.0
+    assert not lease.lost.is_set()
+    assert_counts_consistent(ledger)
+
+
+def test_finish_retrying_schedules_retry(ledger, job, redis_client, keys):
+    lease = start_ok(ledger, ep_id(1))
+    at = time.time() + 5
+    assert ledger.finish(lease, attempt_rec(lease, ATTEMPT_RETRYING, reason="env_error"), RETRYING, retry_at=at)
+    assert ledger.state(JOB, ep_id(1)) == RETRYING
+    assert redis_client.zscore(keys.retry, member(JOB, ep_id(1))) == int(at * 1000)
+    assert ledger.due_retries() == []  # not due yet
+    assert redis_client.exists(keys.lease(ep_id(1))) == 0
+    assert redis_client.zcard(keys.running) == 0
+    assert_counts_consistent(ledger)
+
+
+def test_due_retries_and_take_retry(ledger, job):
+    lease = start_ok(ledger, ep_id(1))
+    assert ledger.finish(lease, attempt_rec(lease, ATTEMPT_RETRYING), RETRYING, retry_at=time.time() - 1)
+    m = member(JOB, ep_id(1))
+    assert ledger.due_retries() == [m]
+    assert ledger.take_retry(m) is True
+    assert ledger.take_retry(m) is False
+    assert ledger.due_retries() == []
+
+
+def test_finish_failed_with_dead_letter(ledger, job, redis_client, keys):
+    spec = ledger.episode_spec(JOB, ep_id(4))
+    lease = start_ok(ledger, ep_id(4))
+    letter = DeadLetter(job_id=JOB, episode_id=ep_id(4), group_id=spec.group_id, env_name="arith",
+                        reason="env_error", error="boom", attempts=1, spec=spec.to_dict())
+    t0 = time.time()
+    assert ledger.finish(lease, attempt_rec(lease, ATTEMPT_FAILED, reason="env_error"), FAILED, dead_letter=letter)
+    m = member(JOB, ep_id(4))
+    assert ledger.state(JOB, ep_id(4)) == FAILED
+    stored = unpack(redis_client.hget(keys.dlq, m))
+    assert isinstance(stored, DeadLetter) and stored.reason == "env_error" and stored.spec["episode_id"] == ep_id(4)
+    score = redis_client.zscore(keys.dlq_index, m)
+    assert score is not None and t0 - 1 <= score <= time.time() + 1
+    assert redis_client.zcard(keys.retry) == 0
+    assert ledger.counts(JOB)[FAILED] == 1
+    assert_counts_consistent(ledger)
+
+
+def test_finish_with_stale_token_does_nothing(ledger, job, redis_client, keys):
+    old = start_ok(ledger, ep_id(1), "w1")
+    redis_client.delete(keys.lease(ep_id(1)))
+    new = start_ok(ledger, ep_id(1), "w2")
+    before_len = stream_len(redis_client, keys)
+    before_counts = ledger.counts(JOB)
+    letter = DeadLetter(job_id=JOB, episode_id=ep_id(1), group_id="g", env_name="arith", reason="x")
+    ok = ledger.finish(old, attempt_rec(old, ATTEMPT_FAILED), FAILED, retry_at=time.time(), dead_letter=letter)
+    assert ok is False
+    assert old.lost.is_set()
+    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert ledger.counts(JOB) == before_counts
+    assert stream_len(redis_client, keys) == before_len
+    assert redis_client.get(keys.lease(ep_id(1))).decode() == new.token
+    assert redis_client.zscore(keys.running, member(JOB, ep_id(1))) is not None
+    assert redis_client.zcard(keys.retry) == 0
+    assert redis_client.hlen(keys.dlq) == 0 and redis_client.zcard(keys.dlq_index) == 0
+    # finishing twice with the same lease: the second is stale too
+    assert ledger.finish(new, attempt_rec(new), DONE) is True
+    assert ledger.finish(new, attempt_rec(new), FAILED) is False
+    assert ledger.state(JOB, ep_id(1)) == DONE
+    assert_counts_consistent(ledger)
+
+
+# --- renew -------------------------------------------------------------------------------
+
+
+def test_renew_extends_ttl_and_flags_lost(ledger, job, redis_client, keys):
+    a = start_ok(ledger, ep_id(1))
+    b = start_ok(ledger, ep_id(2))
+    redis_client.pexpire(keys.lease(ep_id(1)), 200)
+    redis_client.zadd(keys.running, {a.member: 1})
+    c = start_ok(ledger, ep_id(3))
+    redis_client.delete(keys.lease(ep_id(3)))  # expired
+    bogus = Lease(JOB, ep_id(2), b.attempt, "someone-else:1")
+    ledger.renew([a, b, c, bogus])
+    assert redis_client.pttl(keys.lease(ep_id(1))) > 2000
+    assert redis_client.zscore(keys.running, a.member) > time.time() * 1000
+    assert not a.lost.is_set() and not b.lost.is_set()
+    assert c.lost.is_set() and bogus.lost.is_set()
+    assert redis_client.exists(keys.lease(ep_id(3))) == 0  # renew never resurrects a lease
+    assert redis_client.get(keys.lease(ep_id(2))).decode() == b.token
+    ledger.renew([])  # no-op
+
+
+# --- reclaim -----------------------------------------------------------------------------
+
+
+def test_reclaim_refused_while_lease_lives(ledger, job, redis_client, keys):
+    lease = start_ok(ledger, ep_id(1))
+    before = stream_len(redis_client, keys)
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, attempt_rec(lease, ABANDONED)) is False
+    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert redis_client.zscore(keys.running, lease.member) is not None
+    assert stream_len(redis_client, keys) == before
+    assert_counts_consistent(ledger)
+
+
+def test_reclaim_after_lease_gone(ledger, job, redis_client, keys):
+    lease = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))
+    before = stream_len(redis_client, keys)
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, attempt_rec(lease, ABANDONED, reason="lease_expired")) is True
+    assert ledger.state(JOB, ep_id(1)) == QUEUED
+    assert redis_client.zscore(keys.running, lease.member) is None
+    assert stream_len(redis_client, keys) == before + 1
+    assert stream_records(redis_client, keys)[-1].status == ABANDONED
+    assert ledger.counts(JOB)[QUEUED] == N and ledger.counts(JOB)[RUNNING] == 0
+    # a second reclaim finds nothing running
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None) is False
+    assert_counts_consistent(ledger)
+
+
+def test_reclaim_to_failed_with_dead_letter(ledger, job, redis_client, keys):
+    lease = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))
+    letter = DeadLetter(job_id=JOB, episode_id=ep_id(1), group_id="g", env_name="arith", reason="attempts_exhausted")
+    before = stream_len(redis_client, keys)
+    assert ledger.reclaim(JOB, ep_id(1), FAILED, None, letter) is True
+    assert ledger.state(JOB, ep_id(1)) == FAILED
+    assert stream_len(redis_client, keys) == before  # no record given, none written
+    assert unpack(redis_client.hget(keys.dlq, lease.member)).reason == "attempts_exhausted"
+    assert redis_client.zscore(keys.dlq_index, lease.member) is not None
+    assert_counts_consistent(ledger)
+
+
+def test_reclaim_ignores_non_running_but_clears_running_member(ledger, job, redis_client, keys):
+    m = member(JOB, ep_id(1))
+    redis_client.zadd(keys.running, {m: 1})  # a leftover entry for a queued episode
+    assert ledger.reclaim(JOB, ep_id(1), FAILED, None) is False
+    assert ledger.state(JOB, ep_id(1)) == QUEUED
+    assert redis_client.zscore(keys.running, m) is None
+    assert_counts_consistent(ledger)
+
+
+# --- move --------------------------------------------------------------------------------
+
+
+def test_move_only_from_allowed_states(ledger, job):
+    assert ledger.move(JOB, ep_id(1), FAILED, [RUNNING]) is False
+    assert ledger.state(JOB, ep_id(1)) == QUEUED
+    assert ledger.move(JOB, ep_id(1), FAILED, [RUNNING, QUEUED]) is True
+    assert ledger.state(JOB, ep_id(1)) == FAILED
+    assert ledger.move(JOB, ep_id(1), QUEUED, []) is False
+    assert ledger.move(JOB, ep_id(1), QUEUED, [DONE]) is False
+    assert ledger.move(JOB, ep_id(1), QUEUED, [FAILED]) is True
+    assert ledger.move(JOB, "unknown", QUEUED, list(LEDGER_STATES)) is False
+    assert "unknown" not in ledger.states(JOB)
+    assert ledger.move(JOB, ep_id(1), QUEUED, [QUEUED]) is True  # same state: counts unchanged
+    assert_counts_consistent(ledger)
+
+
+# --- counts ------------------------------------------------------------------------------
+
+
+def test_counts_sum_after_a_sequence_of_transitions(ledger, job, redis_client, keys):
+    a = start_ok(ledger, ep_id(1))
+    assert_counts_consistent(ledger)
+    b = start_ok(ledger, ep_id(2))
+    ledger.start(JOB, ep_id(2), "dup")  # busy
+    assert ledger.finish(a, attempt_rec(a), DONE)
+    assert_counts_consistent(ledger)
+    assert ledger.finish(b, attempt_rec(b, ATTEMPT_RETRYING), RETRYING, retry_at=time.time())
+    assert ledger.finish(b, attempt_rec(b), DONE) is False  # stale
+    assert_counts_consistent(ledger)
+    assert ledger.move(JOB, ep_id(2), QUEUED, [RETRYING])
+    b2 = start_ok(ledger, ep_id(2))
+    c = start_ok(ledger, ep_id(3))
+    redis_client.delete(keys.lease(ep_id(3)))
+    assert ledger.reclaim(JOB, ep_id(3), QUEUED, None)
+    c2 = start_ok(ledger, ep_id(3))
+    assert c2.attempt == 2
+    assert ledger.finish(c2, attempt_rec(c2, ATTEMPT_FAILED), FAILED)
+    assert ledger.finish(c, attempt_rec(c), DONE) is False
+    ledger.start(JOB, ep_id(1), "late")  # finished
+    assert ledger.move(JOB, ep_id(3), QUEUED, [FAILED])  # re-drive
+    d = start_ok(ledger, ep_id(4))
+    assert ledger.finish(b2, attempt_rec(b2), DONE)
+    assert_counts_consistent(ledger)
+    assert ledger.counts(JOB) == {QUEUED: 2, RUNNING: 1, RETRYING: 0, DONE: 2, FAILED: 0}
+    assert d.attempt == 1
+
+
+# --- attempt limits ----------------------------------------------------------------------
+
+
+def test_attempt_limit_and_grant_extra(ledger, job):
+    assert ledger.attempt_limit(JOB, ep_id(1), 3) == 3
+    assert ledger.grant_extra_attempt(JOB, ep_id(1), 3) == 4
+    assert ledger.attempt_limit(JOB, ep_id(1), 3) == 4
+    assert ledger.attempt_limit(JOB, ep_id(1), 10) == 4  # stored limit wins over the default
+    assert ledger.grant_extra_attempt(JOB, ep_id(1), 99, n=2) == 6  # default only seeds
+    assert ledger.attempt_limit(JOB, ep_id(2), 5) == 5  # others untouched
+
+
+# --- expiry ------------------------------------------------------------------------------
+
+
+def test_lease_expiry_then_reclaim_and_restart(redis_client, keys):
+    ledger = Ledger(redis_client, keys, lease_ttl_s=0.3)
+    spec, eps = make_job(2)
+    ledger.create_job(spec, eps)
+    lease = start_ok(ledger, ep_id(1))
+    assert ledger.expired_running() == []
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None) is False
+    time.sleep(0.5)
+    assert redis_client.exists(keys.lease(ep_id(1))) == 0
+    assert ledger.expired_running() == [lease.member]
+    assert ledger.expired_running(grace_ms=60_000) == []
+    # the holder cannot write once its lease expired
+    assert ledger.publish(lease, step_rec(lease)) == -1 and lease.lost.is_set()
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, attempt_rec(lease, ABANDONED)) is True
+    assert ledger.expired_running() == []
+    again = start_ok(ledger, ep_id(1), "w2")
+    assert again.attempt == 2
+    assert ledger.attempts(JOB, ep_id(1)) == 2
+    assert_counts_consistent(ledger, 2)

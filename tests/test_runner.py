@@ -1,0 +1,229 @@
+"""The worker runtime without Celery: what each kind of failure does to an episode.
+
+Real Redis, real stand-in servers over loopback HTTP; the runtime is driven in-process so
+each test can look at the ledger, the stream and the dead-letter queue right after."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+
+import pytest
+
+from broker import errors
+from broker.dlq import DeadLetterQueue
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.queueing import decode_task_args
+from broker.records import AttemptRecord, EpisodeSpec, JobSpec, StepRecord, unpack
+from broker.recovery import Sweeper
+from workers.runner import WorkerRuntime
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_job(client, settings, *, env_url, llm_url, env_name="guess_number", n=1, env_params=None,
+             max_attempts=3, job_id="job1", **job_kw):
+    job = JobSpec(job_id=job_id, llm_base_url=llm_url, model="stand-in", max_attempts=max_attempts,
+                  episodes=n, groups=1, **job_kw)
+    eps = [EpisodeSpec(job_id=job_id, episode_id=f"{job_id}.1.1.1.{k}", group_id=f"{job_id}.1.1.1", group_size=n,
+                       env_name=env_name, base_url=env_url,
+                       env_params=env_params if env_params is not None else {"low": 1, "high": 32}, seed=k,
+                       queue=settings.queue)
+           for k in range(1, n + 1)]
+    Ledger(client, Keys(settings.key_prefix)).create_job(job, eps)
+    return job, eps
+
+
+def stream_records(client, settings) -> list:
+    return [unpack(f[b"r"]) for _, f in client.xrange(Keys(settings.key_prefix).results)]
+
+
+@pytest.fixture
+def runtime(settings):
+    rt = WorkerRuntime(settings, name="test-worker")
+    yield rt
+    rt.stop()
+
+
+def test_completed_episode_publishes_steps_then_attempt(runtime, settings, redis_client, env_server, model_server):
+    _, env_url = env_server
+    _, model_url = model_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1")
+    assert runtime.run(job.job_id, ep.episode_id) == "completed"
+    recs = stream_records(redis_client, settings)
+    steps = [r for r in recs if isinstance(r, StepRecord)]
+    (closing,) = [r for r in recs if isinstance(r, AttemptRecord)]
+    assert [s.step_id for s in steps] == list(range(1, len(steps) + 1))
+    assert closing.status == "completed" and closing.steps == len(steps) and closing.attempt == 1
+    assert closing.total_reward == pytest.approx(sum(s.step_reward for s in steps)) == 1.0
+    ledger = Ledger(redis_client, Keys(settings.key_prefix))
+    assert ledger.state(job.job_id, ep.episode_id) == "done"
+    assert redis_client.exists(Keys(settings.key_prefix).lease(ep.episode_id)) == 0
+
+
+def test_duplicate_delivery_of_running_episode_is_dropped(runtime, settings, redis_client, env_server, model_server):
+    _, env_url = env_server
+    _, model_url = model_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1")
+    ledger = Ledger(redis_client, Keys(settings.key_prefix), settings.lease_ttl_s)
+    first = ledger.start(job.job_id, ep.episode_id, "other-worker")
+    assert first.status == "ok"
+    assert runtime.run(job.job_id, ep.episode_id) == "busy"
+    assert ledger.attempts(job.job_id, ep.episode_id) == 1  # no second attempt started
+    assert stream_records(redis_client, settings)[1:] == []  # only the job announcement
+
+
+def test_finished_episode_redelivered_is_not_rerun(runtime, settings, redis_client, env_server, model_server):
+    env, env_url = env_server
+    _, model_url = model_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1")
+    assert runtime.run(job.job_id, ep.episode_id) == "completed"
+    resets = env.stats()["resets"]
+    assert runtime.run(job.job_id, ep.episode_id) == "finished"
+    assert env.stats()["resets"] == resets
+
+
+def test_bad_params_go_straight_to_dead_letters(runtime, settings, redis_client, env_server, model_server):
+    env, env_url = env_server
+    _, model_url = model_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1",
+                          env_name="no_such_env")
+    assert runtime.run(job.job_id, ep.episode_id) == "failed"
+    dlq = DeadLetterQueue(redis_client, settings)
+    (letter,) = dlq.list(job_id=job.job_id)
+    assert letter.reason == errors.ENV_BAD_REQUEST and letter.attempts == 1
+    assert "no_such_env" in letter.error and letter.spec["episode_id"] == ep.episode_id
+    assert Ledger(redis_client, Keys(settings.key_prefix)).state(job.job_id, ep.episode_id) == "failed"
+    (closing,) = [r for r in stream_records(redis_client, settings) if isinstance(r, AttemptRecord)]
+    assert closing.status == "failed" and closing.reason == errors.ENV_BAD_REQUEST
+
+
+def test_model_down_retries_then_dead_letters(runtime, settings, redis_client, env_server):
+    env, env_url = env_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url,
+                          llm_url=f"http://127.0.0.1:{closed_port()}/v1", max_attempts=2)
+    keys = Keys(settings.key_prefix)
+    assert runtime.run(job.job_id, ep.episode_id) == "retrying"
+    assert redis_client.zscore(keys.retry, f"{job.job_id} {ep.episode_id}") is not None
+    # The sweeper enqueues it once its backoff is over; the second attempt uses the last try.
+    sweeper = Sweeper(redis_client, settings)
+    deadline = time.monotonic() + 10
+    while not sweeper.tick().retried:
+        assert time.monotonic() < deadline, "retry never became due"
+        time.sleep(0.1)
+    assert decode_task_args(redis_client.rpop(settings.queue)) == (job.job_id, ep.episode_id)
+    assert runtime.run(job.job_id, ep.episode_id) == "failed"
+    (letter,) = DeadLetterQueue(redis_client, settings).list()
+    assert letter.reason == errors.MODEL_UNAVAILABLE and letter.attempts == 2
+    assert "after 2 attempts" in letter.error
+    # Both attempts were reset and closed on the env.
+    assert env.stats()["resets"] == 2 and env.stats()["live"] == 0
+
+
+def test_redrive_keeps_ids_and_completes(runtime, settings, redis_client, env_server, model_server):
+    _, env_url = env_server
+    _, model_url = model_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url,
+                          llm_url=f"http://127.0.0.1:{closed_port()}/v1", max_attempts=1)
+    assert runtime.run(job.job_id, ep.episode_id) == "failed"
+    dlq = DeadLetterQueue(redis_client, settings)
+    # Fix the cause (the job's model URL), then re-drive.
+    fixed = dataclasses.replace(job, llm_base_url=model_url + "/v1")
+    redis_client.set(Keys(settings.key_prefix).job_spec(job.job_id), fixed.pack())
+    runtime._jobs.clear()
+    assert dlq.redrive(dlq.list(job_id=job.job_id)) == [ep.episode_id]
+    assert len(dlq) == 0
+    assert decode_task_args(redis_client.rpop(settings.queue)) == (job.job_id, ep.episode_id)
+    assert runtime.run(job.job_id, ep.episode_id) == "completed"
+    attempts = [r for r in stream_records(redis_client, settings) if isinstance(r, AttemptRecord)]
+    assert [(a.attempt, a.status) for a in attempts] == [(1, "failed"), (2, "completed")]
+    assert {a.group_id for a in attempts} == {ep.group_id}
+
+
+def test_shutdown_hands_episode_back(runtime, settings, redis_client, env_server, model_server):
+    env, env_url = env_server
+    _, model_url = model_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1", max_attempts=1)
+    runtime.begin_shutdown(grace_s=0)
+    assert runtime.run(job.job_id, ep.episode_id) == errors.WORKER_SHUTDOWN
+    ledger = Ledger(redis_client, Keys(settings.key_prefix))
+    assert ledger.state(job.job_id, ep.episode_id) == "queued"
+    assert decode_task_args(redis_client.rpop(settings.queue)) == (job.job_id, ep.episode_id)
+    # Handing back does not use up the episode's attempts: with max_attempts=1 it still runs.
+    assert ledger.attempt_limit(job.job_id, ep.episode_id, 1) == 2
+    assert env.stats()["live"] == 0
+    runtime.shutdown_at = None
+    assert runtime.run(job.job_id, ep.episode_id) == "completed"
+
+
+def test_lost_lease_stops_publishing(runtime, settings, redis_client, env_server):
+    """Another attempt takes over mid-episode: the old one may not write a single record more."""
+    from examples.model_standin import start_in_thread
+
+    env, env_url = env_server
+    slow, slow_url = start_in_thread(latency_ms=400)
+    try:
+        job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=slow_url + "/v1",
+                              env_params={"low": 1, "high": 1000, "max_turns": 10})
+        keys = Keys(settings.key_prefix)
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", runtime.run(job.job_id, ep.episode_id)))
+        t.start()
+        time.sleep(1.0)
+        redis_client.set(keys.lease(ep.episode_id), b"someone-else:2:x")  # the lease moved on
+        t.join(30)
+        assert result["r"] == errors.LEASE_LOST
+        before = len(stream_records(redis_client, settings))
+        time.sleep(0.6)
+        assert len(stream_records(redis_client, settings)) == before
+        assert not [r for r in stream_records(redis_client, settings) if isinstance(r, AttemptRecord)]
+        assert env.stats()["live"] == 0  # the abandoned attempt still closed its instance
+    finally:
+        slow.shutdown()
+
+
+def test_episode_budget_is_enforced_by_the_loop(settings, redis_client, env_server):
+    from examples.model_standin import start_in_thread
+
+    _, env_url = env_server
+    slow, slow_url = start_in_thread(latency_ms=3000)
+    rt = WorkerRuntime(settings.replace(llm_read_timeout_s=30), name="budget-worker")
+    try:
+        job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=slow_url + "/v1",
+                              episode_budget_s=1.0)
+        t0 = time.monotonic()
+        assert rt.run(job.job_id, ep.episode_id) == "failed"
+        assert time.monotonic() - t0 < 2.5
+        (letter,) = DeadLetterQueue(redis_client, settings).list()
+        assert letter.reason == errors.EPISODE_TIMEOUT
+    finally:
+        rt.stop()
+        slow.shutdown()
+
+
+def test_secrets_never_reach_redis_or_records(settings, redis_client, env_server, model_server, caplog):
+    _, env_url = env_server
+    model, model_url = model_server
+    secret = "sk-planted-" + "x" * 20
+    rt = WorkerRuntime(settings.replace(llm_api_key=secret), name="secret-worker")
+    try:
+        job, eps = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1", n=2)
+        bad, _ = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1",
+                          env_name="nope", job_id="job2")
+        for e in eps:
+            assert rt.run(job.job_id, e.episode_id) == "completed"
+        assert rt.run("job2", "job2.1.1.1.1") == "failed"
+    finally:
+        rt.stop()
+    assert model.stats()["auth_headers_seen"] >= 2
+    for key in redis_client.scan_iter(f"{settings.key_prefix}:*"):
+        assert secret.encode() not in redis_client.dump(key), key
+    assert secret not in caplog.text
+    assert secret not in repr(rt.settings) and secret not in str(rt.settings.as_dict())
