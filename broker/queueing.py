@@ -43,7 +43,7 @@ def task_message(job_id: str, episode_id: str, queue: str) -> bytes:
             "ignore_result": True, "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
         },
         "properties": {
-            "correlation_id": task_id, "delivery_mode": 2,
+            "correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
             "delivery_info": {"exchange": "", "routing_key": queue},
             "priority": 0, "body_encoding": "base64", "delivery_tag": str(uuid.uuid4()),
         },
@@ -67,7 +67,8 @@ def decode_task_args(raw: bytes) -> tuple[str, str] | None:
     """``(job_id, episode_id)`` of an episode task message, or None for anything else."""
     try:
         envelope = json.loads(raw)
-        if envelope.get("headers", {}).get("task") != EPISODE_TASK:
+        headers = envelope.get("headers") if isinstance(envelope, dict) else None
+        if not isinstance(headers, dict) or headers.get("task") != EPISODE_TASK:
             return None
         body = base64.b64decode(envelope["body"])
         if envelope.get("content-type") == "application/x-msgpack":

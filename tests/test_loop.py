@@ -289,6 +289,11 @@ def test_max_steps_bound_and_finished_on_last_step():
     assert len(hook.ended) == 1 and env.closed == 1
 
 
+def test_max_steps_final_step_is_trainable_with_full_history():
+    out, recs, _, _ = run(FakeEnv(), max_steps=3, message_cut=0)
+    assert [r.is_trainable for r in recs] == [False, False, True]
+
+
 def test_stops_on_terminated():
     env = FakeEnv(None, [Result(), Result(terminated=True), Result()])
     out, recs, _, _ = run(env, max_steps=10)

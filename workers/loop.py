@@ -134,7 +134,10 @@ def run_episode(
             publish(StepRecord(**common, step_reward=reward, cumulative_reward=out.total_reward,
                                terminated=bool(result.terminated), truncated=bool(result.truncated),
                                episode_finished=done or step_id == cfg.max_steps,
-                               is_trainable=is_trainable(cfg.message_cut, result.terminated, result.truncated),
+                               # The max_steps step is final too: without this, a full-history
+                               # episode cut off by max_steps would leave no trainable row.
+                               is_trainable=is_trainable(cfg.message_cut, result.terminated,
+                                                         result.truncated or step_id == cfg.max_steps),
                                env_latency_s=env_s))
             if done:
                 out.ended_by = "terminated" if result.terminated else "truncated"
