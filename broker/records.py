@@ -103,6 +103,8 @@ class EpisodeSpec(_Record):
     seed: int | None = None
     queue: str = ""
     source: str = ""  # "file.yaml entry 2 row 17", for error messages and the DLQ
+    transport: str = "http"  # "http" (base_url) or "inproc" (env_class run inside the worker)
+    env_class: str = ""  # "module:Class" for the inproc transport
 
 
 @dataclass

@@ -32,7 +32,8 @@ GROUP = "consumers"
 
 
 class Ingestor:
-    def __init__(self, client: redis.Redis, settings: Settings, store, *, name: str | None = None):
+    def __init__(self, client: redis.Redis, settings: Settings, store, *, name: str | None = None,
+                 observers: list | None = None):
         self.r = client
         self.settings = settings
         self.store = store
@@ -40,6 +41,8 @@ class Ingestor:
         self.stream = self.keys.results
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.sweeper = Sweeper(client, settings)
+        # Called with each committed batch of records (metrics); their errors never stop ingest.
+        self.observers = list(observers or [])
         self.stats = {"records": 0, "batches": 0, "poison": 0, "claimed": 0}
         self._last_claim = 0.0
         self._last_sweep = 0.0
@@ -112,6 +115,11 @@ class Ingestor:
         if records:
             self.store.write_batch(records)  # commits before we acknowledge
         self.r.xack(self.stream, GROUP, *ids)
+        for observe in self.observers:
+            try:
+                observe(records)
+            except Exception:
+                log.exception("records observer failed (ignored)")
         self.stats["records"] += len(records)
         self.stats["batches"] += 1
         return len(records)

@@ -218,6 +218,7 @@ def cmd_serve(module: str):
 
 # --- parser -------------------------------------------------------------------------------
 ALL = list(SETTING_FLAGS)
+EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.benchcli", "interactor.envcli"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,6 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
         rp.add_argument("--job")
         rp.add_argument("--reason")
         rp.add_argument("--all", action="store_true")
+
+    # Commands that live with their feature (metrics, autoscale, bench, serve-env adapters...):
+    # each module has register(sub, add), where add(name, fn, help) makes a parser with the
+    # settings flags.
+    import importlib
+
+    for module in EXTRA_COMMAND_MODULES:
+        try:
+            importlib.import_module(module).register(sub, add)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
 
     for name, module in (("serve-env", "examples.envserver"), ("serve-model", "examples.model_standin")):
         sp = sub.add_parser(name, help=f"the bundled {module} stand-in", add_help=False)

@@ -187,7 +187,7 @@ class WorkerRuntime:
             hook = load_hook(job.episode_hook)
             outcome = run_episode(
                 cfg,
-                env=BoundEnv(self.env, spec, deadline),
+                env=self._env_port(spec, deadline),
                 policy=BoundPolicy(self.model, job, policy_url(job, spec.episode_id),
                                    self.settings.llm_api_key.reveal(), deadline),
                 publish=lambda rec: self._publish(lease, rec, deadline),
@@ -209,6 +209,13 @@ class WorkerRuntime:
         log.info("episode %s attempt %d completed: reward=%.3f steps=%d", spec.episode_id, lease.attempt,
                  outcome.total_reward, outcome.steps)
         return COMPLETED
+
+    def _env_port(self, spec: EpisodeSpec, deadline: float):
+        if spec.transport == "inproc":
+            from workers.inproc import InprocEnv  # the env class runs inside this worker process
+
+            return InprocEnv(spec, deadline, self.settings)
+        return BoundEnv(self.env, spec, deadline)
 
     def _check(self, lease: Lease, deadline: float) -> None:
         if lease.lost.is_set():
