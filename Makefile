@@ -27,5 +27,8 @@ test-fast: $(STAMP)  ## without the fault scenarios
 faults: $(STAMP)
 	$(PY) -m pytest -q -m fault -s
 
+bench: $(STAMP)  ## the benchmark harness (~10 min): rewrites docs/benchmarks.md and docs/benchmarks.png
+	$(VENV)/bin/interactor bench
+
 clean:
 	rm -rf runs .pytest_cache

@@ -29,6 +29,9 @@ class Keys:
     def job_attempt_limit(self, job_id: str) -> str:  # hash episode_id -> last attempt allowed
         return f"{self.prefix}:job:{job_id}:attempt-limit"
 
+    def job_queues(self, job_id: str) -> str:  # set of the queues the job's episodes use
+        return f"{self.prefix}:job:{job_id}:queues"
+
     def job_counts(self, job_id: str) -> str:  # hash state -> number of episodes in it
         return f"{self.prefix}:job:{job_id}:counts"
 
@@ -39,6 +42,10 @@ class Keys:
     @property
     def running(self) -> str:  # zset "<job> <episode>" -> lease expiry (ms since epoch)
         return f"{self.prefix}:running"
+
+    @property
+    def reserved(self) -> str:  # zset "<job> <episode>" -> reservation expiry (ms): received, not started
+        return f"{self.prefix}:reserved"
 
     @property
     def retry(self) -> str:  # zset "<job> <episode>" -> when to enqueue again (ms)
@@ -60,6 +67,15 @@ class Keys:
     @property
     def dlq_index(self) -> str:  # zset "<job> <episode>" -> dead-lettered at (s)
         return f"{self.prefix}:dlq:index"
+
+    # --- fleet statistics (interactor/metrics.py) -------------------------------------
+    @property
+    def stats(self) -> str:  # hash: counters and histogram buckets folded from committed records
+        return f"{self.prefix}:stats"
+
+    @property
+    def stats_samples(self) -> str:  # zset "<ts>:<steps>" -> ts: recent step totals, for steps/s
+        return f"{self.prefix}:stats:samples"
 
 
 def member(job_id: str, episode_id: str) -> str:

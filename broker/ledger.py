@@ -47,8 +47,9 @@ local function move(counts, old, new)
 end
 """
 
-# KEYS: state, attempts, counts, lease, running   ARGV: episode, token_prefix, ttl_ms, now_ms, member
+# KEYS: state, attempts, counts, lease, running, reserved   ARGV: episode, token_prefix, ttl_ms, now_ms, member
 _START = _COUNTS_FN + """
+redis.call('ZREM', KEYS[6], ARGV[5])
 local st = redis.call('HGET', KEYS[1], ARGV[1])
 if not st then return {'unknown', ''} end
 if st == 'done' or st == 'failed' then return {'finished', st} end
@@ -113,6 +114,15 @@ end
 return 1
 """
 
+# KEYS: reserved, state   ARGV: member, episode, now_ms
+_RECLAIM_RESERVED = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) > tonumber(ARGV[3]) then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+if redis.call('HGET', KEYS[2], ARGV[2]) ~= 'queued' then return 0 end
+return 1
+"""
+
 # KEYS: state, counts   ARGV: episode, new_state, allowed_old...
 _MOVE = _COUNTS_FN + """
 local st = redis.call('HGET', KEYS[1], ARGV[1])
@@ -161,6 +171,7 @@ class Ledger:
         self._finish = client.register_script(_FINISH)
         self._reclaim = client.register_script(_RECLAIM)
         self._move = client.register_script(_MOVE)
+        self._reclaim_reserved = client.register_script(_RECLAIM_RESERVED)
 
     # --- jobs ------------------------------------------------------------------------
     def create_job(self, job: JobSpec, episodes: Sequence[EpisodeSpec], chunk: int = 5000) -> None:
@@ -176,6 +187,9 @@ class Ledger:
         pipe.hset(k.job_counts(job.job_id), mapping={s: 0 for s in LEDGER_STATES})
         pipe.hset(k.job_counts(job.job_id), QUEUED, len(episodes))
         pipe.set(k.job_spec(job.job_id), job.pack())
+        queues = {e.queue for e in episodes if e.queue}
+        if queues:
+            pipe.sadd(k.job_queues(job.job_id), *queues)
         pipe.zadd(k.jobs, {job.job_id: job.created_at})
         # The job is announced in the results stream too, so the database knows what to expect.
         pipe.xadd(k.results, {"r": job.pack()})
@@ -191,6 +205,9 @@ class Ledger:
     def episode_spec(self, job_id: str, episode_id: str) -> EpisodeSpec | None:
         raw = self.r.hget(self.k.job_episodes(job_id), episode_id)
         return unpack(raw) if raw else None
+
+    def job_queues(self, job_id: str) -> set[str]:
+        return {q.decode() for q in self.r.smembers(self.k.job_queues(job_id))}
 
     def counts(self, job_id: str) -> dict[str, int]:
         raw = self.r.hgetall(self.k.job_counts(job_id))
@@ -221,7 +238,8 @@ class Ledger:
         k = self.k
         prefix = f"{worker}:{uuid.uuid4().hex[:8]}"
         out = self._start(
-            keys=[k.job_state(job_id), k.job_attempts(job_id), k.job_counts(job_id), k.lease(episode_id), k.running],
+            keys=[k.job_state(job_id), k.job_attempts(job_id), k.job_counts(job_id), k.lease(episode_id), k.running,
+                  k.reserved],
             args=[episode_id, prefix, self.lease_ttl_ms, _now_ms(), member(job_id, episode_id)],
         )
         status = out[0].decode()
@@ -245,6 +263,36 @@ class Ledger:
         for lease, ok in zip(leases, pipe.execute()):
             if not ok:
                 lease.lost.set()
+
+    # --- reservations: received by a worker, not started yet ----------------------------
+    # A worker that dies between receiving a task and starting it leaves no lease behind, and
+    # its message comes back only after the broker's visibility timeout (hours). A renewed
+    # reservation lets the sweeper send such episodes again within the lease TTL.
+    def reserve(self, members: Sequence[str]) -> None:
+        if members:
+            expiry = _now_ms() + self.lease_ttl_ms
+            self.r.zadd(self.k.reserved, {m: expiry for m in members})
+
+    def renew_reservations(self, members: Sequence[str]) -> set[str]:
+        """Extend reservations still open; returns those gone (started, or reclaimed)."""
+        if not members:
+            return set()
+        expiry = _now_ms() + self.lease_ttl_ms
+        pipe = self.r.pipeline(transaction=False)
+        for m in members:
+            pipe.zscore(self.k.reserved, m)
+            pipe.zadd(self.k.reserved, {m: expiry}, xx=True)  # XX: never re-adds a started one
+        scores = pipe.execute()[0::2]
+        return {m for m, score in zip(members, scores) if score is None}
+
+    def expired_reservations(self, limit: int = 1000) -> list[str]:
+        return [m.decode() for m in self.r.zrangebyscore(self.k.reserved, 0, _now_ms(), start=0, num=limit)]
+
+    def reclaim_reservation(self, m: str) -> bool:
+        """True once (atomically) for an expired reservation whose episode never started."""
+        job_id, _, episode_id = m.partition(" ")
+        return bool(self._reclaim_reserved(keys=[self.k.reserved, self.k.job_state(job_id)],
+                                           args=[m, episode_id, _now_ms()]))
 
     def publish(self, lease: Lease, payload: bytes) -> int:
         """XADD under the lease. Returns the stream length, or -1 if the lease is gone."""

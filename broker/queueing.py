@@ -13,10 +13,10 @@ which is what re-drive and reconcile read too.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import os
 import socket
-import uuid
 from typing import Iterable
 
 import msgpack
@@ -27,31 +27,67 @@ from broker.app import EPISODE_TASK
 _ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
+# The body is msgpack [args, kwargs, embed]: a 3-array header, then the args, then two constant
+# parts packed once.
+_BODY_TAIL = msgpack.packb({}, use_bin_type=True) + msgpack.packb(_EMBED, use_bin_type=True)
+_packb = msgpack.Packer(use_bin_type=True).pack
+_dumps = json.JSONEncoder(ensure_ascii=True).encode
 
-def task_message(job_id: str, episode_id: str, queue: str) -> bytes:
-    task_id = str(uuid.uuid4())
-    body = base64.b64encode(msgpack.packb([[job_id, episode_id], {}, _EMBED], use_bin_type=True)).decode()
-    return json.dumps({
-        "body": body,
+
+def _template() -> str:
+    """The JSON envelope with ``%(name)s`` holes, produced by json itself (so the layout is
+    exactly what ``json.dumps`` of the envelope gives) from sentinel values."""
+    hole = {name: f"@@{name}@@" for name in ("body", "id", "argsrepr", "queue", "tag")}
+    envelope = {
+        "body": hole["body"],
         "content-encoding": "binary",
         "content-type": "application/x-msgpack",
         "headers": {
-            "lang": "py", "task": EPISODE_TASK, "id": task_id, "shadow": None, "eta": None,
+            "lang": "py", "task": EPISODE_TASK, "id": hole["id"], "shadow": None, "eta": None,
             "expires": None, "group": None, "group_index": None, "retries": 0,
-            "timelimit": [None, None], "root_id": task_id, "parent_id": None,
-            "argsrepr": repr([job_id, episode_id]), "kwargsrepr": "{}", "origin": _ORIGIN,
+            "timelimit": [None, None], "root_id": hole["id"], "parent_id": None,
+            "argsrepr": hole["argsrepr"], "kwargsrepr": "{}", "origin": _ORIGIN,
             "ignore_result": True, "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
         },
         "properties": {
-            "correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
-            "delivery_info": {"exchange": "", "routing_key": queue},
-            "priority": 0, "body_encoding": "base64", "delivery_tag": str(uuid.uuid4()),
+            "correlation_id": hole["id"], "reply_to": "", "delivery_mode": 2,
+            "delivery_info": {"exchange": "", "routing_key": hole["queue"]},
+            "priority": 0, "body_encoding": "base64", "delivery_tag": hole["tag"],
         },
+    }
+    text = json.dumps(envelope).replace("%", "%%")
+    for name, value in hole.items():
+        text = text.replace(json.dumps(value), f"%({name})s")
+    return text
+
+
+_TEMPLATE = _template()
+
+
+def _uuid4(h: str) -> str:
+    """A version-4 UUID string from 32 random hex digits (``str(uuid.uuid4())`` at a quarter
+    of the cost)."""
+    return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{'89ab'[int(h[16], 16) & 3]}{h[17:20]}-{h[20:32]}"
+
+
+def _message(job_id: str, episode_id: str, queue_json: str, rand_hex: str) -> bytes:
+    args = [job_id, episode_id]
+    body = binascii.b2a_base64(b"\x93" + _packb(args) + _BODY_TAIL, newline=False).decode("ascii")
+    task_id = _uuid4(rand_hex[:32])
+    return (_TEMPLATE % {
+        "body": f'"{body}"', "id": f'"{task_id}"', "argsrepr": _dumps(repr(args)), "queue": queue_json,
+        "tag": f'"{_uuid4(rand_hex[32:64])}"',
     }).encode()
 
 
+def task_message(job_id: str, episode_id: str, queue: str) -> bytes:
+    """One Celery task message (protocol 2, kombu's Redis envelope) for the episode task."""
+    return _message(job_id, episode_id, _dumps(queue), os.urandom(32).hex())
+
+
 def send_episodes(client: redis.Redis, items: Iterable[tuple[str, str, str]], chunk: int = 5000) -> int:
-    """Enqueue ``(job_id, episode_id, queue)`` items; returns how many were sent."""
+    """Enqueue ``(job_id, episode_id, queue)`` items, one LPUSH each, ``chunk`` per round trip;
+    returns how many were sent. For a whole job, :func:`push_episodes` is several times faster."""
     sent = 0
     pipe = client.pipeline(transaction=False)
     for job_id, episode_id, queue in items:
@@ -60,6 +96,44 @@ def send_episodes(client: redis.Redis, items: Iterable[tuple[str, str, str]], ch
         if sent % chunk == 0:
             pipe.execute()
     pipe.execute()
+    return sent
+
+
+def push_episodes(client: redis.Redis, items: Iterable[tuple[str, str, str]], chunk: int = 5000) -> int:
+    """Enqueue many ``(job_id, episode_id, queue)`` items: per round trip, one LPUSH per queue
+    carrying up to ``chunk`` messages (a reply per command instead of per message). Order is
+    kept: Celery pops from the right, so within a queue the first item sent runs first.
+    Returns how many were sent."""
+    sent = 0
+    by_queue: dict[str, list[bytes]] = {}
+    quoted: dict[str, str] = {}
+    rand = ""
+    pos = 0
+
+    def flush() -> None:
+        if not by_queue:
+            return
+        pipe = client.pipeline(transaction=False)
+        for queue, messages in by_queue.items():
+            pipe.lpush(queue, *messages)
+        pipe.execute()
+        by_queue.clear()
+
+    for job_id, episode_id, queue in items:
+        if pos == len(rand):
+            rand, pos = os.urandom(32 * 1024).hex(), 0
+        q = quoted.get(queue)
+        if q is None:
+            q = quoted[queue] = _dumps(queue)
+        msgs = by_queue.get(queue)
+        if msgs is None:
+            msgs = by_queue[queue] = []
+        msgs.append(_message(job_id, episode_id, q, rand[pos : pos + 64]))
+        pos += 64
+        sent += 1
+        if sent % chunk == 0:
+            flush()
+    flush()
     return sent
 
 

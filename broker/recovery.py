@@ -5,14 +5,16 @@ longer than the episode budget (hours). Its lease expires within ``lease_ttl_s``
 the sweeper re-queues the episode from a fresh reset. If the old message comes back later,
 the ledger drops it (the episode is running under another lease, or done).
 
-The consumer runs ``Sweeper.tick`` every ``sweep_interval_s``; a Redis lock lets any number of
-consumers run it without doing the work twice.
+Every worker process and the consumer run ``Sweeper.tick`` every ``sweep_interval_s``; a Redis
+lock lets any number of them run it without doing the work twice, and recovery does not
+depend on any one process being up.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 
 import redis
@@ -27,10 +29,8 @@ from broker.records import (
     FAILED,
     QUEUED,
     RETRYING,
-    RUNNING,
     AttemptRecord,
     DeadLetter,
-    unpack,
 )
 from broker.settings import Settings
 
@@ -42,9 +42,11 @@ class SweepReport:
     reclaimed: list[str] = field(default_factory=list)  # members re-queued after a lost worker
     dead: list[str] = field(default_factory=list)  # members dead-lettered (attempts exhausted)
     retried: list[str] = field(default_factory=list)  # members enqueued after their backoff
+    resent: list[str] = field(default_factory=list)  # received by a dead worker, never started
+    reconciled: list[str] = field(default_factory=list)  # episode ids lost on the way, sent again
 
     def __bool__(self) -> bool:
-        return bool(self.reclaimed or self.dead or self.retried)
+        return bool(self.reclaimed or self.dead or self.retried or self.resent or self.reconciled)
 
 
 class Sweeper:
@@ -53,6 +55,7 @@ class Sweeper:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.ledger = Ledger(client, self.keys, settings.lease_ttl_s)
+        self._last_reconcile = time.monotonic()
 
     def tick(self) -> SweepReport:
         report = SweepReport()
@@ -61,7 +64,9 @@ class Sweeper:
             return report
         try:
             self._reclaim_lost(report)
+            self._resend_unstarted(report)
             self._enqueue_due(report)
+            self._reconcile_quiet_jobs(report)
         finally:
             self.r.delete(self.keys.sweep_lock)
         return report
@@ -96,6 +101,36 @@ class Sweeper:
                     report.reclaimed.append(m)
                     log.warning("episode %s: worker lost on attempt %d; re-queued", episode_id, attempt)
 
+    def _resend_unstarted(self, report: SweepReport) -> None:
+        """Episodes a dead worker had received but not started: send them again."""
+        for m in self.ledger.expired_reservations():
+            if not self.ledger.reclaim_reservation(m):
+                continue
+            job_id, episode_id = split_member(m)
+            spec = self.ledger.episode_spec(job_id, episode_id)
+            send_episodes(self.r, [(job_id, episode_id, (spec.queue if spec else "") or self.settings.queue)])
+            report.resent.append(m)
+            log.warning("episode %s: received by a worker that died before starting it; sent again", episode_id)
+
+    def _reconcile_quiet_jobs(self, report: SweepReport, recent_jobs: int = 50, max_queue: int = 10_000) -> None:
+        """Reconcile jobs with queued episodes while their queues are short.
+
+        Cheap where it matters: a job whose last episodes were lost has an empty queue and
+        would otherwise wait forever; a long queue is scanned later, once it drains.
+        """
+        now = time.monotonic()
+        if now - self._last_reconcile < self.settings.reconcile_interval_s:
+            return
+        self._last_reconcile = now
+        for job_id in self.ledger.job_ids()[-recent_jobs:]:
+            counts = self.ledger.counts(job_id)
+            if not (counts[QUEUED] or counts[RETRYING]):
+                continue
+            queues = set(self.settings.served_queues) | self.ledger.job_queues(job_id)
+            if sum(self.r.llen(q) for q in queues) > max_queue:
+                continue
+            report.reconciled.extend(reconcile(self.r, self.settings, job_id))
+
     def _enqueue_due(self, report: SweepReport) -> None:
         for m in self.ledger.due_retries():
             if not self.ledger.take_retry(m):
@@ -108,8 +143,17 @@ class Sweeper:
             report.retried.append(m)
 
 
-def queued_members(client: redis.Redis, queues: list[str]) -> set[str]:
-    """Episodes that have a Celery message waiting or in flight (kombu's unacked hash)."""
+KOMBU_UNACKED, KOMBU_UNACKED_INDEX = "unacked", "unacked_index"  # kombu's Redis transport keys
+
+
+def waiting_members(client: redis.Redis, queues: list[str], *, unacked_grace_s: float) -> set[str]:
+    """Episodes with a task message that will be delivered or is being started.
+
+    Counted: messages in the queue lists (every priority sub-queue) and messages delivered to
+    a worker less than ``unacked_grace_s`` ago (kombu's unacked hash). An older unacked message
+    whose episode never started belongs to a worker that died before its reservation was
+    written; kombu would only restore it after the visibility timeout, so it does not count.
+    """
     found: set[str] = set()
     names = set(queues)
     for q in queues:
@@ -119,10 +163,14 @@ def queued_members(client: redis.Redis, queues: list[str]) -> set[str]:
             args = decode_task_args(raw)
             if args:
                 found.add(member(*args))
-    for _, raw in client.hscan_iter("unacked"):
+    delivered_at = {tag.decode(): score for tag, score in client.zrange(KOMBU_UNACKED_INDEX, 0, -1, withscores=True)}
+    cutoff = time.time() - unacked_grace_s
+    for tag, raw in client.hscan_iter(KOMBU_UNACKED):
+        if delivered_at.get(tag.decode(), 0.0) < cutoff:
+            continue
         try:
             envelope = json.loads(raw)[0]
-        except (ValueError, IndexError, TypeError):
+        except (ValueError, IndexError, TypeError, KeyError):
             continue
         args = decode_task_args(json.dumps(envelope).encode())
         if args:
@@ -133,28 +181,27 @@ def queued_members(client: redis.Redis, queues: list[str]) -> set[str]:
 def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: bool = False) -> list[str]:
     """Re-enqueue episodes of a job that nothing will ever run again.
 
-    An episode is accounted for when it is done or failed (dead-lettered), running under a live
-    lease, waiting in the retry schedule, or has a task message in a queue or in flight.
-    Anything else was lost on the way (a crash between a ledger write and a send, a flushed
-    queue) and is sent again. Running without a live lease is left to the sweeper.
+    An episode is accounted for when it is done or failed (dead-lettered), running (a dead
+    worker's lease is the sweeper's business), waiting in the retry schedule, reserved by a
+    live worker, or has a task message waiting (see ``waiting_members``). Anything else was lost
+    on the way: a worker killed between receiving and reserving, a message popped by BRPOP
+    while Redis went down, a crash between a ledger write and a send, a flushed queue. It is
+    sent again; a duplicate message, should the old one resurface, is dropped by the ledger.
     """
     keys = Keys(settings.key_prefix)
     ledger = Ledger(client, keys, settings.lease_ttl_s)
-    queues = sorted(set(settings.served_queues) | _job_queues(ledger, job_id))
-    waiting = queued_members(client, queues)
+    # Order matters: schedules first, queues next, states last, so that an episode moving
+    # along meanwhile is seen in at least one place.
     scheduled = {m.decode() for m in client.zrange(keys.retry, 0, -1)}
-    lost: list[tuple[str, str, str]] = []
-    for episode_id, state in ledger.states(job_id).items():
-        m = member(job_id, episode_id)
-        if state in ("done", FAILED) or m in waiting or m in scheduled:
-            continue
-        if state == RUNNING:
-            continue
-        lost.append((job_id, episode_id, state))
+    scheduled |= {m.decode() for m in client.zrange(keys.reserved, 0, -1)}
+    queues = sorted(set(settings.served_queues) | ledger.job_queues(job_id))
+    waiting = waiting_members(client, queues, unacked_grace_s=settings.lease_ttl_s)
+    lost = [(episode_id, state) for episode_id, state in ledger.states(job_id).items()
+            if state in (QUEUED, RETRYING) and member(job_id, episode_id) not in waiting | scheduled]
     if dry_run:
-        return [e for _, e, _ in lost]
+        return [e for e, _ in lost]
     sent = []
-    for _, episode_id, state in lost:
+    for episode_id, state in lost:
         if ledger.move(job_id, episode_id, QUEUED, [state]):
             spec = ledger.episode_spec(job_id, episode_id)
             send_episodes(client, [(job_id, episode_id, (spec.queue if spec else "") or settings.queue)])
@@ -162,12 +209,3 @@ def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: 
     if sent:
         log.warning("reconcile %s: re-enqueued %d lost episodes", job_id, len(sent))
     return sent
-
-
-def _job_queues(ledger: Ledger, job_id: str) -> set[str]:
-    queues = set()
-    for raw in ledger.r.hvals(ledger.k.job_episodes(job_id)):
-        q = unpack(raw).queue
-        if q:
-            queues.add(q)
-    return queues

@@ -8,6 +8,7 @@ held in :class:`Secret` so that they never show up in ``repr``, logs or task pay
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
@@ -65,6 +66,13 @@ class Settings:
     llm_backoff_max_s: float = 30.0
     llm_session_routing: bool = False  # base URL becomes {llm_base_url}/{episode_id}
     llm_params: str = ""  # JSON object merged into every request body: max_tokens, top_p, stop, ...
+    # Convenience fields, merged into llm_params (and winning over the same keys there):
+    llm_max_tokens: int = 0  # > 0: "max_tokens" (--max-tokens)
+    llm_top_p: float = 0.0  # > 0: "top_p" (--top-p)
+    llm_stop: str = ""  # "stop": one stop string, or a JSON list of strings (--stop)
+    llm_max_concurrency: int = 0  # model requests in flight per worker process; 0 = up to `concurrency`
+    llm_max_connections: int = 0  # kept-alive connections to the model per worker process; 0 = auto
+    llm_startup_jitter_s: float = 0.0  # each of a worker's first `concurrency` episodes waits U(0, this)
 
     # --- environment servers -----------------------------------------------------------
     env_base_url: str = ""  # default for task entries that name no base_url
@@ -80,10 +88,13 @@ class Settings:
     message_cut: int = 3
     episode_budget_s: float = 3600.0  # wall clock per attempt, enforced by the loop itself
     episode_hook: str = ""  # "module:factory"
+    experience_dir: str = ""  # the built-in hook workers.experience:template reads skills from here
+    experience_top_k: int = 3  # ... and injects this many, best success rate first
 
     # --- delivery guarantees -----------------------------------------------------------
     lease_ttl_s: float = 30.0  # a dead worker's episode is re-run at most ~this + sweep later
     sweep_interval_s: float = 5.0
+    reconcile_interval_s: float = 30.0  # how often the sweeper looks for lost messages of quiet jobs
     max_attempts: int = 3
     retry_backoff_initial_s: float = 2.0
     retry_backoff_max_s: float = 60.0
@@ -98,6 +109,34 @@ class Settings:
     consumer_batch: int = 500
     consumer_block_ms: int = 1000
     consumer_claim_idle_ms: int = 30_000
+
+    def __post_init__(self) -> None:
+        # Fold the convenience fields into llm_params, which is what travels in the JobSpec.
+        extra = self.convenience_params()
+        if not extra:
+            return
+        try:
+            base = json.loads(self.llm_params) if self.llm_params else {}
+        except ValueError:
+            return  # validated() reports it
+        if isinstance(base, dict):
+            object.__setattr__(self, "llm_params", json.dumps({**base, **extra}, sort_keys=True))
+
+    def convenience_params(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.llm_max_tokens > 0:
+            out["max_tokens"] = self.llm_max_tokens
+        if self.llm_top_p > 0:
+            out["top_p"] = self.llm_top_p
+        if self.llm_stop:
+            stop: Any = self.llm_stop
+            if stop.lstrip().startswith("["):
+                try:
+                    stop = json.loads(stop)
+                except ValueError:
+                    pass  # validated() reports it
+            out["stop"] = stop
+        return out
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
@@ -148,12 +187,23 @@ class Settings:
             problems.append(f"pool must be threads, prefork, gevent or solo, not {self.pool!r}")
         if self.llm_params:
             try:
-                import json
-
                 if not isinstance(json.loads(self.llm_params), dict):
                     raise ValueError
             except ValueError:
                 problems.append(f"llm_params must be a JSON object, got {self.llm_params!r}")
+        if self.llm_max_tokens < 0:
+            problems.append("llm_max_tokens must be >= 0 (0 = not sent)")
+        if not 0 <= self.llm_top_p <= 1:
+            problems.append("llm_top_p must be in (0, 1] (0 = not sent)")
+        stop = self.convenience_params().get("stop")
+        if stop is not None and not (isinstance(stop, str) or (
+                isinstance(stop, list) and stop and all(isinstance(x, str) for x in stop))):
+            problems.append(f"llm_stop must be a string or a JSON list of strings, got {self.llm_stop!r}")
+        for name in ("llm_max_concurrency", "llm_max_connections", "llm_startup_jitter_s"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0")
+        if self.experience_top_k < 1:
+            problems.append("experience_top_k must be >= 1")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             problems.append(f"redis_url must start with redis://, rediss:// or unix://, not {redact_url(self.redis_url)!r}")
         if problems:

@@ -2,16 +2,36 @@
 
 Each row is one trainable (by default), non-superseded step of an episode (completed episodes by
 default). ``messages`` is the chat shape TRL / verl read: the prompt actually sent plus the
-assistant response as the last message; ``prompt`` is the prompt alone.
+assistant response as the last message; ``prompt`` is the prompt alone and ``completion`` the
+response as a one-message list (TRL's conversational prompt-completion shape).
+
+Filters (all optional): complete groups only (every member of the group completed), episodes no
+staler than ``max_staleness`` weight versions, trainable steps only (the default), env names.
+
+Group statistics (GRPO): over the *exported* episodes of each group, the mean and population std
+of the episode rewards; each row carries its episode's normalized advantage
+``(episode_reward - mean) / (std + eps)``, and ``group_rewards_equal`` flags groups whose rewards
+are all equal (advantage 0: no learning signal). ``group_size`` is how many episodes of the group
+were exported.
+
+Staleness: a weight version is read as a number (``"12"``, or the last integer of ``"v12"`` /
+``"step-12"``). An episode's version is the oldest among its steps; it is kept when
+``current - version <= max_staleness``, ``current`` being the given current version or else
+the newest one in the job. With the filter on, episodes without a readable version are dropped.
+With ``complete_groups_only``, a group that lost a member to the staleness filter is dropped too.
 
 Rows come out ordered by group, episode, step. The database is read episode by episode through
-the ``(env_id, attempt, step_id)`` index, so memory stays flat for large jobs.
+the ``(env_id, attempt, step_id)`` index, so memory stays flat for large jobs (the episode list,
+one small tuple per episode, is held).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
 from consumer.store import EP_COMPLETED, Store
@@ -19,8 +39,10 @@ from consumer.store import EP_COMPLETED, Store
 COLUMNS = (
     "job_id", "episode_id", "group_id", "env_name", "step_id", "attempt", "messages", "prompt",
     "response", "reward", "episode_reward", "weight_version", "is_trainable", "terminated",
-    "truncated", "group_complete", "episode_status",
+    "truncated", "group_complete", "episode_status", "completion", "group_size", "group_reward_mean",
+    "group_reward_std", "advantage", "group_rewards_equal",
 )
+ADVANTAGE_EPS = 1e-6
 
 
 def parquet_schema():
@@ -46,33 +68,151 @@ def parquet_schema():
             pa.field("truncated", pa.bool_()),
             pa.field("group_complete", pa.bool_()),
             pa.field("episode_status", pa.string()),
+            pa.field("completion", message),
+            pa.field("group_size", pa.int32()),
+            pa.field("group_reward_mean", pa.float64()),
+            pa.field("group_reward_std", pa.float64()),
+            pa.field("advantage", pa.float64()),
+            pa.field("group_rewards_equal", pa.bool_()),
         ]
     )
 
 
-def _iter_rows(
+@dataclass
+class ExportSummary:
+    rows: int = 0
+    episodes: int = 0
+    groups: int = 0
+    groups_rewards_equal: int = 0  # exported groups with no reward spread
+    dropped_stale: int = 0  # episodes older than max_staleness
+    dropped_unversioned: int = 0  # episodes without a readable weight_version (staleness filter on)
+    dropped_groups: int = 0  # groups left out by complete_groups_only after staleness
+    current_version: float | None = None
+    by_env: dict[str, int] = field(default_factory=dict)  # rows per env_name
+
+
+_LAST_INT = re.compile(r"\d+(?!.*\d)")
+
+
+def version_number(version: Any) -> float | None:
+    """A weight version as a number: the value itself, else the last integer in it; None if none."""
+    if version is None:
+        return None
+    if isinstance(version, (int, float)) and not isinstance(version, bool):
+        return float(version)
+    text = str(version).strip()
+    try:
+        value = float(text)
+        return value if math.isfinite(value) else None
+    except ValueError:
+        m = _LAST_INT.search(text)
+        return float(m.group(0)) if m else None
+
+
+def group_stats(rewards: Sequence[float], eps: float = ADVANTAGE_EPS) -> tuple[float, float, list[float], bool]:
+    """``(mean, population std, advantages, all_equal)`` of one group's episode rewards."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+    equal = max(rewards) == min(rewards)
+    adv = [0.0] * n if equal else [(r - mean) / (std + eps) for r in rewards]
+    return mean, std, adv, equal
+
+
+def _select_episodes(
     store: Store,
     job_id: str,
     *,
-    trainable_only: bool,
     complete_groups_only: bool,
     episode_statuses: Sequence[str] | None,
-) -> Iterator[dict[str, Any]]:
+    env_names: Sequence[str] | None,
+    max_staleness: float | None,
+    current_version: Any,
+    eps: float,
+    summary: ExportSummary,
+) -> list[tuple]:
+    """The exported episodes, in order, each with its group's statistics:
+    ``(episode_id, attempt, status, total, group_complete, group_size, mean, std, advantage, equal)``."""
     conn = store.connection()
     where = ["e.job_id = ?"]
     args: list[Any] = [job_id]
     if episode_statuses is not None:
         where.append(f"e.status IN ({','.join('?' * len(episode_statuses))})")
         args.extend(episode_statuses)
+    if env_names:
+        where.append(f"e.env_name IN ({','.join('?' * len(env_names))})")
+        args.extend(env_names)
     if complete_groups_only:
         where.append("g.complete = 1")
     with store.lock:
         episodes = conn.execute(
-            "SELECT e.episode_id, e.attempt, e.status, e.total_reward, COALESCE(g.complete, 0) "
-            "FROM episodes e LEFT JOIN groups g ON g.group_id = e.group_id "
+            "SELECT e.episode_id, e.attempt, e.status, e.total_reward, COALESCE(g.complete, 0), e.group_id, "
+            "COALESCE(g.size, 0) FROM episodes e LEFT JOIN groups g ON g.group_id = e.group_id "
             f"WHERE {' AND '.join(where)} ORDER BY e.group_id, e.episode_id",
             args,
         ).fetchall()
+
+    if max_staleness is not None:
+        oldest: dict[str, float] = {}
+        newest: float | None = None
+        with store.lock:
+            versions = conn.execute(
+                "SELECT env_id, weight_version FROM session_steps WHERE job_id = ? AND superseded = 0 "
+                "AND weight_version IS NOT NULL GROUP BY env_id, weight_version", (job_id,),
+            ).fetchall()
+        for env_id, wv in versions:
+            v = version_number(wv)
+            if v is None:
+                continue
+            if env_id not in oldest or v < oldest[env_id]:
+                oldest[env_id] = v
+            newest = v if newest is None or v > newest else newest
+        current = version_number(current_version) if current_version is not None else newest
+        summary.current_version = current
+        kept = []
+        for ep in episodes:
+            v = oldest.get(ep[0])
+            if v is None or current is None:
+                summary.dropped_unversioned += 1
+            elif current - v > max_staleness:
+                summary.dropped_stale += 1
+            else:
+                kept.append(ep)
+        if complete_groups_only:  # a complete group must still be whole after the filter
+            present: dict[str, list[int]] = {}  # group -> [episodes kept, group size]
+            for ep in kept:
+                present.setdefault(ep[5], [0, ep[6]])[0] += 1
+            whole = {g for g, (n, size) in present.items() if n >= size}
+            summary.dropped_groups = len(present) - len(whole)
+            kept = [ep for ep in kept if ep[5] in whole]
+        episodes = kept
+
+    out = []
+    i = 0
+    while i < len(episodes):
+        j = i
+        gid = episodes[i][5]
+        while j < len(episodes) and episodes[j][5] == gid:
+            j += 1
+        members = episodes[i:j]
+        mean, std, adv, equal = group_stats([float(m[3] or 0.0) for m in members], eps)
+        summary.groups += 1
+        summary.groups_rewards_equal += 1 if equal else 0
+        for m, a in zip(members, adv):
+            out.append((m[0], m[1], m[2], m[3], m[4], len(members), mean, std, a, equal))
+        i = j
+    summary.episodes = len(out)
+    return out
+
+
+def _iter_rows(
+    store: Store,
+    episodes: list[tuple],
+    *,
+    trainable_only: bool,
+    summary: ExportSummary,
+) -> Iterator[dict[str, Any]]:
+    conn = store.connection()
     step_sql = (
         "SELECT job_id, env_id, group_id, env_name, step_id, attempt, messages, response, step_reward, "
         "weight_version, is_trainable, terminated, truncated FROM session_steps "
@@ -80,11 +220,13 @@ def _iter_rows(
         + (" AND is_trainable = 1" if trainable_only else "")
         + " ORDER BY step_id"
     )
-    for ep_id, attempt, status, total, gcomplete in episodes:
+    for ep_id, attempt, status, total, gcomplete, gsize, gmean, gstd, adv, equal in episodes:
         with store.lock:
             steps = conn.execute(step_sql, (ep_id, attempt)).fetchall()
         for (s_job, env_id, gid, env_name, step_id, att, messages, response, reward, wv, trainable, term, trunc) in steps:
             prompt = json.loads(messages) if messages else []
+            completion = [{"role": "assistant", "content": response}]
+            summary.by_env[env_name] = summary.by_env.get(env_name, 0) + 1
             yield {
                 "job_id": s_job,
                 "episode_id": env_id,
@@ -92,7 +234,7 @@ def _iter_rows(
                 "env_name": env_name,
                 "step_id": step_id,
                 "attempt": att,
-                "messages": prompt + [{"role": "assistant", "content": response}],
+                "messages": prompt + completion,
                 "prompt": prompt,
                 "response": response,
                 "reward": reward,
@@ -103,6 +245,12 @@ def _iter_rows(
                 "truncated": bool(trunc),
                 "group_complete": bool(gcomplete),
                 "episode_status": status,
+                "completion": completion,
+                "group_size": gsize,
+                "group_reward_mean": gmean,
+                "group_reward_std": gstd,
+                "advantage": adv,
+                "group_rewards_equal": equal,
             }
 
 
@@ -131,8 +279,37 @@ def export_job(
     complete_groups_only: bool = False,
     episode_statuses: Sequence[str] | None = (EP_COMPLETED,),
     row_group_size: int = 2048,
+    env_names: Sequence[str] | None = None,
+    max_staleness: float | None = None,
+    current_version: Any = None,
+    eps: float = ADVANTAGE_EPS,
 ) -> int:
     """Write one row per exported step to ``out_path``; returns the number of rows.
+    (:func:`export_training` does the same and returns an :class:`ExportSummary`.)"""
+    return export_training(
+        store_path_or_store, job_id, out_path, fmt, trainable_only=trainable_only,
+        complete_groups_only=complete_groups_only, episode_statuses=episode_statuses,
+        row_group_size=row_group_size, env_names=env_names, max_staleness=max_staleness,
+        current_version=current_version, eps=eps,
+    ).rows
+
+
+def export_training(
+    store_path_or_store: str | os.PathLike | Store,
+    job_id: str,
+    out_path: str | os.PathLike,
+    fmt: str = "jsonl",
+    *,
+    trainable_only: bool = True,
+    complete_groups_only: bool = False,
+    episode_statuses: Sequence[str] | None = (EP_COMPLETED,),
+    row_group_size: int = 2048,
+    env_names: Sequence[str] | None = None,
+    max_staleness: float | None = None,
+    current_version: Any = None,
+    eps: float = ADVANTAGE_EPS,
+) -> ExportSummary:
+    """Write one row per exported step to ``out_path`` (see the module docstring).
 
     ``episode_statuses=None`` exports episodes in every status (see the ``episode_status``
     column). JSONL keeps message content as stored (a string or a list of parts); Parquet
@@ -140,6 +317,8 @@ def export_job(
     """
     if fmt not in ("jsonl", "parquet"):
         raise ValueError(f"fmt must be 'jsonl' or 'parquet', got {fmt!r}")
+    if max_staleness is not None and max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
     own = not isinstance(store_path_or_store, Store)
     if own:
         if not os.path.exists(store_path_or_store):
@@ -150,17 +329,24 @@ def export_job(
     out_path = str(out_path)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = out_path + ".tmp"
+    summary = ExportSummary()
     try:
-        rows = _iter_rows(
+        episodes = _select_episodes(
             store,
             job_id,
-            trainable_only=trainable_only,
             complete_groups_only=complete_groups_only,
             episode_statuses=None if episode_statuses is None else tuple(episode_statuses),
+            env_names=tuple(env_names) if env_names else None,
+            max_staleness=max_staleness,
+            current_version=current_version,
+            eps=eps,
+            summary=summary,
         )
+        rows = _iter_rows(store, episodes, trainable_only=trainable_only, summary=summary)
         n = _write_jsonl(rows, tmp) if fmt == "jsonl" else _write_parquet(rows, tmp, row_group_size)
         os.replace(tmp, out_path)
-        return n
+        summary.rows = n
+        return summary
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -193,6 +379,7 @@ def _write_parquet(rows: Iterable[dict], path: str, row_group_size: int) -> int:
         for row in rows:
             row["messages"] = _flat_messages(row["messages"])
             row["prompt"] = _flat_messages(row["prompt"])
+            row["completion"] = _flat_messages(row["completion"])
             buf.append(row)
             n += 1
             if len(buf) >= row_group_size:

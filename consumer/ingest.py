@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -39,7 +38,10 @@ class Ingestor:
         self.store = store
         self.keys = Keys(settings.key_prefix)
         self.stream = self.keys.results
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        # Stable per host: a restarted consumer re-reads its own pending entries at once instead
+        # of waiting for them to idle long enough for XAUTOCLAIM.
+        self.name = name or f"consumer@{socket.gethostname()}"
+        self._own_pending_done = False
         self.sweeper = Sweeper(client, settings)
         # Called with each committed batch of records (metrics); their errors never stop ingest.
         self.observers = list(observers or [])
@@ -58,7 +60,7 @@ class Ingestor:
 
     # --- one round ----------------------------------------------------------------------
     def poll_once(self, block_ms: int | None = None) -> int:
-        entries = self._claim_stale()
+        entries = self._own_pending() or self._claim_stale()
         if not entries:
             resp = self.r.xreadgroup(GROUP, self.name, {self.stream: ">"}, count=self.settings.consumer_batch,
                                      block=self.settings.consumer_block_ms if block_ms is None else block_ms)
@@ -75,6 +77,23 @@ class Ingestor:
             except redis.RedisError as exc:
                 log.warning("sweep failed: %s", exc)
         return n
+
+    def _own_pending(self) -> list:
+        """Entries delivered to this consumer name before a restart and never acknowledged."""
+        if self._own_pending_done:
+            return []
+        resp = self.r.xreadgroup(GROUP, self.name, {self.stream: "0"}, count=self.settings.consumer_batch)
+        entries = [e for e in (resp[0][1] if resp else []) if e[1]]
+        if not entries:
+            self._own_pending_done = True
+        return entries
+
+    def pending(self) -> int:
+        """Records delivered to some consumer and not acknowledged yet."""
+        try:
+            return int(self.r.xpending(self.stream, GROUP)["pending"])
+        except redis.ResponseError:
+            return 0
 
     def _claim_stale(self) -> list:
         now = time.monotonic()

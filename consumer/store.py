@@ -31,7 +31,7 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any
 
 from broker.records import (
     ABANDONED,
@@ -206,23 +206,21 @@ ON CONFLICT (group_id) DO UPDATE SET
 # Facts to recompute the touched episodes; ?1 = JSON [[episode_id, current attempt], ...].
 _EPISODE_FACTS = """
 WITH t(eid, att) AS (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?1))
-SELECT t.eid, st.steps, st.reward, a.status, a.total_reward, a.reason, a.error_class, a.error, a.finished_at,
-    (SELECT COUNT(*) FROM (SELECT attempt FROM attempt_steps WHERE env_id = t.eid
-                           UNION SELECT attempt FROM attempts WHERE episode_id = t.eid))
+SELECT t.eid, st.steps, st.reward, a.status, a.total_reward, a.reason, a.error_class, a.error, a.finished_at
 FROM t
 LEFT JOIN attempt_steps st ON st.env_id = t.eid AND st.attempt = t.att
 LEFT JOIN attempts a ON a.episode_id = t.eid AND a.attempt = t.att
 """
 
-_CHUNK = 500  # bound on "IN (?, ?, ...)" lists
-
+# Distinct attempt numbers seen for an episode (steps or closes); only asked when a batch brings
+# an attempt number other than the episode's current one.
+_ATTEMPTS_SEEN = """
+SELECT (SELECT COUNT(*) FROM attempt_steps WHERE env_id = ?1)
+     + (SELECT COUNT(*) FROM attempts a WHERE a.episode_id = ?1 AND NOT EXISTS
+           (SELECT 1 FROM attempt_steps s WHERE s.env_id = a.episode_id AND s.attempt = a.attempt))
+"""
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-
-def _chunks(seq: list, n: int = _CHUNK) -> Iterable[list]:
-    for i in range(0, len(seq), n):
-        yield seq[i : i + n]
 
 
 def _coerce(rec: Any):
@@ -238,11 +236,12 @@ def _coerce(rec: Any):
 
 
 class _EpisodeMeta:
-    __slots__ = ("job_id", "group_id", "env_name", "llm_model", "batch_max", "started_min", "group_size")
+    __slots__ = ("job_id", "group_id", "env_name", "llm_model", "batch_max", "attempts", "started_min", "group_size")
 
     def __init__(self, job_id, group_id, env_name, llm_model):
         self.job_id, self.group_id, self.env_name, self.llm_model = job_id, group_id, env_name, llm_model
         self.batch_max = 0
+        self.attempts: set[int] = set()  # attempt numbers in this batch
         self.started_min: float | None = None
         self.group_size = 0
 
@@ -265,21 +264,23 @@ class Store:
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
         c = self._conn
-        # page_size only takes effect before the first table is created; bigger pages mean
-        # fewer overflow pages for multi-KB message rows.
+        # page_size only takes effect before the first table is created: 8 KiB pages hold a
+        # few-KB step row without overflow pages.
         c.execute("PRAGMA page_size = 8192")
         c.execute("PRAGMA journal_mode = WAL")
         c.execute("PRAGMA synchronous = NORMAL")
         c.execute("PRAGMA busy_timeout = 30000")
         c.execute("PRAGMA cache_size = -65536")  # 64 MiB
         c.execute("PRAGMA temp_store = MEMORY")
-        c.execute("PRAGMA wal_autocheckpoint = 4000")
+        c.execute("PRAGMA wal_autocheckpoint = 8192")  # pages: ~64 MiB of WAL between checkpoints
+        c.execute("PRAGMA journal_size_limit = 67108864")
         with self._lock:
             (uv,) = c.execute("PRAGMA user_version").fetchone()
             if uv > STORE_SCHEMA_VERSION:
                 c.close()
                 raise RuntimeError(f"{self.path}: store schema v{uv} is newer than this code (v{STORE_SCHEMA_VERSION})")
-            c.executescript(f"BEGIN IMMEDIATE;\n{_SCHEMA}\nPRAGMA user_version = {STORE_SCHEMA_VERSION};\nCOMMIT;")
+            if uv < STORE_SCHEMA_VERSION:  # new file (readers of an existing one take no write lock)
+                c.executescript(f"BEGIN IMMEDIATE;\n{_SCHEMA}\nPRAGMA user_version = {STORE_SCHEMA_VERSION};\nCOMMIT;")
 
     # ------------------------------------------------------------------ writing
 
@@ -309,6 +310,7 @@ class Store:
                 m = meta[s.env_id] = _EpisodeMeta(s.job_id, s.group_id, s.env_name, s.llm_model)
             if s.attempt > m.batch_max:
                 m.batch_max = s.attempt
+            m.attempts.add(s.attempt)
             m.started_min = _min_opt(m.started_min, s.created_at)
         for a in closes:
             m = meta.get(a.episode_id)
@@ -316,6 +318,7 @@ class Store:
                 m = meta[a.episode_id] = _EpisodeMeta(a.job_id, a.group_id, a.env_name, a.llm_model)
             if a.attempt > m.batch_max:
                 m.batch_max = a.attempt
+            m.attempts.add(a.attempt)
             if a.started_at and a.started_at > 0:
                 m.started_min = _min_opt(m.started_min, a.started_at)
             if a.group_size and a.group_size > m.group_size:
@@ -328,7 +331,8 @@ class Store:
                 inserted = self._write(c, jobs, steps, closes, meta)
                 c.execute("COMMIT")
             except BaseException:
-                c.execute("ROLLBACK")
+                if c.in_transaction:
+                    c.execute("ROLLBACK")
                 raise
         return inserted
 
@@ -344,35 +348,49 @@ class Store:
                 ],
             ).rowcount
 
-        # Existing episode rows: their current attempt and start time.
-        ep_ids = list(meta)
+        # Existing episode rows: current attempt, start, identity and what groups depend on.
         existing: dict[str, tuple] = {}
-        for chunk in _chunks(ep_ids):
-            q = f"SELECT episode_id, attempt, started_at, job_id, group_id, env_name, llm_model FROM episodes WHERE episode_id IN ({','.join('?' * len(chunk))})"
-            for row in c.execute(q, chunk):
-                existing[row[0]] = row
+        for (eid, *rest) in c.execute(
+            "SELECT episode_id, attempt, started_at, job_id, group_id, env_name, llm_model, status, total_reward, attempts "
+            "FROM episodes WHERE episode_id IN (SELECT value FROM json_each(?))",
+            (_dumps(list(meta)),),
+        ):
+            existing[eid] = rest
         cur: dict[str, int] = {}
         raised: list[tuple[str, int]] = []  # episodes whose current attempt went up
         for eid, m in meta.items():
             old = existing.get(eid)
-            old_att = old[1] if old else 0
-            cur[eid] = max(old_att, m.batch_max)
-            if old is not None and m.batch_max > old_att:
+            if old is None:
+                cur[eid] = m.batch_max
+            elif m.batch_max > old[0]:
+                cur[eid] = m.batch_max
                 raised.append((eid, m.batch_max))
+            else:
+                cur[eid] = old[0]
 
         if steps:
+            env_state: dict[Any, str] = {}  # weight_version -> its env_state JSON, per batch
             rows = []
+            append = rows.append
             for s in steps:
                 wv = s.weight_version
-                rows.append(
+                if wv is None:
+                    es = None
+                elif type(wv) is str or type(wv) is int:
+                    es = env_state.get(wv)
+                    if es is None:
+                        es = env_state[wv] = _dumps({"weight_version": wv})
+                else:  # not per the schema; keep it readable rather than fail the batch
+                    es = _dumps({"weight_version": wv})
+                    wv = wv if isinstance(wv, (int, float)) else _dumps(wv)
+                append(
                     (
                         s.job_id, s.env_id, s.step_id, s.env_name, s.llm_model, s.group_id,
                         _dumps(s.messages), s.response, float(s.step_reward or 0.0),
-                        float(s.cumulative_reward or 0.0),
-                        _dumps({"weight_version": wv}) if wv is not None else None,
-                        wv, int(bool(s.terminated)), int(bool(s.truncated)),
-                        int(bool(s.episode_finished)), int(bool(s.is_trainable)), s.created_at,
-                        s.attempt, 1 if s.attempt < cur[s.env_id] else 0, s.finish_reason,
+                        float(s.cumulative_reward or 0.0), es, wv, 1 if s.terminated else 0,
+                        1 if s.truncated else 0, 1 if s.episode_finished else 0,
+                        1 if s.is_trainable else 0, s.created_at, s.attempt,
+                        1 if s.attempt < cur[s.env_id] else 0, s.finish_reason,
                         s.env_latency_s, s.model_latency_s,
                     )
                 )
@@ -404,35 +422,52 @@ class Store:
                     ],
                 )
 
-        # ---- episodes: recompute each touched one, once, in one query.
+        # ---- episodes: recompute each touched one, once, from one query.
         now = time.time()
         ep_rows = []
-        groups: dict[str, list] = {}  # group_id -> [job_id, env_name, size seen in batch]
-        keys = _dumps([[eid, att] for eid, att in cur.items()])
-        for (eid, n, rsum, c_status, c_total, reason, error_class, error, c_finished, n_attempts) in c.execute(_EPISODE_FACTS, (keys,)):
+        # Groups to recompute: those where a member appeared, changed status or (completed)
+        # changed reward, or learned its size. group_id -> [job_id, env_name, size seen in batch]
+        groups: dict[str, list] = {}
+        for (eid, n, rsum, c_status, c_total, reason, error_class, error, c_finished) in c.execute(
+            _EPISODE_FACTS, (_dumps([[eid, att] for eid, att in cur.items()]),)
+        ):
             m = meta[eid]
             old = existing.get(eid)
-            job_id, group_id, env_name, llm_model = (old[3], old[4], old[5], old[6]) if old else (m.job_id, m.group_id, m.env_name, m.llm_model)
-            started = _min_opt(old[2] if old else None, m.started_min)
-            n = n or 0
+            if old is None:
+                job_id, group_id, env_name, llm_model, started = m.job_id, m.group_id, m.env_name, m.llm_model, m.started_min
+            else:
+                job_id, group_id, env_name, llm_model = old[2], old[3], old[4], old[5]
+                started = old[1] if m.started_min is None or (old[1] is not None and old[1] <= m.started_min) else m.started_min
             if c_status is None:
-                status, total = EP_RUNNING, rsum or 0.0
-                reason = error_class = error = finished = None
+                status, total, finished = EP_RUNNING, rsum or 0.0, None
+                reason = error_class = error = None
             else:
                 status = _EPISODE_STATUS.get(c_status, EP_RETRYING)
                 total = c_total if c_total is not None else (rsum or 0.0)
-                finished = c_finished if status in (EP_COMPLETED, EP_FAILED) else None
+                finished = c_finished if (status == EP_COMPLETED or status == EP_FAILED) else None
                 reason, error_class, error = reason or None, error_class or None, error or None
+            if old is None:
+                n_attempts = len(m.attempts)  # the episode's first records are all in this batch
+            elif len(m.attempts) == 1 and old[0] in m.attempts:
+                n_attempts = old[8]  # nothing but the current attempt again
+            else:
+                (n_attempts,) = c.execute(_ATTEMPTS_SEEN, (eid,)).fetchone()
             duration = max(0.0, finished - started) if (finished is not None and started is not None) else None
             ep_rows.append(
-                (eid, job_id, group_id, env_name, llm_model, status, cur[eid], max(n_attempts, 1), total, n,
+                (eid, job_id, group_id, env_name, llm_model, status, cur[eid], n_attempts or 1, total, n or 0,
                  reason, error_class, error, started, finished, duration, now)
             )
-            g = groups.get(group_id)
-            if g is None:
-                groups[group_id] = [job_id, env_name, m.group_size]
-            elif m.group_size > g[2]:
-                g[2] = m.group_size
+            if (
+                old is None
+                or m.group_size
+                or status != old[6]
+                or (status == EP_COMPLETED and total != old[7])
+            ):
+                g = groups.get(group_id)
+                if g is None:
+                    groups[group_id] = [job_id, env_name, m.group_size]
+                elif m.group_size > g[2]:
+                    g[2] = m.group_size
         c.executemany(_UPSERT_EPISODE, ep_rows)
 
         # ---- groups: recompute each touched one, once.
@@ -456,11 +491,11 @@ class Store:
                     members[gid][1].append((ep_id, reason))
             g_rows = []
             for gid, (job_id, env_name, size) in groups.items():
-                done, failed = members[gid]
-                nc = len(done)
+                done_rewards, failed = members[gid]
+                nc = len(done_rewards)
                 if nc:
-                    mean = sum(done) / nc
-                    std = math.sqrt(sum((x - mean) ** 2 for x in done) / nc)
+                    mean = sum(done_rewards) / nc
+                    std = math.sqrt(sum((x - mean) ** 2 for x in done_rewards) / nc)
                 else:
                     mean = std = None
                 complete = 1 if size > 0 and nc >= size and not failed else 0
@@ -478,10 +513,6 @@ class Store:
     def close(self) -> None:
         with self._lock:
             if self._conn is not None:
-                try:
-                    self._conn.execute("PRAGMA optimize")
-                except sqlite3.Error:
-                    pass
                 self._conn.close()
                 self._conn = None
 
@@ -522,6 +553,13 @@ class Store:
             "SELECT AVG(total_reward) FROM episodes WHERE job_id = ? AND status = 'completed'", (job_id,)
         )[0]
         (n_attempts,) = self._q("SELECT COALESCE(SUM(attempts), 0) FROM episodes WHERE job_id = ?", (job_id,))[0]
+        # Completed episodes whose stored steps are fewer than their AttemptRecord reports (steps
+        # still in flight, e.g. redelivered after the close): transient; nonzero for long = lost.
+        (short,) = self._q(
+            "SELECT COUNT(*) FROM episodes e JOIN attempts a ON a.episode_id = e.episode_id AND a.attempt = e.attempt "
+            "WHERE e.job_id = ? AND e.status = 'completed' AND e.steps < a.steps",
+            (job_id,),
+        )[0]
         by_env = {}
         for env, n, comp, fail, mean, lo, hi in self._q(
             "SELECT env_name, COUNT(*), SUM(status = 'completed'), SUM(status = 'failed'), "
@@ -552,6 +590,7 @@ class Store:
                 "retrying": counts.get(EP_RETRYING, 0),
                 "attempts": n_attempts,
                 "steps": n_steps,
+                "short_trajectories": short,
                 "mean_reward": mean_reward,
             },
             "by_env": by_env,

@@ -24,7 +24,15 @@ The scripted policy:
   answers correctly with probability ``skill`` (default 0.7), else off by one.  The die
   is seeded from the messages, the temperature, ``fault_seed`` and a request counter, so
   identical requests (the samples of one group) may get different answers.
+* ``<answer>`` prompts (reasoning-gym's system prompts): the last arithmetic expression of the
+  last user message, evaluated like ``arithmetic`` (right with probability ``skill``) and
+  answered as ``<answer>N</answer>``.
+* textarena's GuessTheNumber ("wrapped in square brackets", "The target number is
+  higher/lower."): the same binary search, the guess written as ``[N]``.
 * anything else: ``"I don't know"``.
+
+``GET /stats`` also reports ``request_params``: for each request body key other than
+``model``, ``messages`` and ``temperature``, the distinct values seen (JSON, at most 5).
 
 Fault knobs (constructor, CLI flags, and plain attributes on a running server):
 ``latency_ms``, ``error_rate`` (answered 429/500/503 in turn), ``drop_rate`` (connection
@@ -59,6 +67,7 @@ _RANGE_RE = re.compile(r"between\s+(-?\d+)\s+and\s+(-?\d+)", re.I)
 _STATE_RE = re.compile(r"range\s*\[\s*(-?\d+)\s*,\s*(-?\d+)\s*\]", re.I)
 _FEEDBACK_RE = re.compile(r"(-?\d+)\s+is\s+too\s+(low|high)", re.I)
 _INT_RE = re.compile(r"-?\d+")
+_EXPR_RE = re.compile(r"[-+*/×÷()\d\s.]*\d[-+*/×÷()\d\s.]*")
 _QUESTION_RE = re.compile(r"what\s+is\s+([-+*/×÷xX()\d\s.]*\d[-+*/×÷xX()\d\s.]*)", re.I)
 
 
@@ -111,9 +120,9 @@ def _guess_number(msgs: list[tuple[str, str]]) -> str | None:
             fb = _FEEDBACK_RE.findall(text)
             if not fb and last_guess is not None:
                 low = text.lower()
-                if "too low" in low:
+                if "too low" in low or "number is higher" in low:
                     fb = [(str(last_guess), "low")]
-                elif "too high" in low:
+                elif "too high" in low or "number is lower" in low:
                     fb = [(str(last_guess), "high")]
             for g, direction in fb:
                 if direction.lower() == "low":
@@ -123,6 +132,8 @@ def _guess_number(msgs: list[tuple[str, str]]) -> str | None:
     if lo > hi:  # inconsistent (trimmed or odd feedback): start over
         lo, hi = orig if orig is not None else state
     guess = (lo + hi) // 2
+    if any("square brackets" in t.lower() for r, t in msgs if r in ("system", "user")):
+        return f"The number is in range [{lo}, {hi}]. My guess: [{guess}]"  # textarena's format
     return f"The number is in range [{lo}, {hi}]. My guess: {guess}"
 
 
@@ -165,11 +176,39 @@ def _arithmetic(msgs: list[tuple[str, str]], rng: random.Random, skill: float) -
     return f"Let me compute {m.group(1).strip()}. The answer is {value}"
 
 
+def _tagged_answer(msgs: list[tuple[str, str]], rng: random.Random, skill: float) -> str | None:
+    if not any("<answer>" in t for r, t in msgs if r in ("system", "user")):
+        return None
+    user_texts = [t for r, t in msgs if r == "user"]
+    if not user_texts:
+        return None
+    value = None
+    for m in reversed(list(_EXPR_RE.finditer(user_texts[-1].replace("×", "*").replace("÷", "/")))):
+        expr = m.group(0).strip().rstrip(".").strip()
+        if not any(op in expr[1:] for op in "+-*/"):
+            continue
+        try:
+            value = _eval(ast.parse(expr, mode="eval"))
+            break
+        except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+            continue
+    if value is None:
+        return "I don't know. <answer>unknown</answer>"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if rng.random() >= skill:
+        value = value + rng.choice((-1, 1))
+    if isinstance(value, float):
+        value = round(value, 6)
+    return f"Let me compute it step by step. <answer>{value}</answer>"
+
+
 def scripted_reply(messages: list[dict], rng: random.Random, skill: float = 0.7) -> str:
     """The stand-in policy: the reply text for a list of chat messages."""
     msgs = [(str(m.get("role", "")), message_text(m.get("content")))
             for m in messages if isinstance(m, dict)]
-    for attempt in (lambda: _guess_number(msgs), lambda: _arithmetic(msgs, rng, skill)):
+    for attempt in (lambda: _guess_number(msgs), lambda: _tagged_answer(msgs, rng, skill),
+                    lambda: _arithmetic(msgs, rng, skill)):
         reply = attempt()
         if reply is not None:
             return reply
@@ -212,6 +251,7 @@ class ModelStandin(QuietHTTPServer):
         self.faults = {"error": 0, "drop": 0, "malformed": 0, "length": 0}
         self.auth_headers_seen = 0
         self.sessionless = 0
+        self.request_params: dict[str, list[str]] = {}
 
     def stats(self) -> dict:
         with self.lock:
@@ -223,6 +263,7 @@ class ModelStandin(QuietHTTPServer):
                 "by_finish_reason": dict(self.by_finish_reason),
                 "faults": dict(self.faults),
                 "auth_headers_seen": self.auth_headers_seen,
+                "request_params": {k: list(v) for k, v in self.request_params.items()},
             }
 
 
@@ -306,6 +347,14 @@ class _ModelHandler(JSONHandler):
             return self.error(400, "the stand-in does not stream", "invalid_request_error")
         temperature = req.get("temperature")
         model = req.get("model") or srv.model_name
+        with srv.lock:
+            for key, value in req.items():
+                if key in ("model", "messages", "temperature"):
+                    continue
+                seen = srv.request_params.setdefault(key, [])
+                text = json.dumps(value, sort_keys=True)
+                if text not in seen and len(seen) < 5:
+                    seen.append(text)
 
         texts = [message_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
         rng = random.Random(f"{srv.fault_seed}|{temperature}|{counter}|" + "\x1e".join(texts))

@@ -10,7 +10,8 @@
   interactor dlq ...             list, show, redrive, purge dead-lettered episodes
   interactor reconcile JOB       re-enqueue episodes that nothing will run again
   interactor status [JOB]        queue, ledger and stream at a glance
-  interactor serve-env / serve-model   the bundled stand-in servers
+  interactor serve-env           environment adapters (reasoning-gym, textarena, ...) over HTTP
+  interactor serve-model         the bundled model stand-in
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ SETTING_FLAGS = {
     "--lease-ttl": "lease_ttl_s", "--concurrency": "concurrency", "--pool": "pool",
     "--episode-hook": "episode_hook", "--llm-params": "llm_params", "--shutdown-grace": "shutdown_grace_s",
     "--llm-retries": "llm_retries", "--env-retries": "env_retries", "--key-prefix": "key_prefix",
+    "--max-tokens": "llm_max_tokens", "--top-p": "llm_top_p", "--stop": "llm_stop",
+    "--llm-connect-timeout": "llm_connect_timeout_s", "--llm-timeout": "llm_read_timeout_s",
+    "--llm-max-connections": "llm_max_connections", "--llm-max-concurrency": "llm_max_concurrency",
+    "--llm-startup-jitter": "llm_startup_jitter_s",
+    "--experience-dir": "experience_dir", "--experience-top-k": "experience_top_k",
 }
 
 
@@ -63,6 +69,8 @@ def cmd_worker(args) -> int:
     if not settings.redis_url:
         raise SettingsError("the worker needs REDIS_URL (or --redis-url)")
     os.environ.update(settings.as_environ())  # workers.tasks reads its settings at import
+    if os.environ.get(_WORKER_CHILD) != "1":
+        return _supervise_worker(sys.argv[1:] if args.argv is None else args.argv)
     from workers.tasks import app
 
     argv = ["worker", "-P", settings.pool, "-c", str(settings.concurrency), "-Q", ",".join(settings.served_queues),
@@ -71,6 +79,54 @@ def cmd_worker(args) -> int:
         argv += ["-n", args.name]
     app.worker_main(argv)
     return 0
+
+
+_WORKER_CHILD = "INTERACTOR_WORKER_CHILD"
+
+
+def _supervise_worker(argv: list[str]) -> int:
+    """Run the Celery worker as a child and restart it if it dies on its own.
+
+    Celery gives up on some broker reconnects with an "Unrecoverable error" (kombu's Redis
+    channel can lose its connection object mid-reconnect: celery/kombu #582, #970), and the
+    worker process exits. Episodes are safe (leases, reservations), but a fleet must not shrink
+    by itself: the child is restarted. SIGTERM/SIGINT are passed on and end the supervisor.
+    """
+    import subprocess
+    import time
+
+    stopping = threading.Event()
+    child: list[subprocess.Popen] = []
+
+    def forward(signum, _frame):
+        stopping.set()
+        if child and child[0].poll() is None:
+            child[0].send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    env = {**os.environ, _WORKER_CHILD: "1"}
+    restarts = 0
+    while True:
+        # Own session: a terminal's Ctrl-C reaches only us, and we pass it on once (Celery reads
+        # a second SIGINT as "cold shutdown"). The child dies with us (parent-death signal).
+        child[:] = [subprocess.Popen([sys.executable, "-m", "interactor.cli", *argv], env=env,
+                                     start_new_session=True, preexec_fn=_die_with_parent)]
+        code = child[0].wait()
+        if stopping.is_set():
+            return code
+        restarts += 1
+        log.error("worker process exited with %s without being asked to; restarting (%d)", code, restarts)
+        time.sleep(min(10.0, 0.5 * restarts))
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def cmd_consumer(args) -> int:
@@ -83,8 +139,16 @@ def cmd_consumer(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     os.makedirs(os.path.dirname(os.path.abspath(settings.results_db)), exist_ok=True)
     store = Store(settings.results_db)
+    client = _redis(settings)
+    from interactor.metrics import StatsRecorder
+
+    if args.metrics_port:
+        from interactor.metrics import FleetReader, registry, serve
+
+        serve(registry(FleetReader(client, settings)), args.metrics_host, args.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     try:
-        Ingestor(_redis(settings), settings, store, name=args.name).run(stop)
+        Ingestor(client, settings, store, name=args.name, observers=[StatsRecorder(client, settings)]).run(stop)
     finally:
         store.close()
     return 0
@@ -136,13 +200,23 @@ def cmd_results(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from consumer.export import export_job
+    from consumer.export import export_training
 
     settings = _settings(args)
     out = args.out or os.path.join(settings.run_dir, f"{args.job}.{args.format}")
-    n = export_job(settings.results_db, args.job, out, fmt=args.format, trainable_only=not args.all_steps,
-                   complete_groups_only=args.complete_groups)
-    print(f"wrote {n} rows to {out}")
+    env_names = [n.strip() for item in (args.env_name or []) for n in item.split(",") if n.strip()]
+    if args.max_staleness is not None and args.max_staleness < 0:
+        raise SettingsError("--max-staleness must be >= 0")
+    res = export_training(settings.results_db, args.job, out, fmt=args.format, trainable_only=not args.all_steps,
+                          complete_groups_only=args.complete_groups, env_names=env_names or None,
+                          max_staleness=args.max_staleness, current_version=args.current_version, eps=args.eps)
+    print(f"wrote {res.rows} rows ({res.episodes} episodes, {res.groups} groups) to {out}")
+    if res.groups_rewards_equal:
+        print(f"{res.groups_rewards_equal} of {res.groups} groups have all rewards equal (advantage 0)")
+    if args.max_staleness is not None:
+        print(f"staleness: current version {res.current_version}, dropped {res.dropped_stale} stale and "
+              f"{res.dropped_unversioned} unversioned episodes" +
+              (f", {res.dropped_groups} groups left incomplete" if args.complete_groups else ""))
     return 0
 
 
@@ -199,14 +273,6 @@ def cmd_reconcile(args) -> int:
     return 0
 
 
-def cmd_status(args) -> int:
-    from interactor.report import print_status
-
-    settings = _settings(args)
-    print_status(_redis(settings), settings, args.job)
-    return 0
-
-
 def cmd_serve(module: str):
     def run(args) -> int:
         import importlib
@@ -245,10 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("tasks", nargs="+")
     sp.add_argument("--job-id")
     sp = add("worker", cmd_worker, "run a worker")
+    sp.set_defaults(argv=None)
     sp.add_argument("--name", default=None)
     sp.add_argument("--loglevel", default="INFO")
     sp = add("consumer", cmd_consumer, "run the results consumer")
     sp.add_argument("--name", default=None)
+    sp.add_argument("--metrics-port", type=int, default=0, help="also serve Prometheus metrics on this port")
+    sp.add_argument("--metrics-host", default="0.0.0.0")
     sp = add("results", cmd_results, "print a job's results")
     sp.add_argument("job")
     sp.add_argument("--json", action="store_true")
@@ -258,11 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out")
     sp.add_argument("--complete-groups", action="store_true", help="only groups whose every episode completed")
     sp.add_argument("--all-steps", action="store_true", help="not only trainable steps")
+    sp.add_argument("--env-name", action="append", metavar="NAMES", help="only these env names (repeatable, or a,b)")
+    sp.add_argument("--max-staleness", type=float, metavar="N",
+                    help="only episodes at most N weight versions older than --current-version")
+    sp.add_argument("--current-version", help="the trainer's current weight version (default: newest in the job)")
+    sp.add_argument("--eps", type=float, default=1e-6, help="advantage = (reward - mean) / (std + eps)")
     sp = add("reconcile", cmd_reconcile, "re-enqueue episodes lost by the broker")
     sp.add_argument("job")
     sp.add_argument("--dry-run", action="store_true")
-    sp = add("status", cmd_status, "queue, ledger and stream at a glance")
-    sp.add_argument("job", nargs="?")
+    # `status` (with --watch), `metrics` and `autoscale` live in interactor/ops.py.
 
     dp = add("dlq", cmd_dlq, "dead-letter queue")
     dsub = dp.add_subparsers(dest="dlq_cmd", required=True)
@@ -291,8 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module:
                 raise
 
-    for name, module in (("serve-env", "examples.envserver"), ("serve-model", "examples.model_standin")):
-        sp = sub.add_parser(name, help=f"the bundled {module} stand-in", add_help=False)
+    for name, module in (("serve-model", "examples.model_standin"),):
+        # prefix_chars: every flag goes to the stand-in's own parser (REMAINDER alone drops them).
+        sp = sub.add_parser(name, help=f"the bundled {module} stand-in", add_help=False, prefix_chars="\0")
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(fn=cmd_serve(module))
     return p
@@ -300,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "argv", "") is None:  # the worker supervisor re-runs the same command line
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from producer.taskfile import TaskFileError

@@ -163,7 +163,8 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
             print(line, flush=True)
             last_print = now
         stored_final = int(res.get("completed", 0)) + int(res.get("failed", 0))
-        if counts["done"] + counts["failed"] >= total and stored_final >= total:
+        if (counts["done"] + counts["failed"] >= total and stored_final >= total
+                and not res.get("short_trajectories", 0)):
             print("\r" + line if tty else line)
             return
 

@@ -17,7 +17,7 @@ import redis
 
 from broker.keys import Keys
 from broker.ledger import Ledger
-from broker.queueing import send_episodes
+from broker.queueing import push_episodes
 from broker.records import JobSpec
 from broker.settings import Settings
 from producer.taskfile import PlannedJob, plan_job
@@ -66,7 +66,7 @@ def submit_plan(client: redis.Redis, settings: Settings, planned: PlannedJob) ->
     job = job_spec(settings, job_id, planned)
     t0 = time.perf_counter()
     Ledger(client, Keys(settings.key_prefix), settings.lease_ttl_s).create_job(job, planned.episodes)
-    send_episodes(client, ((job_id, e.episode_id, e.queue or settings.queue) for e in planned.episodes))
+    push_episodes(client, ((job_id, e.episode_id, e.queue or settings.queue) for e in planned.episodes))
     dt = time.perf_counter() - t0
     log.info("job %s: %d episodes in %d groups enqueued in %.2fs", job_id, len(planned.episodes), planned.groups, dt)
     return Submitted(job, planned, dt)

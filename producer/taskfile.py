@@ -11,6 +11,16 @@ A task file is YAML::
         seed: 7                      # optional; int base for derived seeds, or null = env chooses
         queue: episodes              # optional; else the producer's default
 
+An entry may instead name an environment class that the worker runs in its own process::
+
+      - env_name: textarena.GuessTheNumber-v0
+        transport: inproc                                      # "http" (default) or "inproc"
+        env_class: interactor.envs.textarena_env:TextArenaEnv  # "module:Class"; implies inproc
+
+Such an entry needs no base_url (one given explicitly is an error). Only the shape
+``module:Class`` is checked here: workers share no files with the producer, so whether the
+class imports is for the worker to find out (``env_bad_request`` if it does not).
+
 Each dataset row is one task (no dataset = one task); each task gives ``env_num`` episodes
 sharing one group. Nothing here touches Redis: :func:`plan_job` only returns the specs.
 
@@ -37,16 +47,19 @@ from broker.records import EpisodeSpec
 __all__ = ["TaskFileError", "PlannedJob", "plan_job", "load_task_file", "derive_seed", "DATASET_FORMATS"]
 
 DATASET_FORMATS = (".json", ".jsonl", ".yaml", ".yml", ".parquet")
-ENTRY_KEYS = ("env_name", "env_params", "dataset", "env_num", "base_url", "seed", "queue")
+ENTRY_KEYS = ("env_name", "env_params", "dataset", "env_num", "base_url", "seed", "queue", "transport",
+              "env_class")
+TRANSPORTS = ("http", "inproc")
 TOP_KEYS = ("environments",)
 
 # plan_job builds EpisodeSpec positionally for speed; fail loudly if the schema's order moves.
 _SPEC_ORDER = ("job_id", "episode_id", "group_id", "group_size", "env_name", "base_url",
-               "env_params", "seed", "queue", "source")
+               "env_params", "seed", "queue", "source", "transport", "env_class")
 if tuple(f.name for f in fields(EpisodeSpec))[:len(_SPEC_ORDER)] != _SPEC_ORDER:
     raise ImportError("broker.records.EpisodeSpec field order changed; update producer.taskfile._expand")
 
 _ENV_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+_ENV_CLASS_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_\-]+")
 _SEED_MOD = 2**31
 _ABSENT = object()
@@ -254,8 +267,9 @@ def load_task_file(path, *, default_base_url: str = "", default_queue: str = "ep
     """Parse and validate one task file. Returns one normalized dict per entry::
 
         {"index": e, "line": yaml_line, "env_name": str, "env_params": dict, "env_num": int,
-         "base_url": str, "seed": int | None (None = explicit null), "queue": str,
-         "rows": list[dict] | None (None = no dataset), "dataset": abs path | "<inline>" | None}
+         "base_url": str ("" for inproc), "seed": int | None (None = explicit null), "queue": str,
+         "rows": list[dict] | None (None = no dataset), "dataset": abs path | "<inline>" | None,
+         "transport": "http" | "inproc", "env_class": "module:Class" | ""}
 
     Raises :class:`TaskFileError` naming file, entry, row and field.
     """
@@ -328,16 +342,34 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
     if not _is_int(env_num) or env_num < 1:
         raise fail("env_num", f"must be an integer >= 1, got {env_num!r}")
 
-    base_url = raw.get("base_url", _ABSENT)
-    if base_url is _ABSENT or base_url is None:
-        if not default_base_url:
-            raise fail("base_url", "missing, and no default env base URL was given")
-        base_url, from_default = default_base_url, True
+    env_class = raw.get("env_class", _ABSENT)
+    transport = raw.get("transport", _ABSENT)
+    if transport is _ABSENT:
+        transport = "http" if env_class is _ABSENT else "inproc"
+    if transport not in TRANSPORTS:
+        raise fail("transport", f"must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport == "inproc":
+        if env_class is _ABSENT or env_class is None:
+            raise fail("env_class", "missing: transport inproc needs an environment class 'module:Class'")
+        if not isinstance(env_class, str) or not _ENV_CLASS_RE.fullmatch(env_class):
+            raise fail("env_class", f"must be 'module:Class' (e.g. 'mypkg.envs:MyEnv'), got {env_class!r}")
+        if raw.get("base_url", _ABSENT) is not _ABSENT:
+            raise fail("base_url", "not used with transport inproc (the worker runs env_class itself); remove it")
+        base_url = ""
     else:
-        from_default = False
-    if not isinstance(base_url, str) or not _valid_url(base_url):
-        src = " (the default)" if from_default else ""
-        raise fail("base_url", f"must be an http(s) URL{src}, got {base_url!r}")
+        if env_class is not _ABSENT:
+            raise fail("env_class", "only used with transport inproc (remove it, or say transport: inproc)")
+        env_class = ""
+        base_url = raw.get("base_url", _ABSENT)
+        if base_url is _ABSENT or base_url is None:
+            if not default_base_url:
+                raise fail("base_url", "missing, and no default env base URL was given")
+            base_url, from_default = default_base_url, True
+        else:
+            from_default = False
+        if not isinstance(base_url, str) or not _valid_url(base_url):
+            src = " (the default)" if from_default else ""
+            raise fail("base_url", f"must be an http(s) URL{src}, got {base_url!r}")
 
     seed = raw.get("seed", _ABSENT)
     if seed is _ABSENT:
@@ -391,7 +423,8 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
                 raise fail("dataset", bad, row=r)
 
     return {"index": e, "line": line, "env_name": name, "env_params": params, "env_num": env_num,
-            "base_url": base_url, "seed": seed, "queue": queue, "rows": rows, "dataset": dataset}
+            "base_url": base_url, "seed": seed, "queue": queue, "rows": rows, "dataset": dataset,
+            "transport": transport, "env_class": env_class}
 
 
 # --------------------------------------------------------------------------- planning
@@ -439,6 +472,7 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
         for ent in entries:
             e, name, params, n = ent["index"], ent["env_name"], ent["env_params"], ent["env_num"]
             base_url, queue, seed_base, rows = ent["base_url"], ent["queue"], ent["seed"], ent["rows"]
+            transport, env_class = ent["transport"], ent["env_class"]
             # Each episode gets its own params: a shallow copy when nothing nested, else a
             # pickle round-trip (a fast deep copy of plain data).
             blob = None if _is_flat(params) else pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL)
@@ -462,7 +496,7 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
                         seed = from_bytes(h.digest(), "big") % _SEED_MOD
                     # positional (checked against the schema at import): ~2x faster than kwargs
                     append(Spec(job_id, f"{group_id}.{k}", group_id, n, name, base_url, p,
-                                seed, queue, source))
+                                seed, queue, source, transport, env_class))
             groups += len(tasks)
             by_env[name] = by_env.get(name, 0) + n * len(tasks)
     return episodes, groups, by_env

@@ -52,6 +52,7 @@ def settings(redis_server, tmp_path) -> Settings:
         db_path=str(tmp_path / "results.sqlite"),
         lease_ttl_s=3.0,
         sweep_interval_s=0.5,
+        reconcile_interval_s=2.0,
         retry_backoff_initial_s=0.2,
         retry_backoff_max_s=1.0,
         llm_backoff_initial_s=0.05,

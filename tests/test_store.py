@@ -160,6 +160,37 @@ def test_attempts_in_one_batch_and_close_first(store):
     assert ep["attempt"] == 3 and ep["status"] == "failed" and ep["attempts"] == 3
 
 
+def test_close_before_its_steps_and_reopen(store, tmp_path):
+    # a consumer crash can make pending step entries come back after the close was stored
+    recs = episode("e1", [1.0, 2.0])
+    store.write_batch([recs[-1]])
+    ep = store.episode("e1")
+    assert ep["status"] == "completed" and ep["total_reward"] == 3.0 and ep["steps"] == 0
+    assert store.results(JOB)["job"]["short_trajectories"] == 1
+    store.write_batch(recs[:-1])
+    ep = store.episode("e1")
+    assert ep["status"] == "completed" and ep["steps"] == 2 and ep["attempts"] == 1
+    assert store.results(JOB)["job"]["short_trajectories"] == 0
+    # a second connection (another process) sees the same, schema untouched
+    other = Store(store.path)
+    try:
+        assert [s["step_id"] for s in other.episode_trajectory("e1")] == [1, 2]
+        assert other.results(JOB) == store.results(JOB)
+    finally:
+        other.close()
+
+
+def test_attempts_counted_once_each(store):
+    store.write_batch([step("e1", 1, attempt=1), close("e1", "retrying", attempt=1, reason="env_unreachable")])
+    store.write_batch([step("e1", 1, attempt=3)])  # attempt 2 never published anything
+    assert store.episode("e1")["attempts"] == 2
+    store.write_batch([close("e1", "abandoned", attempt=2, reason="worker_lost")])  # late, stale
+    ep = store.episode("e1")
+    assert ep["attempts"] == 3 and ep["attempt"] == 3 and ep["status"] == "running"
+    store.write_batch([step("e1", 2, attempt=3)])
+    assert store.episode("e1")["attempts"] == 3 and store.episode("e1")["steps"] == 2
+
+
 def test_failed_episode_marks_group_then_redrive_completes(store):
     store.write_batch([job()] + episode("a", [1.0]) + [step("b", 1, reward=0.0), close("b", "failed", total=0.0, steps=1, reason="env_bad_request")])
     g = store.group("g1")

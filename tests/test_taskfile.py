@@ -475,3 +475,55 @@ def test_100k_episode_plan_is_fast(tmp_path):
     assert len(plan.episodes) == 100_000 and plan.groups == 25_000
     assert len({e.episode_id for e in plan.episodes}) == 100_000
     assert took < 10
+
+
+# --------------------------------------------------------------------------- inproc transport
+
+def test_inproc_entries_need_no_base_url(tmp_path):
+    tf = task_file(tmp_path, f"""
+        environments:
+          - env_name: textarena.GuessTheNumber-v0
+            transport: inproc
+            env_class: interactor.envs.textarena_env:TextArenaEnv
+            dataset: [{{seed: 1}}, {{seed: 2}}]
+            env_num: 2
+          - env_name: reasoning_gym
+            env_class: mypkg.envs:Outer.Inner        # env_class alone implies inproc
+            env_params: {{task: leg_counting}}
+          - env_name: guess_number                   # http entries are unchanged
+            base_url: {URL}
+        """)
+    plan = plan_job([tf], job_id="j")  # no default base URL given: inproc entries do not need one
+    by_env = {}
+    for ep in plan.episodes:
+        by_env.setdefault(ep.env_name, []).append(ep)
+    ta = by_env["textarena.GuessTheNumber-v0"]
+    assert len(ta) == 4 and {(e.transport, e.env_class, e.base_url) for e in ta} == {
+        ("inproc", "interactor.envs.textarena_env:TextArenaEnv", "")}
+    assert {e.env_params["dataset"]["seed"] for e in ta} == {1, 2}
+    (rg,) = by_env["reasoning_gym"]
+    assert (rg.transport, rg.env_class) == ("inproc", "mypkg.envs:Outer.Inner")
+    (http,) = by_env["guess_number"]
+    assert (http.transport, http.env_class, http.base_url) == ("http", "", URL)
+    again = unpack(ta[0].pack())
+    assert (again.transport, again.env_class) == ("inproc", "interactor.envs.textarena_env:TextArenaEnv")
+
+
+def test_inproc_entries_ignore_the_default_base_url(tmp_path):
+    tf = task_file(tmp_path, "environments: [{env_name: e, env_class: 'm:C'}]\n")
+    (ep,) = plan_job([tf], job_id="j", default_base_url=URL).episodes
+    assert (ep.transport, ep.base_url) == ("inproc", "")
+
+
+@pytest.mark.parametrize("entry, field, words", [
+    ("{env_name: e, transport: grpc, base_url: 'URL'}", "transport", "http, inproc"),
+    ("{env_name: e, transport: inproc}", "env_class", "missing"),
+    ("{env_name: e, transport: inproc, env_class: 'mypkg.envs.MyEnv'}", "env_class", "module:Class"),
+    ("{env_name: e, transport: inproc, env_class: 'a b:C'}", "env_class", "module:Class"),
+    ("{env_name: e, transport: inproc, env_class: 5}", "env_class", "module:Class"),
+    ("{env_name: e, env_class: 'm:C', base_url: 'URL'}", "base_url", "not used with transport inproc"),
+    ("{env_name: e, transport: http, env_class: 'm:C', base_url: 'URL'}", "env_class", "only used with"),
+])
+def test_inproc_entry_errors(tmp_path, entry, field, words):
+    msg = _err(tmp_path, f"environments: [{entry.replace('URL', URL)}]\n")
+    assert "entry 1" in msg and f"field {field!r}" in msg and words in msg, msg

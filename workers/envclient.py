@@ -365,6 +365,54 @@ def _bool_like(value: Any) -> bool | None:
     return None
 
 
+# Validation of decoded answers, shared by the HTTP client and the inproc transport
+# (workers/inproc.py), so that a malformed answer fails with the same reason either way.
+
+
+def check_reset_answer(obj: Any, what: str) -> dict:
+    if not isinstance(obj, dict):
+        raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def check_prompt_answer(obj: Any, what: str) -> list:
+    if not isinstance(obj, list):
+        raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not a list of messages")
+    for i, msg in enumerate(obj):
+        if not isinstance(msg, dict):
+            raise EpisodeError(ENV_MALFORMED, f"{what}: message {i} is a {type(msg).__name__}, not an object")
+        if not isinstance(msg.get("role"), str) or "content" not in msg:
+            raise EpisodeError(ENV_MALFORMED, f"{what}: message {i} lacks a string 'role' or a 'content'")
+        if not isinstance(msg["content"], (str, list, type(None))):
+            raise EpisodeError(
+                ENV_MALFORMED, f"{what}: message {i} content is a {type(msg['content']).__name__}, not a string or list"
+            )
+    return obj
+
+
+def check_step_answer(obj: Any, what: str) -> StepResult:
+    if not isinstance(obj, dict):
+        raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not an object")
+    reward = obj.get("reward")
+    if reward is None:
+        reward = 0.0
+    elif isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise EpisodeError(ENV_MALFORMED, f"{what}: reward is not a finite number or null ({type(reward).__name__})")
+    flags = {}
+    for name in ("terminated", "truncated"):
+        flag = _bool_like(obj.get(name))
+        if flag is None:
+            raise EpisodeError(ENV_MALFORMED, f"{what}: {name} is not a boolean ({type(obj.get(name)).__name__})")
+        flags[name] = flag
+    info = obj.get("info")
+    return StepResult(
+        reward=float(reward),
+        terminated=flags["terminated"],
+        truncated=flags["truncated"],
+        info=info if isinstance(info, dict) else None,
+    )
+
+
 class EnvClient:
     """Calls environment servers. One instance per worker process, shared by its threads."""
 
@@ -390,10 +438,7 @@ class EnvClient:
             "POST", self._url(base_url, env_name, env_id, "reset"), what=what, deadline=deadline,
             body=body, idempotent=True, not_found=ENV_BAD_REQUEST,
         )
-        obj = self._json(reply, what)
-        if not isinstance(obj, dict):
-            raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not an object")
-        return obj
+        return check_reset_answer(self._json(reply, what), what)
 
     def get_task_prompt(self, base_url: str, env_name: str, env_id: str, *, deadline: float) -> list:
         what = f"get_task_prompt {env_name}/{env_id}"
@@ -401,19 +446,7 @@ class EnvClient:
             "GET", self._url(base_url, env_name, env_id, "get_task_prompt"), what=what, deadline=deadline,
             idempotent=False, not_found=ENV_INSTANCE_LOST,
         )
-        obj = self._json(reply, what)
-        if not isinstance(obj, list):
-            raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not a list of messages")
-        for i, msg in enumerate(obj):
-            if not isinstance(msg, dict):
-                raise EpisodeError(ENV_MALFORMED, f"{what}: message {i} is a {type(msg).__name__}, not an object")
-            if not isinstance(msg.get("role"), str) or "content" not in msg:
-                raise EpisodeError(ENV_MALFORMED, f"{what}: message {i} lacks a string 'role' or a 'content'")
-            if not isinstance(msg["content"], (str, list, type(None))):
-                raise EpisodeError(
-                    ENV_MALFORMED, f"{what}: message {i} content is a {type(msg['content']).__name__}, not a string or list"
-                )
-        return obj
+        return check_prompt_answer(self._json(reply, what), what)
 
     def step(self, base_url: str, env_name: str, env_id: str, action: str, *, deadline: float) -> StepResult:
         what = f"step {env_name}/{env_id}"
@@ -422,27 +455,7 @@ class EnvClient:
             "POST", self._url(base_url, env_name, env_id, "step"), what=what, deadline=deadline,
             body=body, idempotent=False, not_found=ENV_INSTANCE_LOST,
         )
-        obj = self._json(reply, what)
-        if not isinstance(obj, dict):
-            raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not an object")
-        reward = obj.get("reward")
-        if reward is None:
-            reward = 0.0
-        elif isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise EpisodeError(ENV_MALFORMED, f"{what}: reward is not a finite number or null ({type(reward).__name__})")
-        flags = {}
-        for name in ("terminated", "truncated"):
-            flag = _bool_like(obj.get(name))
-            if flag is None:
-                raise EpisodeError(ENV_MALFORMED, f"{what}: {name} is not a boolean ({type(obj.get(name)).__name__})")
-            flags[name] = flag
-        info = obj.get("info")
-        return StepResult(
-            reward=float(reward),
-            terminated=flags["terminated"],
-            truncated=flags["truncated"],
-            info=info if isinstance(info, dict) else None,
-        )
+        return check_step_answer(self._json(reply, what), what)
 
     def close(self, base_url: str, env_name: str, env_id: str, *, deadline: float | None = None) -> None:
         """Best effort: DELETE the instance (POST .../close on servers that answer 404/405).

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import errors
-from broker.keys import Keys
+from broker.keys import Keys, member
 from broker.ledger import Lease, Ledger
 from broker.queueing import send_episodes
 from broker.records import (
@@ -42,6 +42,7 @@ from broker.records import (
     JobSpec,
     StepRecord,
 )
+from broker.recovery import Sweeper
 from broker.redisconn import connect
 from broker.settings import Settings, redact_url
 from workers.envclient import EnvClient
@@ -115,7 +116,9 @@ class WorkerRuntime:
         self.model = ModelClient(settings)
         self.shutdown_at: float | None = None
         self._leases: dict[str, Lease] = {}
+        self._reserved: set[str] = set()  # members received from the broker, not started yet
         self._lock = threading.Lock()
+        self.sweeper = Sweeper(self.redis, settings)
         self._jobs: dict[str, JobSpec] = {}
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_forever, name="lease-renewer", daemon=True)
@@ -131,19 +134,37 @@ class WorkerRuntime:
     def stop(self) -> None:
         self._stop.set()
 
+    def received(self, job_id: str, episode_id: str) -> None:
+        """The broker handed us a task; hold a reservation on it until it starts."""
+        m = member(job_id, episode_id)
+        with self._lock:
+            self._reserved.add(m)
+        self.ledger.reserve([m])
+
     def _renew_forever(self) -> None:
-        period = self.settings.lease_ttl_s / 3
+        period = min(self.settings.lease_ttl_s / 3, self.settings.sweep_interval_s)
+        last_sweep = 0.0
         while not self._stop.wait(period):
             with self._lock:
                 leases = list(self._leases.values())
+                reserved = list(self._reserved)
             try:
                 self.ledger.renew(leases)
+                gone = self.ledger.renew_reservations(reserved)
+                if gone:
+                    with self._lock:
+                        self._reserved -= gone
+                if time.monotonic() - last_sweep >= self.settings.sweep_interval_s:
+                    last_sweep = time.monotonic()
+                    self.sweeper.tick()
             except Exception as exc:  # Redis away: the next round tries again
-                log.warning("lease renewal failed: %s", exc)
+                log.warning("lease renewal or sweep failed: %s", exc)
 
     # --- one delivery ----------------------------------------------------------------
     def run(self, job_id: str, episode_id: str) -> str:
-        started = self.ledger.start(job_id, episode_id, self.name)
+        started = self.ledger.start(job_id, episode_id, self.name)  # also ends the reservation
+        with self._lock:
+            self._reserved.discard(member(job_id, episode_id))
         if started.status != "ok":
             log.info("episode %s: delivery dropped (%s %s)", episode_id, started.status, started.detail)
             return started.status

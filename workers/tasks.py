@@ -46,6 +46,18 @@ def run_episode_task(job_id: str, episode_id: str) -> None:
         raise Reject(str(exc), requeue=True) from None
 
 
+@signals.task_received.connect
+def _reserve(request=None, **_):
+    # Received (prefetched) is not started: hold a reservation so that a worker dying in
+    # between does not leave the episode waiting for the broker's visibility timeout.
+    if request is not None and request.name == EPISODE_TASK:
+        try:
+            job_id, episode_id = request.args[:2]
+            runtime().received(job_id, episode_id)
+        except Exception:
+            log.exception("could not reserve a received episode (the sweeper's reconcile still covers it)")
+
+
 @signals.worker_process_init.connect
 def _fresh_runtime_after_fork(**_):
     # A prefork child must not share the parent's sockets or renewal thread.

@@ -1,0 +1,1 @@
+"""The benchmark harness: ``make bench`` / ``interactor bench`` (see docs/benchmarks.md)."""

@@ -1,0 +1,650 @@
+"""Run the real system under load and measure it (see docs/benchmarks.md for what and why).
+
+One *load run* starts, in a fresh folder: an embedded Redis, the two stand-ins (bench/standins.py)
+in their own processes, ``interactor worker`` processes and the consumer (bench/consumer.py:
+``interactor consumer`` plus a latency observer). It submits a job of ``countdown`` episodes
+(more than can finish in the window, so every worker slot stays busy), waits until all C
+slots run an episode, then measures a steady-state window:
+
+* steps/s from the env stand-in's step counter at both ends of the window;
+* CPU seconds per role (psutil, children included) over the window;
+* worker memory (PSS, so prefork children are not counted once per shared page) when idle
+  and in the middle of the window;
+* step-done-to-committed latency of the steps made in the window, from the consumer.
+
+Ideal steps/s = C / (model + 2 env + 2 env / steps): each step is get_task_prompt, the
+model, step; reset and close are two more env calls per episode, spread over its steps.
+
+Besides load runs: the consumer's ingest rate from a pre-filled stream and the producer's
+enqueue rate for a large job, both in this process against the same kind of Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from array import array
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import redis
+
+from broker.embedded import EmbeddedRedis
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class LoadSpec:
+    concurrency: int
+    pool: str = "threads"
+    workers: int = 2  # worker processes; concurrency is split between them
+    model_latency_ms: float = 1000.0
+    env_latency_ms: float = 20.0
+    steps: int = 20  # steps per episode
+    window_s: float = 20.0
+    warmup_s: float = 3.0
+    episodes_factor: float = 0.0  # episodes submitted = factor * concurrency; 0: enough for the window
+    label: str = ""
+
+    @property
+    def step_latency_s(self) -> float:
+        env = self.env_latency_ms / 1000
+        return self.model_latency_ms / 1000 + 2 * env + 2 * env / self.steps
+
+    @property
+    def ideal_rate(self) -> float:
+        return self.concurrency / self.step_latency_s
+
+
+@dataclass
+class LoadResult:
+    spec: LoadSpec
+    steps: int = 0
+    window_s: float = 0.0
+    rate: float = 0.0
+    efficiency: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)  # role -> CPU seconds in the window
+    machine_busy: float = 0.0  # fraction of all cores busy (everything on the machine)
+    worker_pss_idle_mb: float = 0.0
+    worker_pss_load_mb: float = 0.0
+    latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p90, p99, max
+    latency_n: int = 0
+    step_time_ms: dict[str, float] = field(default_factory=dict)  # mean per step: interval, model, env, own
+    running_reached: int = 0
+    ramp_s: float = 0.0
+    backlog_end: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def orch_cpu_ms_per_step(self) -> float:
+        c = self.cpu_s
+        return 1000 * (c.get("workers", 0) + c.get("consumer", 0) + c.get("redis", 0)) / max(1, self.steps)
+
+    def cpu_ms_per_step(self, role: str) -> float:
+        return 1000 * self.cpu_s.get(role, 0.0) / max(1, self.steps)
+
+    @property
+    def mem_mb_per_episode(self) -> float:
+        return (self.worker_pss_load_mb - self.worker_pss_idle_mb) / self.spec.concurrency
+
+    @property
+    def mem_total_mb_per_episode(self) -> float:
+        return self.worker_pss_load_mb / self.spec.concurrency
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _start_listening(cmd: list[str], env: dict, log_path: Path, cwd: str) -> tuple[subprocess.Popen, str]:
+    logf = open(log_path, "ab")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                         start_new_session=True)
+    logf.close()
+    line = p.stdout.readline().decode()
+    if "listening on" not in line:
+        p.kill()
+        raise RuntimeError(f"{' '.join(cmd)} did not start: {line!r} (see {log_path})")
+    return p, line.split("listening on", 1)[1].strip()
+
+
+def _child_env(settings: Settings, src: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    env.update(settings.as_environ())
+    env["PYTHONUNBUFFERED"] = "1"
+    if src:  # run another checkout of the code (before/after comparisons)
+        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _procs(p: subprocess.Popen | None) -> list[psutil.Process]:
+    if p is None or p.poll() is not None:
+        return []
+    try:
+        root = psutil.Process(p.pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cpu_snapshot(procs: list[psutil.Process]) -> dict[int, float]:
+    out = {}
+    for pr in procs:
+        try:
+            t = pr.cpu_times()
+            out[pr.pid] = t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _cpu_delta(a: dict[int, float], b: dict[int, float]) -> float:
+    return sum(v - a.get(pid, 0.0) for pid, v in b.items())
+
+
+def _pss_mb(procs: list[psutil.Process]) -> float:
+    total = 0
+    for pr in procs:
+        try:
+            total += pr.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
+            try:
+                total += pr.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+    return total / 2**20
+
+
+def _stop(p: subprocess.Popen | None, sig=signal.SIGTERM, wait: float = 15.0) -> None:
+    if p is None or p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        return
+    try:
+        p.wait(wait)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(5)
+
+
+def _http_json(url: str, timeout: float = 5.0) -> Any:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+class Cluster:
+    """Redis, stand-ins, workers and consumer of one load run, in ``folder``."""
+
+    def __init__(self, folder: Path, spec: LoadSpec, *, src: str | None = None, base: Settings | None = None):
+        self.folder = folder
+        self.spec = spec
+        self.src = src
+        self.cwd = src or str(ROOT)
+        self.base = base or Settings.from_env({})
+        self.logs = folder / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.redis: EmbeddedRedis | None = None
+        self.env_p = self.model_p = self.consumer_p = None
+        self.workers: list[subprocess.Popen] = []
+        self.latency_file = folder / "latency.bin"
+
+    def start(self) -> Settings:
+        spec = self.spec
+        self.redis = EmbeddedRedis(self.folder / "redis").start()
+        py = sys.executable
+        plain = _child_env(self.base, self.src)
+        self.env_p, env_url = _start_listening(
+            [py, "-m", "bench.standins", "env", "--port", "0", "--latency-ms", str(spec.env_latency_ms)],
+            plain, self.logs / "env.log", self.cwd)
+        self.model_p, model_url = _start_listening(
+            [py, "-m", "bench.standins", "model", "--port", "0", "--latency-ms", str(spec.model_latency_ms)],
+            plain, self.logs / "model.log", self.cwd)
+        per_worker = max(1, -(-spec.concurrency // spec.workers))
+        s = self.base.replace(
+            redis_url=self.redis.url, run_dir=str(self.folder), db_path=str(self.folder / "results.sqlite"),
+            env_base_url=env_url, llm_base_url=model_url + "/v1", model="stand-in", pool=spec.pool,
+            concurrency=per_worker, max_steps=max(spec.steps, 1),
+        )
+        self.settings = s
+        self.env_url, self.model_url = env_url, model_url
+        env = _child_env(s, self.src)
+        self.consumer_p = self._spawn([py, "-m", "bench.consumer", str(self.latency_file)], env, "consumer")
+        for i in range(spec.workers):
+            self.workers.append(self._spawn(
+                [py, "-m", "interactor.cli", "worker", "--name", f"w{i + 1}@%h", "--loglevel", "INFO"], env,
+                f"worker{i + 1}"))
+        return s
+
+    def _spawn(self, cmd: list[str], env: dict, name: str) -> subprocess.Popen:
+        logf = open(self.logs / f"{name}.log", "ab")
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                             cwd=self.cwd, start_new_session=True)
+        logf.close()
+        return p
+
+    def roles(self) -> dict[str, list[psutil.Process]]:
+        return {
+            "workers": [pr for w in self.workers for pr in _procs(w)],
+            "consumer": _procs(self.consumer_p),
+            "redis": _procs(self.redis.proc if self.redis else None),
+            "env": _procs(self.env_p),
+            "model": _procs(self.model_p),
+        }
+
+    def wait_workers_ready(self, timeout: float = 120.0) -> None:
+        """Until every worker process logs that it is ready (and prefork children exist)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = 0
+            for i, w in enumerate(self.workers):
+                if w.poll() is not None:
+                    raise RuntimeError(f"worker{i + 1} exited with {w.returncode}: "
+                                       f"{(self.logs / f'worker{i + 1}.log').read_text()[-2000:]}")
+                if "ready." in (self.logs / f"worker{i + 1}.log").read_text(errors="replace"):
+                    ready += 1
+            if ready == len(self.workers):
+                return
+            time.sleep(0.2)
+        raise RuntimeError("workers did not become ready")
+
+    def stop(self) -> None:
+        for w in self.workers:
+            _stop(w, signal.SIGKILL, 10)
+        for p in (self.env_p, self.model_p):
+            _stop(p, signal.SIGTERM, 10)
+        _stop(self.consumer_p, signal.SIGTERM, 60)
+        if self.redis:
+            self.redis.stop()
+
+    def kill_workers_and_drain(self, client: redis.Redis, keys: Keys, timeout: float = 60.0) -> int:
+        for w in self.workers:
+            _stop(w, signal.SIGKILL, 10)
+        deadline = time.monotonic() + timeout
+        backlog = -1
+        while time.monotonic() < deadline:
+            try:
+                info = client.xinfo_groups(keys.results)
+                backlog = sum(int(g.get("pending", 0)) + int(g.get("lag") or 0) for g in info)
+            except redis.ResponseError:
+                backlog = 0
+            if backlog == 0:
+                break
+            time.sleep(0.2)
+        _stop(self.consumer_p, signal.SIGTERM, 60)
+        return backlog
+
+
+def _write_countdown_tasks(folder: Path, env_url: str, episodes: int, steps: int, group: int = 4) -> str:
+    rows = max(1, episodes // group)
+    data = folder / "countdown.jsonl"
+    data.write_text("".join(json.dumps({"steps": steps, "task": i}) + "\n" for i in range(rows)))
+    path = folder / "tasks.yaml"
+    path.write_text(
+        "environments:\n"
+        "  - env_name: countdown\n"
+        f"    base_url: {env_url}\n"
+        "    env_params: {system_bytes: 1500, turn_bytes: 300, keep_turns: 3}\n"
+        f"    dataset: {data.name}\n"
+        f"    env_num: {group}\n"
+    )
+    return str(path)
+
+
+def _percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float]:
+    if not values:
+        return {}
+    v = sorted(values)
+    out = {f"p{p}": v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))] for p in ps}
+    out["max"] = v[-1]
+    return out
+
+
+def _step_times(db: str, t0: float, t1: float) -> dict[str, float]:
+    """Where a step's wall time goes, from the stored steps of the window: the interval between
+    consecutive steps of an episode, the model and env waits the worker measured, and the rest
+    (the worker's own time: loop, records, publish, waiting for the GIL or a core)."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+        rows = con.execute("SELECT env_id, step_id, created_at, env_latency_s, model_latency_s FROM session_steps "
+                           "WHERE created_at BETWEEN ? AND ? ORDER BY env_id, step_id", (t0 - 5, t1)).fetchall()
+        con.close()
+    except sqlite3.Error:
+        return {}
+    intervals, model, env = [], [], []
+    prev = None
+    for row in rows:
+        if prev is not None and prev[0] == row[0] and prev[1] == row[1] - 1 and row[2] >= t0:
+            intervals.append(row[2] - prev[2])
+            model.append(row[4] or 0.0)
+            env.append(row[3] or 0.0)
+        prev = row
+    if not intervals:
+        return {}
+    n = len(intervals)
+    out = {"interval": 1000 * sum(intervals) / n, "model": 1000 * sum(model) / n, "env": 1000 * sum(env) / n}
+    out["own"] = out["interval"] - out["model"] - out["env"]
+    out["n"] = n
+    return out
+
+
+def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settings | None = None) -> LoadResult:
+    from producer.enqueue import plan, submit_plan
+
+    folder = Path(tempfile.mkdtemp(prefix=f"load-{spec.pool}-{spec.concurrency}-", dir=work)).resolve()
+    res = LoadResult(spec)
+    cluster = Cluster(folder, spec, src=src, base=base)
+    log(f"load run: concurrency {spec.concurrency}, pool {spec.pool}, {spec.workers} worker processes"
+        + (f", code from {src}" if src else ""))
+    try:
+        settings = cluster.start()
+        client = redis.Redis.from_url(settings.redis_url)
+        keys = Keys(settings.key_prefix)
+        cluster.wait_workers_ready()
+        time.sleep(1.0)
+        roles = cluster.roles()
+        res.worker_pss_idle_mb = _pss_mb(roles["workers"])
+
+        factor = spec.episodes_factor or 1.5 * (1 + (spec.window_s + spec.warmup_s + 15) / (spec.steps * spec.step_latency_s))
+        episodes = max(spec.concurrency, int(spec.concurrency * factor))
+        tasks = _write_countdown_tasks(folder, cluster.env_url, episodes, spec.steps)
+        sub = submit_plan(client, settings, plan(settings, [tasks], f"bench-{uuid.uuid4().hex[:6]}"))
+        job_id = sub.job.job_id
+        ledger = Ledger(client, keys, settings.lease_ttl_s)
+
+        # Ramp: until every slot runs an episode.
+        t_ramp = time.monotonic()
+        deadline = t_ramp + max(60.0, spec.concurrency * 0.1)
+        best = 0
+        while time.monotonic() < deadline:
+            running = ledger.counts(job_id)["running"]
+            best = max(best, running)
+            if running >= spec.concurrency:
+                break
+            if any(w.poll() is not None for w in cluster.workers):
+                raise RuntimeError("a worker process died during ramp-up; see " + str(cluster.logs))
+            time.sleep(0.2)
+        res.running_reached = best
+        res.ramp_s = time.monotonic() - t_ramp
+        if best < spec.concurrency:
+            res.errors.append(f"only {best} of {spec.concurrency} episodes ran at once")
+        time.sleep(spec.warmup_s)
+
+        # The window.
+        roles = cluster.roles()
+        allprocs = [pr for procs in roles.values() for pr in procs]
+        snap0 = {r: _cpu_snapshot(p) for r, p in roles.items()}
+        mach0 = psutil.cpu_times()
+        steps0 = _http_json(cluster.env_url + "/stats")["steps"]
+        t0w, t0 = time.time(), time.monotonic()
+        time.sleep(spec.window_s / 2)
+        res.worker_pss_load_mb = _pss_mb(cluster.roles()["workers"])
+        time.sleep(max(0.0, spec.window_s / 2 - (time.monotonic() - t0 - spec.window_s / 2)))
+        steps1 = _http_json(cluster.env_url + "/stats")["steps"]
+        t1w, t1 = time.time(), time.monotonic()
+        roles1 = cluster.roles()
+        snap1 = {r: _cpu_snapshot(p) for r, p in roles1.items()}
+        mach1 = psutil.cpu_times()
+        del allprocs
+
+        res.steps = steps1 - steps0
+        res.window_s = t1 - t0
+        res.rate = res.steps / res.window_s
+        res.efficiency = res.rate / spec.ideal_rate
+        res.cpu_s = {r: _cpu_delta(snap0[r], snap1[r]) for r in snap0}
+        busy = (sum(mach1) - mach1.idle - getattr(mach1, "iowait", 0)) - (sum(mach0) - mach0.idle - getattr(mach0, "iowait", 0))
+        res.machine_busy = busy / (sum(mach1) - sum(mach0))
+        c = ledger.counts(job_id)
+        if c["queued"] == 0:
+            res.errors.append("the queue ran dry during the window: raise episodes_factor")
+
+        # Drain what the window produced, then read the latencies.
+        res.backlog_end = cluster.kill_workers_and_drain(client, keys)
+        pairs = array("d")
+        if cluster.latency_file.exists():
+            with open(cluster.latency_file, "rb") as f:
+                pairs.frombytes(f.read())
+        lat = [(pairs[i + 1] - pairs[i]) * 1000 for i in range(0, len(pairs) - 1, 2) if t0w <= pairs[i] <= t1w]
+        res.latency_ms = _percentiles(lat)
+        res.latency_n = len(lat)
+        res.step_time_ms = _step_times(settings.results_db, t0w, t1w)
+        client.close()
+    except Exception as exc:
+        res.errors.append(f"{type(exc).__name__}: {exc}")
+        log(f"load run failed: {exc}")
+    finally:
+        cluster.stop()
+    log(f"  {res.rate:.1f} steps/s of ideal {spec.ideal_rate:.1f} (efficiency {res.efficiency:.3f}); "
+        f"orchestration CPU {res.orch_cpu_ms_per_step:.3f} ms/step; p99 record latency "
+        f"{res.latency_ms.get('p99', float('nan')):.0f} ms; worker memory {res.mem_mb_per_episode:.3f} MB/episode"
+        + (f"; problems: {res.errors}" if res.errors else ""))
+    return res
+
+
+# --------------------------------------------------------------------------- ingest
+
+
+def realistic_records(n: int, *, concurrency: int = 256, steps: int = 20, job_id: str = "bench-ingest"):
+    """``n`` records as a stream at this concurrency carries them: steps of ``concurrency``
+    episodes interleaved, each episode closed by an AttemptRecord; prompts of a few KB."""
+    from bench.standins import _filler
+    from broker.records import AttemptRecord, StepRecord
+
+    system = {"role": "system", "content": "You are an agent in a text world. " + _filler(1500, "system")}
+    turn = _filler(300, "turn")
+    reply = _filler(200, "reply")
+    out = []
+    ep = 0
+    live: list[list] = []  # [episode_id, step]
+    now = time.time()
+    while len(out) < n:
+        while len(live) < concurrency:
+            live.append([f"ep{ep:07d}", 0])
+            ep += 1
+        for slot in live:
+            if len(out) >= n:
+                break
+            eid = slot[0]
+            slot[1] += 1
+            k = slot[1]
+            msgs = [system]
+            for j in range(max(1, k - 2), k + 1):
+                if j > 1:
+                    msgs.append({"role": "assistant", "content": f"Action {j - 1}: {reply}"})
+                msgs.append({"role": "user", "content": f"Turn {j} of {steps}. {turn}"})
+            last = k == steps
+            out.append(StepRecord(
+                job_id=job_id, env_id=eid, attempt=1, step_id=k, env_name="countdown", llm_model="stand-in",
+                group_id=f"g{int(eid[2:]) // 4}", messages=msgs, response=f"Action {k}: {reply}",
+                step_reward=1 / steps, cumulative_reward=k / steps, terminated=last, truncated=False,
+                episode_finished=last, is_trainable=True, weight_version="v1", env_latency_s=0.04,
+                model_latency_s=1.0, created_at=now))
+            if last and len(out) < n:
+                out.append(AttemptRecord(
+                    job_id=job_id, episode_id=eid, attempt=1, status="completed", group_id=f"g{int(eid[2:]) // 4}",
+                    group_size=4, env_name="countdown", llm_model="stand-in", total_reward=1.0, steps=steps,
+                    started_at=now - 20, finished_at=now, worker="w1"))
+        live = [s for s in live if s[1] < steps]
+    return out[:n]
+
+
+@dataclass
+class IngestResult:
+    records: int = 0
+    bytes_per_record: float = 0.0
+    seconds: float = 0.0
+    rate: float = 0.0
+    cpu_consumer_s: float = 0.0
+    cpu_redis_s: float = 0.0
+    batch: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def run_ingest(n: int, work: Path, *, base: Settings | None = None, store_factory: Callable | None = None) -> IngestResult:
+    """Records/s from a pre-filled stream into SQLite, through the consumer's own loop."""
+    from consumer.ingest import Ingestor
+    from consumer.store import Store
+
+    folder = Path(tempfile.mkdtemp(prefix="ingest-", dir=work))
+    res = IngestResult(records=n)
+    log(f"ingest: {n} records from a pre-filled stream into SQLite")
+    with EmbeddedRedis(folder / "redis") as srv:
+        settings = (base or Settings.from_env({})).replace(redis_url=srv.url, db_path=str(folder / "results.sqlite"),
+                                                           run_dir=str(folder))
+        res.batch = settings.consumer_batch
+        client = redis.Redis.from_url(srv.url)
+        keys = Keys(settings.key_prefix)
+        recs = realistic_records(n)
+        total_bytes = 0
+        pipe = client.pipeline(transaction=False)
+        for i, r in enumerate(recs):
+            b = r.pack()
+            total_bytes += len(b)
+            pipe.xadd(keys.results, {"r": b})
+            if i % 2000 == 1999:
+                pipe.execute()
+        pipe.execute()
+        del recs
+        res.bytes_per_record = total_bytes / n
+        store = (store_factory or Store)(settings.results_db)
+        ing = Ingestor(client, settings, store, name="bench-ingest")
+        me, rp = psutil.Process(), psutil.Process(srv.proc.pid)
+        c0, r0 = me.cpu_times(), rp.cpu_times()
+        t0 = time.perf_counter()
+        idle = 0
+        while ing.stats["records"] < n and idle < 5:
+            got = ing.poll_once(block_ms=100)
+            idle = idle + 1 if got == 0 else 0
+        res.seconds = time.perf_counter() - t0
+        c1, r1 = me.cpu_times(), rp.cpu_times()
+        res.cpu_consumer_s = (c1.user + c1.system) - (c0.user + c0.system)
+        res.cpu_redis_s = (r1.user + r1.system) - (r0.user + r0.system)
+        if ing.stats["records"] < n:
+            res.errors.append(f"only {ing.stats['records']} of {n} records ingested")
+        res.rate = ing.stats["records"] / res.seconds
+        store.close()
+        client.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    log(f"  {res.rate:.0f} records/s ({res.bytes_per_record / 1024:.1f} KB each)")
+    return res
+
+
+# --------------------------------------------------------------------------- enqueue
+
+
+@dataclass
+class EnqueueResult:
+    episodes: int = 0
+    plan_s: float = 0.0
+    enqueue_s: float = 0.0
+    rate: float = 0.0  # episodes/s, plan + ledger + queue
+    enqueue_rate: float = 0.0  # ledger + queue only
+    errors: list[str] = field(default_factory=list)
+
+
+def run_enqueue(n: int, work: Path, *, base: Settings | None = None) -> EnqueueResult:
+    """A job of ``n`` episodes from a task file: plan (read + validate + expand) and submit
+    (ledger + queue), as ``interactor submit`` does."""
+    from producer.enqueue import plan, submit_plan
+
+    folder = Path(tempfile.mkdtemp(prefix="enqueue-", dir=work))
+    res = EnqueueResult(episodes=n)
+    log(f"enqueue: a job of {n} episodes")
+    with EmbeddedRedis(folder / "redis") as srv:
+        settings = (base or Settings.from_env({})).replace(redis_url=srv.url, run_dir=str(folder),
+                                                           env_base_url="http://127.0.0.1:9")
+        client = redis.Redis.from_url(srv.url)
+        data = folder / "rows.jsonl"
+        data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": 2 * i, "steps": 20}) + "\n"
+                                for i in range(max(1, n // 4))))
+        tasks = folder / "tasks.yaml"
+        tasks.write_text("environments:\n  - env_name: countdown\n    env_params: {system_bytes: 1500}\n"
+                         f"    dataset: {data.name}\n    env_num: 4\n")
+        t0 = time.perf_counter()
+        planned = plan(settings, [str(tasks)], "bench-enqueue")
+        res.plan_s = time.perf_counter() - t0
+        sub = submit_plan(client, settings, planned)
+        res.enqueue_s = sub.enqueue_s
+        total = time.perf_counter() - t0
+        queued = client.llen(settings.queue)
+        if queued != len(planned.episodes):
+            res.errors.append(f"{queued} tasks queued for {len(planned.episodes)} episodes")
+        res.episodes = len(planned.episodes)
+        res.rate = res.episodes / total
+        res.enqueue_rate = res.episodes / res.enqueue_s
+        client.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    log(f"  {res.rate:.0f} episodes/s end to end (plan {res.plan_s:.2f}s, ledger+queue {res.enqueue_s:.2f}s)")
+    return res
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def machine() -> dict:
+    info = {
+        "cpu": platform.processor() or "",
+        "cores": psutil.cpu_count(logical=True),
+        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+        "host": socket.gethostname(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        from broker.embedded import redis_server_binary
+
+        out = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True, timeout=10).stdout
+        info["redis"] = out.split("v=", 1)[1].split()[0] if "v=" in out else out.strip()
+    except Exception:
+        info["redis"] = "?"
+    import celery
+
+    info["celery"] = celery.__version__
+    return info
+
+
+def to_json(obj) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        d = asdict(obj)
+        for name in ("orch_cpu_ms_per_step", "mem_mb_per_episode", "mem_total_mb_per_episode"):
+            if hasattr(obj, name):
+                d[name] = getattr(obj, name)
+        return d
+    return obj

@@ -1,0 +1,314 @@
+"""docs/benchmarks.md and its plot, from one run's results (a JSON-able dict).
+
+Every figure of a table comes from the same run. ``bench/notes.md`` (hand-written: the
+before/after of each fix and why a target misses) is appended verbatim.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+TARGETS = {
+    "efficiency_256": 0.95,
+    "efficiency_1000": 0.90,
+    "cpu_ms_per_step": 1.0,
+    "mem_mb_per_episode": 1.0,
+    "ingest_rate": 20_000,
+    "enqueue_rate": 20_000,
+    "latency_p99_ms_256": 250.0,
+}
+
+NOTES = Path(__file__).resolve().parent / "notes.md"
+
+
+def _f(x: Any, nd: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if isinstance(x, (int, float)) and abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{nd}f}"
+
+
+def orch_ms(r: dict) -> float:
+    c = r["cpu_s"]
+    return 1000 * (c.get("workers", 0) + c.get("consumer", 0) + c.get("redis", 0)) / max(1, r["steps"])
+
+
+def role_ms(r: dict, role: str) -> float:
+    return 1000 * r["cpu_s"].get(role, 0.0) / max(1, r["steps"])
+
+
+def mem_per_ep(r: dict) -> float:
+    return (r["worker_pss_load_mb"] - r["worker_pss_idle_mb"]) / r["spec"]["concurrency"]
+
+
+def _by_c(runs: list[dict], c: int) -> dict | None:
+    for r in runs:
+        if r["spec"]["concurrency"] == c:
+            return r
+    return None
+
+
+def target_rows(res: dict) -> list[tuple]:
+    """(metric, target text, measured text, ratio, met) rows; ratio >= 1 means met by that margin."""
+    rows = []
+    load = res.get("load", [])
+
+    def row(metric, target_txt, measured, target, higher_is_better, nd=2, unit=""):
+        if measured is None or (isinstance(measured, float) and math.isnan(measured)) or measured <= 0 and higher_is_better:
+            rows.append((metric, target_txt, "n/a" if measured is None else _f(measured, nd) + unit, "n/a",
+                         "no" if measured is not None else "not measured"))
+            return
+        ratio = measured / target if higher_is_better else (target / measured if measured > 0 else math.inf)
+        rows.append((metric, target_txt, _f(measured, nd) + unit, f"{ratio:.2f}x", "yes" if ratio >= 1 else "**no**"))
+
+    for r in load:
+        c = r["spec"]["concurrency"]
+        tgt = {256: TARGETS["efficiency_256"], 1000: TARGETS["efficiency_1000"]}.get(c)
+        if tgt is None:
+            rows.append((f"Efficiency at concurrency {c}", "(none)", _f(r["efficiency"], 3), "", ""))
+        else:
+            row(f"Efficiency at concurrency {c}", f">= {tgt}", r["efficiency"], tgt, True, 3)
+    for r in load:
+        c = r["spec"]["concurrency"]
+        row(f"Orchestration CPU per step, concurrency {c}", "<= 1 ms", orch_ms(r), TARGETS["cpu_ms_per_step"], False,
+            3, " ms")
+    for r in load:
+        c = r["spec"]["concurrency"]
+        row(f"Worker memory per concurrent episode, concurrency {c}", "<= 1 MB", mem_per_ep(r),
+            TARGETS["mem_mb_per_episode"], False, 3, " MB")
+    ing = res.get("ingest")
+    if ing:
+        row("Consumer ingest (records/s into SQLite)", ">= 20,000", ing["rate"], TARGETS["ingest_rate"], True, 0)
+    enq = res.get("enqueue")
+    if enq:
+        row(f"Enqueue ({enq['episodes']:,}-episode job, episodes/s)", ">= 20,000", enq["rate"],
+            TARGETS["enqueue_rate"], True, 0)
+    for r in load:
+        c = r["spec"]["concurrency"]
+        lat = r.get("latency_ms") or {}
+        if c == 256:
+            row("Record latency p99, concurrency 256", "<= 250 ms", lat.get("p99"), TARGETS["latency_p99_ms_256"],
+                False, 0, " ms")
+        else:
+            rows.append((f"Record latency p99, concurrency {c}", "(none)", _f(lat.get("p99"), 0) + " ms", "", ""))
+    return rows
+
+
+def _table(header: list[str], rows: list[tuple]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def load_rows(runs: list[dict]) -> list[tuple]:
+    rows = []
+    for r in runs:
+        s = r["spec"]
+        lat = r.get("latency_ms") or {}
+        rows.append((
+            s["concurrency"], s["pool"], f"{s['workers']}", _f(r["rate"], 1), _f(s["concurrency"] / _step_s(s), 1),
+            _f(r["efficiency"], 3), _f(orch_ms(r), 3), _f(role_ms(r, "workers"), 3), _f(role_ms(r, "consumer"), 3),
+            _f(role_ms(r, "redis"), 3), _f(role_ms(r, "env") + role_ms(r, "model"), 3), f"{100 * r['machine_busy']:.0f}%",
+            _f(r["worker_pss_idle_mb"], 0), _f(r["worker_pss_load_mb"], 0), _f(mem_per_ep(r), 3),
+            _f(lat.get("p50"), 0), _f(lat.get("p99"), 0), _f(r["ramp_s"], 1),
+            "; ".join(r.get("errors") or []) or "",
+        ))
+    return rows
+
+
+LOAD_HEADER = ["C", "pool", "worker procs", "steps/s", "ideal", "efficiency", "orch. CPU ms/step", "workers",
+               "consumer", "redis", "stand-ins (apart)", "machine busy", "worker PSS idle MB", "loaded MB",
+               "MB/episode", "latency p50 ms", "p99 ms", "ramp s", "problems"]
+
+
+def _step_s(s: dict) -> float:
+    env = s["env_latency_ms"] / 1000
+    return s["model_latency_ms"] / 1000 + 2 * env + 2 * env / s["steps"]
+
+
+def choose_pool(pools: list[dict]) -> tuple[str, list[str]]:
+    """The default pool from the comparison: efficiency first (within 2 points counts as a
+    tie), then orchestration CPU, then memory."""
+    ok = [r for r in pools if not r.get("errors")] or pools
+    if not ok:
+        return "threads", ["no pool comparison in this run"]
+    best_eff = max(r["efficiency"] for r in ok)
+    contenders = [r for r in ok if r["efficiency"] >= best_eff - 0.02]
+    contenders.sort(key=lambda r: (orch_ms(r), mem_per_ep(r)))
+    pick = contenders[0]
+    why = []
+    for r in pools:
+        p = r["spec"]["pool"]
+        why.append(f"{p}: efficiency {r['efficiency']:.3f}, {orch_ms(r):.2f} ms CPU/step, "
+                   f"{mem_per_ep(r):.2f} MB/episode, p99 {(r.get('latency_ms') or {}).get('p99', float('nan')):.0f} ms"
+                   + (f" (problems: {'; '.join(r['errors'])})" if r.get("errors") else ""))
+    return pick["spec"]["pool"], why
+
+
+def render(res: dict, png_name: str | None) -> str:
+    m = res["machine"]
+    cfg = res["config"]
+    out = []
+    out.append("# Benchmarks\n")
+    out.append(f"Generated by `make bench` (`interactor bench`) on {res['finished']}, code at `{res.get('commit', '?')}`; "
+               f"the whole run took {res.get('duration_s', 0) / 60:.1f} min. Every figure below comes from that one run; "
+               "timings are ratios within it (efficiency = achieved / ideal), because the machine is shared and noisy.\n")
+    out.append("## How to run\n")
+    out.append("```\nmake bench                     # everything, ~10 min; rewrites docs/benchmarks.md and docs/benchmarks.png\n"
+               "interactor bench --quick       # a 2-minute smoke version (writes to runs/bench/)\n"
+               "interactor bench --levels 256 --pools '' --skip ingest,enqueue   # one load level only\n"
+               "interactor bench --src /path/to/other/checkout   # the load runs against another version of the code\n```\n")
+    out.append("The load runs start, per level and in a fresh folder: an embedded Redis (append-only file on, as "
+               "`interactor run` uses it), the env and model stand-ins in their own processes (`bench/standins.py`: "
+               "same wire protocol as `examples/`, one asyncio loop each, so they stay cheap), "
+               f"{cfg['workers']} `interactor worker` processes sharing the concurrency C, and the consumer "
+               "(`interactor consumer` plus a latency observer, `bench/consumer.py`). A job of `countdown` episodes "
+               f"({cfg['steps']} steps each, prompts of ~2-3 KB: a 1.5 KB system message plus the last 3 turns) keeps "
+               "every slot busy; once all C episodes run, a "
+               f"{cfg['window_s']:.0f} s window is measured after {cfg['warmup_s']:.0f} s of warm-up.\n")
+    out.append(f"* **Ideal steps/s** = C / (model + 2 x env + 2 x env / steps) = C / "
+               f"({cfg['model_latency_ms'] / 1000:g} + 2 x {cfg['env_latency_ms'] / 1000:g} + 2 x "
+               f"{cfg['env_latency_ms'] / 1000:g} / {cfg['steps']}) s = C / {_step_s(cfg):.3f} s: a step is "
+               "get_task_prompt, the model, step; reset and close are two more env calls per episode, spread over "
+               "its steps.")
+    out.append("* **Steps/s**: the env stand-in's step counter at both ends of the window.")
+    out.append("* **Orchestration CPU per step**: CPU seconds (user + system, children included) of the worker "
+               "processes, the consumer and Redis in the window, divided by the steps; the stand-ins are measured "
+               "the same way and reported apart.")
+    out.append("* **Worker memory per concurrent episode**: (PSS of all worker processes in the middle of the window "
+               "- PSS once started, idle) / C. PSS, so prefork children are not charged for pages they share.")
+    out.append("* **Record latency**: from `StepRecord.created_at` (the worker, when the step is done) to the "
+               "consumer's commit + XACK of the batch holding it, for the steps made in the window.")
+    out.append("* **Ingest**: records/s through the consumer's own loop (XREADGROUP, decode, one SQLite transaction "
+               "per batch, XACK) from a stream pre-filled with step records of 256 interleaved episodes "
+               f"({res.get('ingest', {}).get('bytes_per_record', 0) / 1024:.1f} KB each, a closing attempt record per "
+               "episode).")
+    out.append("* **Enqueue**: `interactor submit` of a task file expanding to the job (plan: read, validate, "
+               "expand; then the ledger and the queue), episodes/s end to end.\n")
+
+    out.append("## The machine\n")
+    out.append(f"{m['cores']} cores ({m['cpu']}), {m['ram_gb']} GB RAM, {m['os']}, Python {m['python']}, "
+               f"Redis {m.get('redis', '?')}, Celery {m.get('celery', '?')}. Load average when the run started: "
+               f"{', '.join(str(x) for x in m['loadavg'])} (the machine is shared: the *machine busy* column is "
+               "everything running on it, not only this benchmark).\n")
+
+    out.append("## Targets\n")
+    out.append("Ratio: measured / target for a floor, target / measured for a ceiling; at least 1.00x means met.\n")
+    out.append(_table(["Metric", "Target", "Measured", "Ratio", "Met?"], target_rows(res)) + "\n")
+
+    misses = [r for r in target_rows(res) if r[4] == "**no**"]
+    if misses:
+        out.append("Missed in this run: " + "; ".join(f"{r[0]} ({r[2]} against {r[1]}, {r[3]})" for r in misses)
+                   + ". Why, and what would close each gap: see *Notes* below.\n")
+
+    if res.get("load"):
+        out.append("## Load runs\n")
+        out.append(f"Model latency {cfg['model_latency_ms']:g} ms, env latency {cfg['env_latency_ms']:g} ms per call, "
+                   f"pool `{res['load'][0]['spec']['pool']}`. CPU columns are ms per step.\n")
+        out.append(_table(LOAD_HEADER, load_rows(res["load"])) + "\n")
+    if png_name:
+        out.append(f"![benchmarks]({png_name})\n")
+
+    pools = res.get("pools") or []
+    if pools:
+        out.append("## Worker pools\n")
+        out.append(f"The same load (concurrency {pools[0]['spec']['concurrency']}, same latencies, "
+                   f"{pools[0]['spec']['workers']} worker processes) with each pool:\n")
+        out.append(_table(LOAD_HEADER, load_rows(pools)) + "\n")
+        pick, why = choose_pool(pools)
+        out.append(f"**Chosen default: `{pick}`** (rule: the best efficiency, within 0.02 counting as a tie, then the "
+                   "least orchestration CPU per step, then memory).\n")
+        out += [f"* {w}" for w in why]
+        out.append("")
+
+    ing = res.get("ingest")
+    if ing:
+        out.append("## Consumer ingest\n")
+        out.append(f"{ing['records']:,} records ({ing['bytes_per_record'] / 1024:.1f} KB each) in {ing['seconds']:.2f} s: "
+                   f"**{ing['rate']:,.0f} records/s**, batch {ing['batch']}; CPU {1e6 * ing['cpu_consumer_s'] / ing['records']:.0f} us "
+                   f"per record in the consumer, {1e6 * ing['cpu_redis_s'] / ing['records']:.0f} us in Redis."
+                   + (f" Problems: {'; '.join(ing['errors'])}." if ing.get("errors") else "") + "\n")
+    enq = res.get("enqueue")
+    if enq:
+        out.append("## Enqueue\n")
+        out.append(f"{enq['episodes']:,} episodes: plan {enq['plan_s']:.2f} s, ledger + queue {enq['enqueue_s']:.2f} s: "
+                   f"**{enq['rate']:,.0f} episodes/s** end to end ({enq['enqueue_rate']:,.0f}/s for ledger + queue alone)."
+                   + (f" Problems: {'; '.join(enq['errors'])}." if enq.get("errors") else "") + "\n")
+
+    if NOTES.exists():
+        out.append(NOTES.read_text().rstrip() + "\n")
+    return "\n".join(out)
+
+
+def plot(res: dict, path: str) -> None:
+    import logging
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib.pyplot as plt
+
+    load = res.get("load") or []
+    pools = res.get("pools") or []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    labels = [str(r["spec"]["concurrency"]) for r in load]
+    ax.bar(labels, [r["efficiency"] for r in load], color="#4c72b0")
+    for i, r in enumerate(load):
+        ax.text(i, r["efficiency"] + 0.01, f"{r['efficiency']:.3f}", ha="center", fontsize=9)
+        t = {256: TARGETS["efficiency_256"], 1000: TARGETS["efficiency_1000"]}.get(r["spec"]["concurrency"])
+        if t:
+            ax.hlines(t, i - 0.4, i + 0.4, colors="red", linestyles="dashed")
+    ax.set_ylim(0, 1.1)
+    ax.set_title("Efficiency (achieved / ideal steps/s)")
+    ax.set_xlabel("concurrency")
+
+    ax = axes[1]
+    bottom = [0.0] * len(load)
+    for role, color in (("workers", "#4c72b0"), ("consumer", "#55a868"), ("redis", "#c44e52"),
+                        ("env", "#cccccc"), ("model", "#eeeeee")):
+        vals = [role_ms(r, role) for r in load]
+        ax.bar(labels, vals, bottom=bottom, label=role + (" (stand-in)" if role in ("env", "model") else ""),
+               color=color, edgecolor="#999999" if role in ("env", "model") else None)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(TARGETS["cpu_ms_per_step"], color="red", linestyle="dashed", label="target (orchestration)")
+    ax.set_title("CPU ms per step")
+    ax.set_xlabel("concurrency")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    if pools:
+        pl = [r["spec"]["pool"] for r in pools]
+        x = range(len(pools))
+        ax.bar([i - 0.2 for i in x], [r["efficiency"] for r in pools], width=0.4, label="efficiency", color="#4c72b0")
+        ax2 = ax.twinx()
+        ax2.bar([i + 0.2 for i in x], [orch_ms(r) for r in pools], width=0.4, label="orch. CPU ms/step",
+                color="#dd8452")
+        ax.set_xticks(list(x), pl)
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("efficiency")
+        ax2.set_ylabel("CPU ms/step")
+        ax.set_title(f"Pools at concurrency {pools[0]['spec']['concurrency']}")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
+    else:
+        lat = [(r.get("latency_ms") or {}) for r in load]
+        ax.plot(labels, [x.get("p50", 0) for x in lat], marker="o", label="p50")
+        ax.plot(labels, [x.get("p99", 0) for x in lat], marker="o", label="p99")
+        ax.axhline(TARGETS["latency_p99_ms_256"], color="red", linestyle="dashed", label="p99 target")
+        ax.set_title("Record latency (ms)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"interactor benchmarks ({res['finished']}, {res['machine']['cores']} cores)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def now_text() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

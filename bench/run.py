@@ -1,0 +1,114 @@
+"""One benchmark run: load levels, pool comparison, ingest, enqueue; then the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import harness, report
+from broker.settings import Settings
+
+ROOT = harness.ROOT
+
+
+@dataclass
+class BenchConfig:
+    levels: list[int] = field(default_factory=lambda: [64, 256, 1000])
+    pool: str = "threads"
+    pools: list[str] = field(default_factory=lambda: ["threads", "gevent", "prefork"])
+    pool_level: int = 64
+    workers: int = 2
+    model_latency_ms: float = 1000.0
+    env_latency_ms: float = 20.0
+    steps: int = 20
+    window_s: float = 20.0
+    warmup_s: float = 3.0
+    ingest_records: int = 50_000
+    enqueue_episodes: int = 100_000
+    skip: list[str] = field(default_factory=list)  # load, pools, ingest, enqueue
+    out: str = str(ROOT / "docs" / "benchmarks.md")
+    png: str = str(ROOT / "docs" / "benchmarks.png")
+    work: str = str(ROOT / "runs" / "bench")
+    src: str | None = None
+
+    @classmethod
+    def quick(cls, **kw) -> "BenchConfig":
+        base = dict(levels=[16], pools=[], pool_level=16, model_latency_ms=200.0, steps=5, window_s=5.0,
+                    warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000,
+                    out=str(ROOT / "runs" / "bench" / "benchmarks.md"), png=str(ROOT / "runs" / "bench" / "benchmarks.png"))
+        base.update(kw)
+        return cls(**base)
+
+    def spec(self, concurrency: int, pool: str) -> harness.LoadSpec:
+        return harness.LoadSpec(concurrency=concurrency, pool=pool, workers=self.workers,
+                                model_latency_ms=self.model_latency_ms, env_latency_ms=self.env_latency_ms,
+                                steps=self.steps, window_s=self.window_s, warmup_s=self.warmup_s)
+
+
+def _commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return rev + ("+uncommitted changes" if dirty else "") if rev else "?"
+    except Exception:
+        return "?"
+
+
+def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
+    base = base or Settings.from_env({})
+    work = Path(cfg.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    res: dict = {
+        "machine": harness.machine(),
+        "started": report.now_text(),
+        "commit": _commit(),
+        "config": {"workers": cfg.workers, "model_latency_ms": cfg.model_latency_ms,
+                   "env_latency_ms": cfg.env_latency_ms, "steps": cfg.steps, "window_s": cfg.window_s,
+                   "warmup_s": cfg.warmup_s, "levels": cfg.levels, "pool": cfg.pool, "pools": cfg.pools,
+                   "pool_level": cfg.pool_level, "src": cfg.src},
+        "load": [], "pools": [],
+    }
+    load_by_c: dict[int, dict] = {}
+    if "load" not in cfg.skip:
+        for c in cfg.levels:
+            r = harness.to_json(harness.run_load(cfg.spec(c, cfg.pool), work, src=cfg.src, base=base))
+            res["load"].append(r)
+            load_by_c[c] = r
+    if "pools" not in cfg.skip:
+        for pool in cfg.pools:
+            if pool == cfg.pool and cfg.pool_level in load_by_c:
+                res["pools"].append(load_by_c[cfg.pool_level])  # the same load, already measured
+                continue
+            res["pools"].append(harness.to_json(harness.run_load(cfg.spec(cfg.pool_level, pool), work, src=cfg.src,
+                                                                 base=base)))
+    if "ingest" not in cfg.skip:
+        res["ingest"] = harness.to_json(harness.run_ingest(cfg.ingest_records, work, base=base))
+    if "enqueue" not in cfg.skip:
+        res["enqueue"] = harness.to_json(harness.run_enqueue(cfg.enqueue_episodes, work, base=base))
+    res["finished"] = report.now_text()
+    res["duration_s"] = time.monotonic() - t0
+    return res
+
+
+def write(res: dict, cfg: BenchConfig) -> None:
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = Path(cfg.png) if cfg.png else None
+    png_name = None
+    if png is not None:
+        try:
+            report.plot(res, str(png))
+            png_name = os.path.relpath(png, out.parent)
+        except Exception as exc:  # a broken matplotlib must not lose the table
+            harness.log(f"plot failed: {exc}")
+    out.write_text(report.render(res, png_name))
+    js = Path(cfg.work) / "results.json"
+    js.write_text(json.dumps(res, indent=1, default=str))
+    harness.log(f"wrote {out}" + (f" and {png}" if png_name else "") + f"; raw results in {js}")

@@ -1,0 +1,79 @@
+"""``interactor bench``: the benchmark harness (bench/, docs/benchmarks.md).
+
+The harness lives in the repository's ``bench/`` folder (a development tool, not part of the
+installed package), so this command works from a checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def _words(text: str) -> list[str]:
+    return [x for x in text.replace(" ", "").split(",") if x]
+
+
+def cmd_bench(args) -> int:
+    if not (ROOT / "bench" / "harness.py").exists():
+        print("interactor bench: needs a checkout of the repository (bench/ is not installed)", file=sys.stderr)
+        return 2
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.run import BenchConfig, run, write
+    from interactor.cli import _settings
+
+    base = _settings(args)
+    kw = {}
+    for name in ("pool_level", "workers", "model_latency_ms", "env_latency_ms", "steps", "ingest_records",
+                 "enqueue_episodes", "out", "png", "work", "src"):
+        v = getattr(args, name)
+        if v is not None:
+            kw[name] = v
+    if args.window is not None:
+        kw["window_s"] = args.window
+    if args.warmup is not None:
+        kw["warmup_s"] = args.warmup
+    if args.levels is not None:
+        kw["levels"] = _ints(args.levels)
+    if args.pools is not None:
+        kw["pools"] = _words(args.pools)
+    if args.skip is not None:
+        kw["skip"] = _words(args.skip)
+    kw["pool"] = base.pool
+    cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
+    if args.render:
+        res = json.loads(Path(args.render).read_text())
+    else:
+        res = run(cfg, base)
+    write(res, cfg)
+    return 0
+
+
+def register(sub, add) -> None:
+    sp = add("bench", cmd_bench, "run the benchmark harness; writes docs/benchmarks.md and docs/benchmarks.png")
+    sp.add_argument("--quick", action="store_true", help="a small, fast configuration (writes under runs/bench/)")
+    sp.add_argument("--levels", help="concurrency levels of the load runs, e.g. 64,256,1000")
+    sp.add_argument("--pools", help="pools to compare, e.g. threads,gevent,prefork ('' for none)")
+    sp.add_argument("--pool-level", type=int, help="concurrency of the pool comparison (64)")
+    sp.add_argument("--workers", type=int, help="worker processes sharing the concurrency (2)")
+    sp.add_argument("--model-latency-ms", type=float)
+    sp.add_argument("--env-latency-ms", type=float)
+    sp.add_argument("--steps", type=int, help="steps per episode (20)")
+    sp.add_argument("--window", type=float, help="measured window per load run, seconds (20)")
+    sp.add_argument("--warmup", type=float, help="seconds between all slots busy and the window (3)")
+    sp.add_argument("--ingest-records", type=int)
+    sp.add_argument("--enqueue-episodes", type=int)
+    sp.add_argument("--skip", help="parts to skip: load,pools,ingest,enqueue")
+    sp.add_argument("--out", help="the Markdown report (docs/benchmarks.md)")
+    sp.add_argument("--png", help="the plot (docs/benchmarks.png); '' for none")
+    sp.add_argument("--work", help="scratch folder (runs/bench)")
+    sp.add_argument("--src", help="run workers, consumer and stand-ins from another checkout of the code")
+    sp.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the report from a results.json")

@@ -1,0 +1,47 @@
+"""Environment adapters: existing environment libraries behind the env-class contract
+(:mod:`interactor.envs.base`), usable both ways:
+
+* over HTTP: ``interactor serve-env`` hosts them (PROTOCOL.md section 1) for any worker fleet;
+* in process: a task entry with ``env_class: interactor.envs.textarena_env:TextArenaEnv``
+  (``transport: inproc``) runs them inside the worker.
+
+=================  ===============================================  =======================
+env_name           class                                            needs
+=================  ===============================================  =======================
+``reasoning_gym``  :class:`~.reasoning_gym_env.ReasoningGymEnv`     ``pip install .[reasoning-gym]``
+``textarena``      :class:`~.textarena_env.TextArenaEnv`            ``pip install .[textarena]``
+``guess_number``   :class:`~.bundled.BundledEnv` (the stand-ins)    nothing
+``arithmetic``     :class:`~.bundled.BundledEnv`                    nothing
+=================  ===============================================  =======================
+
+An env_name may carry a default task after a dot: ``reasoning_gym.leg_counting``,
+``textarena.GuessTheNumber-v0`` (so results and exports are split per task).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+ADAPTERS: dict[str, str] = {
+    "reasoning_gym": "interactor.envs.reasoning_gym_env:ReasoningGymEnv",
+    "textarena": "interactor.envs.textarena_env:TextArenaEnv",
+    "guess_number": "interactor.envs.bundled:BundledEnv",
+    "arithmetic": "interactor.envs.bundled:BundledEnv",
+}
+
+# The library each adapter needs (import name), for `serve-env` to skip what is not installed.
+REQUIRES: dict[str, str] = {"reasoning_gym": "reasoning_gym", "textarena": "textarena"}
+
+
+def adapter_for(env_name: str, registry: dict[str, str] | None = None) -> str | None:
+    """The class path serving ``env_name``: an exact name, else the part before the first dot."""
+    reg = ADAPTERS if registry is None else registry
+    if env_name in reg:
+        return reg[env_name]
+    head = env_name.split(".", 1)[0]
+    return reg.get(head) if head != env_name else None
+
+
+def installed(name: str) -> bool:
+    module = REQUIRES.get(name)
+    return module is None or importlib.util.find_spec(module) is not None

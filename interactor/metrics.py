@@ -1,0 +1,596 @@
+"""The fleet's numbers: one snapshot read from Redis, shown by Prometheus and `interactor status`.
+
+Two sources, both in Redis so that any process can serve them (``interactor metrics``, the
+consumer with ``--metrics-port``) and every replica shows the same fleet-wide figures:
+
+* **Live state**, read at scrape time: queue depth per queue and per priority sub-queue (kombu's
+  Redis transport keeps priority ``p`` of queue ``q`` in the list ``q\\x06\\x16p`` for p in 3, 6,
+  9), messages in flight (kombu's ``unacked`` hash), the ledger (episodes per state, per job),
+  leases, retries, dead letters, the results stream and its consumer group.
+* **Counters and histograms of what happened**, folded from the records the consumer commits
+  (:class:`StatsRecorder` is its ``observers`` hook) into the ``<prefix>:stats`` hash: steps,
+  per-step env and model latency, episode duration, finished episodes, failures by reason.
+  A batch claimed again after a consumer crash is counted again (rare; the database is exact).
+
+Metric names are listed in :data:`METRIC_NAMES`; deploy/grafana and docs/deployment.md use them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import redis
+
+from broker.keys import Keys
+from broker.records import LEDGER_STATES, AttemptRecord, StepRecord
+from broker.settings import Settings, redact_url
+
+log = logging.getLogger("interactor.metrics")
+
+# kombu.transport.redis: Channel.sep and PRIORITY_STEPS (tests/test_metrics.py holds us to them).
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = (0, 3, 6, 9)
+UNACKED_KEY = "unacked"  # kombu's hash of delivered, unacknowledged messages (global, unprefixed)
+BINDING_PREFIX = "_kombu.binding."
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+DURATION_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0)
+RATE_WINDOW_S = 15.0  # steps/s is measured over this window
+SAMPLES_KEEP_S = 300.0
+MAX_JOBS_SCANNED = 1000  # the most recent jobs looked at per snapshot
+RECENT_FINISHED_JOBS = 5  # finished jobs still shown per snapshot (besides every active one)
+
+# Counters: name -> label names. Histograms: name -> (label names, buckets).
+COUNTERS = {
+    "steps": ("env_name",),
+    "episodes_finished": ("env_name", "status"),
+    "attempt_failures": ("reason", "outcome"),
+}
+HISTOGRAMS = {
+    "step_latency_seconds": (("part", "env_name"), LATENCY_BUCKETS),
+    "episode_duration_seconds": (("env_name", "status"), DURATION_BUCKETS),
+}
+_STEPS_FIELD = "n|steps"  # all steps, the value the rate samples follow
+
+METRIC_NAMES = {
+    # live state
+    "interactor_redis_up": "gauge",
+    "interactor_queue_depth": "gauge",
+    "interactor_queue_inflight": "gauge",
+    "interactor_episodes": "gauge",
+    "interactor_episodes_running": "gauge",
+    "interactor_episodes_reserved": "gauge",
+    "interactor_leases_live": "gauge",
+    "interactor_leases_expired": "gauge",
+    "interactor_retry_scheduled": "gauge",
+    "interactor_dead_letters": "gauge",
+    "interactor_results_stream_length": "gauge",
+    "interactor_results_pending": "gauge",
+    "interactor_results_lag": "gauge",
+    "interactor_results_consumers": "gauge",
+    "interactor_results_poison": "gauge",
+    "interactor_steps_per_second": "gauge",
+    "interactor_jobs_active": "gauge",
+    "interactor_job_episodes": "gauge",
+    "interactor_job_size": "gauge",
+    "interactor_job_progress_ratio": "gauge",
+    # folded from committed records
+    "interactor_steps": "counter",
+    "interactor_episodes_finished": "counter",
+    "interactor_attempt_failures": "counter",
+    "interactor_step_latency_seconds": "histogram",
+    "interactor_episode_duration_seconds": "histogram",
+}
+
+
+def sub_queues(queue: str) -> list[tuple[int, str]]:
+    """``[(priority, list name)]`` of one Celery queue on kombu's Redis transport."""
+    return [(p, queue if p == 0 else f"{queue}{PRIORITY_SEP}{p}") for p in PRIORITY_STEPS]
+
+
+def _labels_field(values: Iterable[Any]) -> str:
+    return json.dumps([str(v) for v in values], separators=(",", ":"))
+
+
+# --- the consumer side: records -> Redis counters -------------------------------------------
+class StatsRecorder:
+    """An ``Ingestor`` observer: folds each committed batch into ``<prefix>:stats``.
+
+    One pipeline per batch (HINCRBY/HINCRBYFLOAT on a few dozen fields), so it costs the
+    consumer next to nothing however large the batch.
+    """
+
+    def __init__(self, client: redis.Redis, settings: Settings):
+        self.r = client
+        self.keys = Keys(settings.key_prefix)
+        self._last_sample = 0.0
+
+    def __call__(self, records: list) -> None:
+        ints: dict[str, int] = {}
+        floats: dict[str, float] = {}
+        steps = 0
+
+        def count(name: str, labels: tuple, n: int = 1) -> None:
+            f = f"c|{name}|{_labels_field(labels)}"
+            ints[f] = ints.get(f, 0) + n
+
+        def observe(name: str, labels: tuple, value: float) -> None:
+            buckets = HISTOGRAMS[name][1]
+            base = f"h|{name}|{_labels_field(labels)}|"
+            b = base + str(bisect.bisect_left(buckets, value))  # index len(buckets) is +Inf
+            ints[b] = ints.get(b, 0) + 1
+            floats[base + "sum"] = floats.get(base + "sum", 0.0) + value
+
+        for rec in records:
+            if isinstance(rec, StepRecord):
+                steps += 1
+                env = rec.env_name or ""
+                count("steps", (env,))
+                observe("step_latency_seconds", ("env", env), max(0.0, float(rec.env_latency_s or 0.0)))
+                observe("step_latency_seconds", ("model", env), max(0.0, float(rec.model_latency_s or 0.0)))
+            elif isinstance(rec, AttemptRecord):
+                env = rec.env_name or ""
+                if rec.status in ("completed", "failed"):
+                    count("episodes_finished", (env, rec.status))
+                    if rec.started_at > 0 and rec.finished_at >= rec.started_at:
+                        observe("episode_duration_seconds", (env, rec.status), rec.finished_at - rec.started_at)
+                if rec.status != "completed":
+                    count("attempt_failures", (rec.reason or "unknown", rec.status))
+        if not ints and not floats:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for f, n in ints.items():
+            pipe.hincrby(self.keys.stats, f, n)
+        for f, x in floats.items():
+            pipe.hincrbyfloat(self.keys.stats, f, x)
+        pipe.hincrby(self.keys.stats, _STEPS_FIELD, steps)
+        total = int(pipe.execute()[-1])
+        self._sample(total, steps)
+
+    def _sample(self, total: int, added: int) -> None:
+        now = time.time()
+        pipe = self.r.pipeline(transaction=False)
+        if now - self._last_sample > RATE_WINDOW_S:
+            # Idle for a while: mark where this burst started, so its first batch counts.
+            pipe.zadd(self.keys.stats_samples, {f"{now - 0.001:.3f}:{total - added}": now - 0.001})
+        pipe.zadd(self.keys.stats_samples, {f"{now:.3f}:{total}": now})
+        pipe.zremrangebyscore(self.keys.stats_samples, "-inf", now - SAMPLES_KEEP_S)
+        pipe.execute()
+        self._last_sample = now
+
+
+def steps_rate(samples: list[tuple[float, int]], now: float, window: float = RATE_WINDOW_S) -> float:
+    """Steps per second over the last ``window`` from ``(ts, total)`` samples (any order)."""
+    if not samples:
+        return 0.0
+    samples = sorted(samples)
+    latest = samples[-1][1]
+    start = now - window
+    base = None
+    for ts, n in samples:
+        if ts <= start:
+            base = (ts, n)
+        else:
+            break
+    if base is None:
+        base = samples[0]
+        if len(samples) == 1:
+            return 0.0
+    dt = now - base[0]
+    return max(0.0, (latest - base[1]) / dt) if dt > 0 else 0.0
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int]  # per bucket (not cumulative); the last is +Inf
+    sum: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for i, c in enumerate(self.counts):
+            acc += c
+            le = "+Inf" if i == len(self.buckets) else _fmt_le(self.buckets[i])
+            out.append((le, acc))
+        return out
+
+    def quantile(self, q: float) -> float | None:
+        """Bucket upper bound at quantile ``q`` (as coarse as the buckets); None when empty."""
+        total = self.count
+        if not total:
+            return None
+        rank, acc = q * total, 0
+        for i, c in enumerate(self.counts):
+            acc += c
+            if acc >= rank:
+                return self.buckets[i] if i < len(self.buckets) else math.inf
+        return math.inf
+
+
+def _s(x) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else str(x)
+
+
+def _fmt_le(x: float) -> str:
+    return repr(float(x))
+
+
+@dataclass
+class Stats:
+    steps_total: int = 0
+    counters: dict[str, dict[tuple, float]] = field(default_factory=dict)
+    histograms: dict[str, dict[tuple, Histogram]] = field(default_factory=dict)
+
+
+def read_stats(raw: dict) -> Stats:
+    st = Stats(counters={n: {} for n in COUNTERS}, histograms={n: {} for n in HISTOGRAMS})
+    for k, v in raw.items():
+        k = k.decode() if isinstance(k, bytes) else k
+        v = v.decode() if isinstance(v, bytes) else v
+        if k == _STEPS_FIELD:
+            st.steps_total = int(float(v))
+            continue
+        parts = k.split("|")
+        try:
+            if parts[0] == "c" and len(parts) == 3 and parts[1] in COUNTERS:
+                st.counters[parts[1]][tuple(json.loads(parts[2]))] = float(v)
+            elif parts[0] == "h" and len(parts) == 4 and parts[1] in HISTOGRAMS:
+                buckets = HISTOGRAMS[parts[1]][1]
+                h = st.histograms[parts[1]].setdefault(tuple(json.loads(parts[2])),
+                                                       Histogram(buckets, [0] * (len(buckets) + 1)))
+                if parts[3] == "sum":
+                    h.sum = float(v)
+                else:
+                    i = int(parts[3])
+                    if 0 <= i <= len(buckets):
+                        h.counts[i] += int(float(v))
+        except (ValueError, TypeError):
+            log.debug("ignoring malformed stats field %r", k)
+    return st
+
+
+# --- the reading side: one snapshot of the fleet ---------------------------------------------
+class FleetReader:
+    """Reads everything the metrics and `interactor status` show, in a few Redis round trips.
+
+    Queues seen: the settings' queue and ``queues``, ``extra_queues``, every queue a Celery
+    worker declared (kombu's binding sets), and the queues of every unfinished job's episodes
+    (read once per job: a job's episodes never change queue), so a queue nobody serves yet
+    shows its depth too.
+    """
+
+    def __init__(self, client: redis.Redis, settings: Settings, extra_queues: Iterable[str] = ()):
+        self.r = client
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.extra_queues = [q for q in extra_queues if q]
+        self._job_queues: dict[str, set[str]] = {}
+
+    # queues ----------------------------------------------------------------------------
+    def _queues_of_job(self, job_id: str) -> set[str]:
+        got = self._job_queues.get(job_id)
+        if got is None:
+            import msgpack
+
+            got = set()
+            for _, raw in self.r.hscan_iter(self.keys.job_episodes(job_id), count=2000):
+                try:
+                    q = msgpack.unpackb(raw, raw=False, strict_map_key=False).get("queue")
+                except Exception:
+                    continue
+                got.add(q or self.settings.queue)
+            if len(self._job_queues) > 2000:
+                self._job_queues.clear()
+            self._job_queues[job_id] = got
+        return got
+
+    def _declared_queues(self) -> set[str]:
+        found = set()
+        for key in self.r.scan_iter(match=BINDING_PREFIX + "*", count=1000):
+            try:
+                members = self.r.smembers(key)
+            except redis.ResponseError:  # not a binding set
+                continue
+            for m in members:
+                q = (m.decode(errors="replace") if isinstance(m, bytes) else m).split(PRIORITY_SEP)[-1]
+                if q and not q.endswith(".pidbox") and not q.startswith("celery@") and "reply.celery" not in q:
+                    found.add(q)
+        return found
+
+    def queues(self, active_jobs: Iterable[str] = ()) -> list[str]:
+        qs = set(self.settings.served_queues) | {self.settings.queue} | set(self.extra_queues)
+        try:
+            qs |= self._declared_queues()
+        except redis.ResponseError:
+            pass
+        for j in active_jobs:
+            qs |= self._queues_of_job(j)
+        return sorted(qs)
+
+    def queue_depths(self, queues: list[str]) -> dict[str, dict[int, int]]:
+        pipe = self.r.pipeline(transaction=False)
+        for q in queues:
+            for _, name in sub_queues(q):
+                pipe.llen(name)
+        out = pipe.execute()
+        depths, i = {}, 0
+        for q in queues:
+            depths[q] = {}
+            for p, _ in sub_queues(q):
+                depths[q][p] = int(out[i])
+                i += 1
+        return depths
+
+    def inflight(self) -> dict[str, int]:
+        """Messages delivered to a worker and not acknowledged yet (reserved or running), per queue."""
+        out: dict[str, int] = {}
+        for _, raw in self.r.hscan_iter(UNACKED_KEY, count=1000):
+            try:
+                _msg, _exchange, routing_key = json.loads(raw)
+            except (ValueError, TypeError):
+                continue
+            if routing_key:
+                out[routing_key] = out.get(routing_key, 0) + 1
+        return out
+
+    # jobs --------------------------------------------------------------------------------
+    def job_counts(self, job_ids: list[str]) -> dict[str, dict[str, int]]:
+        pipe = self.r.pipeline(transaction=False)
+        for j in job_ids:
+            pipe.hgetall(self.keys.job_counts(j))
+        out = {}
+        for j, raw in zip(job_ids, pipe.execute()):
+            out[j] = {s: int(raw.get(s.encode(), 0)) for s in LEDGER_STATES}
+        return out
+
+    # stream ------------------------------------------------------------------------------
+    def stream(self) -> dict[str, Any]:
+        k = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xlen(k.results)
+        pipe.xlen(f"{k.results}:poison")
+        length, poison = pipe.execute()
+        groups = []
+        try:
+            infos = self.r.xinfo_groups(k.results)
+        except redis.ResponseError:
+            infos = []
+        last_generated = None
+        for g in infos:
+            name = _s(g["name"])
+            pending_n = int(g.get("pending") or 0)
+            lag = g.get("lag")
+            if lag is None:
+                # Redis < 7 has no lag. Nothing undelivered when the group has seen the last id;
+                # otherwise the stream holds (after the consumer's MINID trim) what is pending,
+                # what is undelivered and a few acknowledged records: an upper bound.
+                if last_generated is None:
+                    try:
+                        last_generated = _s(self.r.xinfo_stream(k.results).get("last-generated-id"))
+                    except redis.ResponseError:
+                        last_generated = ""
+                lag = 0 if _s(g["last-delivered-id"]) == last_generated else max(0, int(length) - pending_n)
+            groups.append({"group": name, "pending": pending_n, "lag": int(lag or 0),
+                           "consumers": int(g.get("consumers") or 0)})
+        return {"length": int(length), "poison": int(poison), "groups": groups}
+
+    # everything ----------------------------------------------------------------------------
+    def snapshot(self, job_id: str | None = None) -> dict[str, Any]:
+        k = self.keys
+        now = time.time()
+        now_ms = int(now * 1000)
+        job_ids = [j.decode() for j in self.r.zrange(k.jobs, -MAX_JOBS_SCANNED, -1)]
+        if job_id and job_id not in job_ids and self.r.zscore(k.jobs, job_id) is not None:
+            job_ids.append(job_id)
+        counts = self.job_counts(job_ids)
+        active = [j for j in job_ids if counts[j]["queued"] + counts[j]["running"] + counts[j]["retrying"] > 0]
+        finished = [j for j in job_ids if j not in set(active)]
+        shown = [job_id] if job_id else active + finished[-RECENT_FINISHED_JOBS:]
+        totals = {s: sum(counts[j][s] for j in job_ids) for s in LEDGER_STATES}
+        queues = self.queues(active)
+        depths = self.queue_depths(queues)
+        inflight = self.inflight()
+
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zcount(k.running, now_ms, "+inf")
+        pipe.zcount(k.running, "-inf", f"({now_ms}")
+        pipe.zcard(k.retry)
+        pipe.hlen(k.dlq)
+        pipe.hgetall(k.stats)
+        pipe.zrangebyscore(k.stats_samples, now - SAMPLES_KEEP_S, "+inf")
+        reserved_key = getattr(k, "reserved", None)
+        if reserved_key:
+            pipe.zcard(reserved_key)
+        res = pipe.execute()
+        live, expired, retry, dead, raw_stats, raw_samples = res[:6]
+        reserved = int(res[6]) if reserved_key else 0
+        samples = []
+        for m in raw_samples:
+            ts, _, n = (m.decode() if isinstance(m, bytes) else m).partition(":")
+            try:
+                samples.append((float(ts), int(n)))
+            except ValueError:
+                pass
+        stats = read_stats(raw_stats)
+        specs = {}
+        if shown:
+            pipe = self.r.pipeline(transaction=False)
+            for j in shown:
+                pipe.get(k.job_spec(j))
+            from broker.records import unpack
+
+            for j, raw in zip(shown, pipe.execute()):
+                try:
+                    specs[j] = unpack(raw) if raw else None
+                except Exception:
+                    specs[j] = None
+        jobs = []
+        for j in shown:
+            c = counts.get(j) or {s: 0 for s in LEDGER_STATES}
+            spec = specs.get(j)
+            total = spec.episodes if spec is not None else sum(c.values())
+            jobs.append({"job_id": j, "counts": c, "total": total,
+                         "created_at": spec.created_at if spec is not None else None,
+                         "progress": (c["done"] + c["failed"]) / total if total else 1.0,
+                         "active": j in active})
+        return {
+            "time": now,
+            "redis": redact_url(self.settings.redis_url),
+            "key_prefix": self.settings.key_prefix,
+            "queues": {q: {"depth": sum(depths[q].values()), "by_priority": depths[q],
+                           "inflight": inflight.get(q, 0)} for q in queues},
+            "episodes": totals,
+            "running": totals["running"],
+            "reserved": reserved,
+            "leases_live": int(live),
+            "leases_expired": int(expired),
+            "retry_scheduled": int(retry),
+            "dead_letters": int(dead),
+            "stream": self.stream(),
+            "steps_total": stats.steps_total,
+            "steps_per_s": steps_rate(samples, now),
+            "stats": stats,
+            "jobs_active": len(active),
+            "jobs": jobs,
+        }
+
+
+# --- Prometheus ------------------------------------------------------------------------------
+class FleetCollector:
+    """A Prometheus collector that reads one :class:`FleetReader` snapshot per scrape."""
+
+    def __init__(self, reader: FleetReader):
+        self.reader = reader
+
+    def describe(self):
+        return []  # unchecked collector: families are produced at scrape time
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        up = GaugeMetricFamily("interactor_redis_up", "1 when Redis answered this scrape")
+        try:
+            snap = self.reader.snapshot()
+        except redis.RedisError as exc:
+            log.warning("metrics: Redis unavailable: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+
+        g = GaugeMetricFamily("interactor_queue_depth",
+                              "Episode tasks waiting in a Celery queue, per priority sub-queue",
+                              labels=["queue", "priority"])
+        inf = GaugeMetricFamily("interactor_queue_inflight",
+                                "Tasks delivered to a worker and not acknowledged (reserved or running)",
+                                labels=["queue"])
+        for q, d in snap["queues"].items():
+            for p, n in d["by_priority"].items():
+                g.add_metric([q, str(p)], n)
+            inf.add_metric([q], d["inflight"])
+        yield g
+        yield inf
+
+        eps = GaugeMetricFamily("interactor_episodes", "Episodes per ledger state, over the jobs scanned",
+                                labels=["state"])
+        for s, n in snap["episodes"].items():
+            eps.add_metric([s], n)
+        yield eps
+        for name, doc, value in (
+            ("interactor_episodes_running", "Episodes running now (ledger state running)", snap["running"]),
+            ("interactor_episodes_reserved", "Episodes received by a worker and not started yet", snap["reserved"]),
+            ("interactor_leases_live", "Episode leases held by a live worker", snap["leases_live"]),
+            ("interactor_leases_expired", "Running episodes whose lease expired (the sweeper re-queues them)",
+             snap["leases_expired"]),
+            ("interactor_retry_scheduled", "Episodes waiting for their retry backoff", snap["retry_scheduled"]),
+            ("interactor_dead_letters", "Episodes in the dead-letter queue", snap["dead_letters"]),
+            ("interactor_results_stream_length", "Records in the results stream", snap["stream"]["length"]),
+            ("interactor_results_poison", "Undecodable records set aside", snap["stream"]["poison"]),
+            ("interactor_steps_per_second", f"Steps stored per second over the last {RATE_WINDOW_S:.0f}s",
+             snap["steps_per_s"]),
+            ("interactor_jobs_active", "Jobs with episodes not finished", snap["jobs_active"]),
+        ):
+            m = GaugeMetricFamily(name, doc)
+            m.add_metric([], value)
+            yield m
+
+        pending = GaugeMetricFamily("interactor_results_pending",
+                                    "Records delivered to a consumer and not committed yet", labels=["group"])
+        lag = GaugeMetricFamily("interactor_results_lag", "Records not delivered to the consumer group yet",
+                                labels=["group"])
+        consumers = GaugeMetricFamily("interactor_results_consumers", "Consumers in the group", labels=["group"])
+        for grp in snap["stream"]["groups"]:
+            pending.add_metric([grp["group"]], grp["pending"])
+            lag.add_metric([grp["group"]], grp["lag"])
+            consumers.add_metric([grp["group"]], grp["consumers"])
+        yield pending
+        yield lag
+        yield consumers
+
+        je = GaugeMetricFamily("interactor_job_episodes", "Episodes of a job per ledger state",
+                               labels=["job_id", "state"])
+        jt = GaugeMetricFamily("interactor_job_size", "Episodes in a job", labels=["job_id"])
+        jp = GaugeMetricFamily("interactor_job_progress_ratio", "Finished (done + failed) / total",
+                               labels=["job_id"])
+        for job in snap["jobs"]:
+            for s, n in job["counts"].items():
+                je.add_metric([job["job_id"], s], n)
+            jt.add_metric([job["job_id"]], job["total"])
+            jp.add_metric([job["job_id"]], job["progress"])
+        yield je
+        yield jt
+        yield jp
+
+        stats: Stats = snap["stats"]
+        docs = {
+            "steps": "Steps stored, per environment",
+            "episodes_finished": "Episodes finished for good (completed, or failed and dead-lettered)",
+            "attempt_failures": "Attempts that did not complete, by reason and outcome "
+                                "(retrying, failed, abandoned)",
+            "step_latency_seconds": "Time per step in env calls (get_task_prompt + step) and in the model call",
+            "episode_duration_seconds": "Wall clock of the attempt that finished an episode",
+        }
+        for name, labels in COUNTERS.items():
+            c = CounterMetricFamily(f"interactor_{name}", docs[name], labels=list(labels))
+            for lv, v in sorted(stats.counters.get(name, {}).items()):
+                if len(lv) == len(labels):
+                    c.add_metric(list(lv), v)
+            yield c
+        for name, (labels, _) in HISTOGRAMS.items():
+            h = HistogramMetricFamily(f"interactor_{name}", docs[name], labels=list(labels))
+            for lv, hist in sorted(stats.histograms.get(name, {}).items()):
+                if len(lv) == len(labels):
+                    h.add_metric(list(lv), hist.cumulative(), hist.sum)
+            yield h
+
+
+def registry(reader: FleetReader):
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(FleetCollector(reader))
+    return reg
+
+
+def exposition(reader: FleetReader) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(registry(reader)).decode()
+
+
+def serve(reg, host: str = "0.0.0.0", port: int = 9400):
+    """Serve ``/metrics`` from a daemon thread; returns ``(server, thread)``."""
+    from prometheus_client import start_http_server
+
+    return start_http_server(port, addr=host, registry=reg)

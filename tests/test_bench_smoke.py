@@ -1,0 +1,48 @@
+"""The benchmark harness in a tiny configuration: it runs end to end and writes the table.
+
+Keeps `make bench` from rotting; asserts the shape of the report, never a timing target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def test_bench_quick_produces_the_table(tmp_path):
+    out, png, work = tmp_path / "benchmarks.md", tmp_path / "benchmarks.png", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    cmd = [sys.executable, "-m", "interactor.cli", "bench", "--quick", "--levels", "4", "--pools", "threads",
+           "--pool-level", "4", "--steps", "3", "--window", "3", "--warmup", "0.5", "--model-latency-ms", "100",
+           "--ingest-records", "600", "--enqueue-episodes", "1000",
+           "--out", str(out), "--png", str(png), "--work", str(work)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    text = out.read_text()
+    for heading in ("## How to run", "## The machine", "## Targets", "## Load runs", "## Worker pools",
+                    "## Consumer ingest", "## Enqueue"):
+        assert heading in text, heading
+    for row in ("| Efficiency at concurrency 4 |", "| Orchestration CPU per step, concurrency 4 |",
+                "| Worker memory per concurrent episode, concurrency 4 |", "| Consumer ingest (records/s into SQLite) |",
+                "| Enqueue (1,000-episode job, episodes/s) |", "| Record latency p99, concurrency 4 |"):
+        assert row in text, row
+    assert "**Chosen default: `threads`**" in text
+    assert png.exists() and png.stat().st_size > 1000
+
+    res = json.loads((work / "results.json").read_text())
+    (run,) = res["load"]
+    assert run["errors"] == [], run["errors"]
+    assert run["steps"] > 0 and run["running_reached"] == 4
+    assert run["latency_n"] > 0 and run["latency_ms"]["p99"] > 0
+    assert set(run["cpu_s"]) == {"workers", "consumer", "redis", "env", "model"}
+    assert res["ingest"]["records"] == 600 and not res["ingest"]["errors"]
+    assert res["enqueue"]["episodes"] == 1000 and not res["enqueue"]["errors"]

@@ -1,0 +1,306 @@
+"""The fault suite: 200 episodes (multi-turn and single-turn) while things break.
+
+Each scenario ends with every episode either completed exactly once in the database or
+dead-lettered with a reason, no duplicate steps, no superseded step in exports, and every group
+accounted for. Each prints its figures (run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+import textwrap
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from broker.dlq import DeadLetterQueue
+from broker.embedded import EmbeddedRedis
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.redisconn import connect
+from consumer.export import export_job
+from producer.enqueue import submit
+from tests.conftest import Procs
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+GUESS_ROWS, GUESS_NUM = 25, 4  # 100 multi-turn episodes in 25 groups
+ARITH_ROWS, ARITH_NUM = 50, 2  # 100 single-turn episodes in 50 groups
+EPISODES = GUESS_ROWS * GUESS_NUM + ARITH_ROWS * ARITH_NUM
+GROUPS = GUESS_ROWS + ARITH_ROWS
+
+
+def write_job(tmp_path, env_url: str) -> str:
+    rng = random.Random(7)
+    (tmp_path / "arith.jsonl").write_text("".join(
+        json.dumps({"question": f"What is {a} + {b}?", "answer": a + b}) + "\n"
+        for a, b in ((rng.randint(1, 99), rng.randint(1, 99)) for _ in range(ARITH_ROWS))))
+    (tmp_path / "ranges.jsonl").write_text("".join(
+        json.dumps({"low": 1, "high": rng.choice([16, 32, 64])}) + "\n" for _ in range(GUESS_ROWS)))
+    path = tmp_path / "faults.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        environments:
+          - env_name: guess_number
+            base_url: {env_url}
+            env_params: {{max_turns: 8}}
+            dataset: ranges.jsonl
+            env_num: {GUESS_NUM}
+          - env_name: arithmetic
+            base_url: {env_url}
+            env_params: {{}}
+            dataset: arith.jsonl
+            env_num: {ARITH_NUM}
+        """))
+    return str(path)
+
+
+@dataclass
+class Figures:
+    scenario: str
+    episodes: int = 0
+    completed: int = 0
+    dead_lettered: int = 0
+    attempts: int = 0
+    steps: int = 0
+    superseded_steps: int = 0
+    duplicate_steps: int = 0
+    superseded_in_export: int = 0
+    groups_complete: int = 0
+    groups_incomplete: int = 0
+    faults: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def print(self) -> None:
+        print(f"\n[fault:{self.scenario}] episodes={self.episodes} completed={self.completed} "
+              f"dead-lettered={self.dead_lettered} attempts={self.attempts} steps={self.steps} "
+              f"superseded(kept out)={self.superseded_steps} duplicate steps={self.duplicate_steps} "
+              f"superseded in export={self.superseded_in_export} groups complete={self.groups_complete} "
+              f"incomplete={self.groups_incomplete} faults={self.faults} in {self.seconds:.0f}s")
+
+
+class Scenario:
+    def __init__(self, name, tmp_path, settings, *, env_knobs=None, model_knobs=None, workers=2, **overrides):
+        from examples.envserver import start_in_thread as start_env
+        from examples.model_standin import start_in_thread as start_model
+
+        self.name = name
+        self.tmp_path = tmp_path
+        self.redis = EmbeddedRedis(tmp_path / "redis", password="fault-pw").start()
+        self.env, self.env_url = start_env(latency_ms=5, **(env_knobs or {}))
+        self.model, model_url = start_model(latency_ms=40, **(model_knobs or {}))
+        self.settings = settings.replace(redis_url=self.redis.url, llm_base_url=model_url + "/v1", **overrides)
+        self.client = connect(self.settings)
+        self.procs = Procs(self.settings, tmp_path / "logs")
+        self.n_workers = workers
+        self.t0 = time.monotonic()
+        self.faults: dict[str, int] = {}
+
+    def start(self) -> str:
+        sub = submit(self.client, self.settings, [write_job(self.tmp_path, self.env_url)])
+        assert sub.job.episodes == EPISODES
+        self.job_id = sub.job.job_id
+        for i in range(self.n_workers):
+            self.procs.worker(f"w{i + 1}")
+        self.procs.consumer()
+        return self.job_id
+
+    def counts(self) -> dict:
+        return Ledger(self.client, Keys(self.settings.key_prefix)).counts(self.job_id)
+
+    def settled(self) -> bool:
+        c = self.counts()
+        return c["done"] + c["failed"] >= EPISODES
+
+    def db_settled(self) -> bool:
+        """Every episode final in the database, no record left pending, no trajectory short."""
+        from consumer.ingest import GROUP
+        from consumer.store import Store
+
+        if self.client.xpending(Keys(self.settings.key_prefix).results, GROUP)["pending"]:
+            return False
+        store = Store(self.settings.results_db)
+        try:
+            job = store.results(self.job_id)["job"]
+        finally:
+            store.close()
+        return job["completed"] + job["failed"] >= EPISODES and job["short_trajectories"] == 0
+
+    def wait(self, chaos=None, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.settled():
+            if chaos:
+                chaos(self)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: not settled after {timeout}s: {self.counts()}\n"
+                                     + self.procs.log("w1")[-4000:])
+            time.sleep(0.5)
+        while not self.db_settled():
+            assert time.monotonic() < deadline + 60, f"{self.name}: database never caught up"
+            time.sleep(0.5)
+
+    def check(self) -> Figures:
+        f = Figures(self.name, faults=self.faults)
+        f.seconds = time.monotonic() - self.t0
+        c = self.counts()
+        assert c["queued"] == c["running"] == c["retrying"] == 0, c
+        con = sqlite3.connect(self.settings.results_db)
+        q = lambda sql: con.execute(sql, (self.job_id,)).fetchall()  # noqa: E731
+        try:
+            rows = dict(q("SELECT status, COUNT(*) FROM episodes WHERE job_id = ? GROUP BY status"))
+            f.episodes = sum(rows.values())
+            f.completed, f.dead_lettered = rows.get("completed", 0), rows.get("failed", 0)
+            assert f.episodes == EPISODES and f.completed + f.dead_lettered == EPISODES, rows
+            assert f.completed == c["done"] and f.dead_lettered == c["failed"]
+            (f.attempts,) = q("SELECT COUNT(*) FROM attempts WHERE job_id = ?")[0]
+            (f.steps,) = q("SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND superseded = 0")[0]
+            (f.superseded_steps,) = q("SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND superseded = 1")[0]
+            # Exactly one trajectory per episode: non-superseded steps are one attempt's, 1..n.
+            f.duplicate_steps = len(q("SELECT env_id, step_id FROM session_steps WHERE job_id = ? AND superseded = 0 "
+                                      "GROUP BY env_id, step_id HAVING COUNT(*) > 1"))
+            assert f.duplicate_steps == 0
+            mixed = q("SELECT env_id FROM session_steps WHERE job_id = ? AND superseded = 0 "
+                      "GROUP BY env_id HAVING COUNT(DISTINCT attempt) > 1")
+            assert mixed == []
+            for episode_id, attempt, steps, total in q(
+                    "SELECT episode_id, attempt, steps, total_reward FROM episodes WHERE job_id = ? "
+                    "AND status = 'completed'"):
+                ids = [r[0] for r in con.execute("SELECT step_id FROM session_steps WHERE env_id = ? AND superseded = 0"
+                                                 " ORDER BY step_id", (episode_id,))]
+                assert ids == list(range(1, steps + 1)), (episode_id, ids)
+                (s,) = con.execute("SELECT COALESCE(SUM(step_reward), 0) FROM session_steps WHERE env_id = ? "
+                                   "AND superseded = 0", (episode_id,)).fetchone()
+                assert s == pytest.approx(total)
+            # Every group accounted for: complete, or incomplete with the reason.
+            groups = q("SELECT complete, incomplete_reason FROM groups WHERE job_id = ?")
+            assert len(groups) == GROUPS
+            f.groups_complete = sum(1 for complete, _ in groups if complete)
+            f.groups_incomplete = len(groups) - f.groups_complete
+            assert all(complete or reason for complete, reason in groups)
+            superseded = {(e, a) for e, a in q("SELECT DISTINCT env_id, attempt FROM session_steps "
+                                               "WHERE job_id = ? AND superseded = 1")}
+        finally:
+            con.close()
+        # Exports never carry a superseded step.
+        out = self.tmp_path / "export.jsonl"
+        export_job(self.settings.results_db, self.job_id, str(out), fmt="jsonl")
+        exported = [json.loads(line) for line in out.read_text().splitlines()]
+        f.superseded_in_export = sum(1 for r in exported if (r["episode_id"], r["attempt"]) in superseded)
+        assert f.superseded_in_export == 0
+        # Every dead-lettered episode is in the dead-letter queue with a reason.
+        letters = DeadLetterQueue(self.client, self.settings).list(job_id=self.job_id)
+        assert len(letters) == f.dead_lettered and all(d.reason for d in letters)
+        # Every env instance the episodes created was closed in the end.
+        assert self.env.stats()["live"] == 0
+        f.print()
+        return f
+
+    def close(self) -> None:
+        self.procs.stop_all()
+        self.env.shutdown()
+        self.model.shutdown()
+        self.redis.stop()
+
+
+@pytest.fixture
+def scenario(request, settings, tmp_path):
+    made = []
+
+    def make(name, **kw):
+        s = Scenario(name, tmp_path, settings, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def every(seconds: float):
+    """A chaos step that runs its action at most once per `seconds`."""
+    def wrap(action):
+        last = [time.monotonic()]
+
+        def step(s: Scenario):
+            if time.monotonic() - last[0] >= seconds:
+                last[0] = time.monotonic()
+                action(s)
+        return step
+    return wrap
+
+
+def test_workers_sigkilled_again_and_again(scenario):
+    s = scenario("worker-sigkill", max_attempts=10)
+    s.start()
+    rng = random.Random(1)
+
+    @every(3.0)
+    def kill_a_worker(s: Scenario):
+        if s.faults.get("worker_kills", 0) >= 8:
+            return
+        name = f"w{rng.randint(1, s.n_workers)}"
+        s.procs.kill(name)
+        s.faults["worker_kills"] = s.faults.get("worker_kills", 0) + 1
+        s.procs.worker(name)
+
+    s.wait(kill_a_worker)
+    f = s.check()
+    assert f.completed == EPISODES  # killed workers cost attempts, never episodes
+    assert f.attempts > EPISODES  # the kills did land mid-episode
+
+
+def test_consumer_sigkilled(scenario):
+    s = scenario("consumer-sigkill")
+    s.start()
+
+    @every(2.5)
+    def kill_consumer(s: Scenario):
+        if s.faults.get("consumer_kills", 0) >= 4:
+            return
+        s.procs.kill("consumer")
+        s.faults["consumer_kills"] = s.faults.get("consumer_kills", 0) + 1
+        s.procs.consumer()
+
+    s.wait(kill_consumer)
+    f = s.check()
+    assert f.completed == EPISODES
+
+
+def test_redis_restarted_mid_run(scenario):
+    s = scenario("redis-restart")
+    s.start()
+
+    @every(4.0)
+    def restart_redis(s: Scenario):
+        if s.faults.get("redis_restarts", 0) >= 2:
+            return
+        s.redis.restart(kill=True, down_s=1.0)
+        s.faults["redis_restarts"] = s.faults.get("redis_restarts", 0) + 1
+
+    s.wait(restart_redis, timeout=400)
+    f = s.check()
+    assert s.faults["redis_restarts"] == 2
+    assert f.completed == EPISODES
+
+
+def test_env_server_5xx_and_dropped_connections(scenario):
+    s = scenario("env-faults", env_knobs={"error_rate": 0.2, "drop_rate": 0.05, "fault_seed": 3}, max_attempts=8)
+    s.start()
+    s.wait()
+    s.faults.update(s.env.stats()["faults"])
+    f = s.check()
+    assert sum(s.faults.values()) > 50  # the faults happened
+    assert f.completed > EPISODES // 2
+
+
+def test_model_429_and_5xx(scenario):
+    s = scenario("model-faults", model_knobs={"error_rate": 0.2, "fault_seed": 5})
+    s.start()
+    s.wait()
+    s.faults.update(s.model.stats()["by_status"])
+    f = s.check()
+    assert sum(v for k, v in s.faults.items() if k in ("429", "500", "503")) > 20
+    # Model errors are retried inside the call: no attempt is lost to them.
+    assert f.completed == EPISODES

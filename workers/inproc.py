@@ -1,0 +1,222 @@
+"""The inproc transport: an environment class run inside the worker process.
+
+A task entry with ``transport: inproc`` and ``env_class: module:Class`` (contract in
+:mod:`interactor.envs.base`) is driven through :class:`InprocEnv`, the loop's env port, with
+the same rules as the HTTP transport (:mod:`workers.envclient`):
+
+* Timeouts: every call runs on the instance's own daemon thread and is waited for at most
+  ``min(settings.env_read_timeout_s, time left in the attempt)``. No answer in time:
+  ``env_unreachable`` (transient: a fresh attempt resets a fresh instance), or
+  ``episode_timeout`` when the attempt's budget is what ran out. A call that never returns
+  cannot be killed; the instance is then abandoned to its thread (it is not closed, since
+  ``close`` would queue behind the stuck call) and the thread ends whenever the call does.
+* Answers are normalized like the original driver's ``_normalize_inproc_result`` (dicts,
+  lists, pydantic models, JSON bytes), copied through JSON (the env may keep mutating its own
+  lists; non-JSON values and answers over ``max_response_bytes`` are ``env_malformed``) and
+  then checked by the HTTP client's own validators, so a malformed answer fails with the same
+  reason either way. ``reset`` may return None (taken as ``{}``).
+* Exceptions: ``ValueError`` (the adapters' ``EnvError``) and ``ImportError`` are a bad
+  request: ``env_bad_request``, permanent (as a 4xx). Anything else is a failure inside the
+  environment: ``env_server_error``, transient (as a 5xx).
+* ``close`` never raises; it has the HTTP client's own budget (``CLOSE_BUDGET_S``, at least
+  ``CLOSE_MIN_BUDGET_S`` past the deadline).
+
+One thread per instance keeps each environment's calls on one thread, in order (some libraries
+keep thread-local state).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any, Callable
+
+from broker.errors import (
+    ENV_BAD_REQUEST,
+    ENV_MALFORMED,
+    ENV_SERVER_ERROR,
+    ENV_UNREACHABLE,
+    EPISODE_TIMEOUT,
+    EpisodeError,
+)
+from broker.records import EpisodeSpec
+from broker.settings import Settings
+from interactor.envs.base import construct, import_object, normalize_answer
+from workers.envclient import (
+    CLOSE_BUDGET_S,
+    CLOSE_MIN_BUDGET_S,
+    ERROR_TEXT_CHARS,
+    StepResult,
+    check_prompt_answer,
+    check_reset_answer,
+    check_step_answer,
+    deadline_passed,
+    remaining,
+    with_cause,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["InprocEnv"]
+
+
+class _CallThread:
+    """A daemon thread that runs submitted calls one after another."""
+
+    def __init__(self, name: str):
+        self._q: "queue.SimpleQueue[tuple[Callable[[], Any], Future] | None]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text[:ERROR_TEXT_CHARS] + ("..." if len(text) > ERROR_TEXT_CHARS else "")
+
+
+class InprocEnv:
+    """The loop's env port for one episode of an inproc environment class."""
+
+    def __init__(self, spec: EpisodeSpec, deadline: float, settings: Settings):
+        self.spec = spec
+        self.deadline = deadline
+        self.settings = settings
+        self.env: Any = None
+        self._runner: _CallThread | None = None
+        self._stuck = False
+
+    def __repr__(self) -> str:
+        return f"InprocEnv({self.spec.env_class!r}, {self.spec.env_name}/{self.spec.episode_id})"
+
+    # ---- the protocol calls ------------------------------------------------------------
+    def reset(self) -> dict:
+        s = self.spec
+        what = f"reset {s.env_name}/{s.episode_id} (inproc {s.env_class})"
+        if not s.env_class:
+            raise EpisodeError(ENV_BAD_REQUEST, f"{what}: the episode names no env_class")
+
+        def create_and_reset() -> Any:
+            try:
+                cls = import_object(s.env_class)
+            except (ImportError, AttributeError) as exc:
+                raise ImportError(f"cannot import env_class {s.env_class!r} in this worker: {_short(exc)}") from exc
+            self.env = construct(cls, s.env_name)
+            return self.env.reset(s.env_params, s.seed)
+
+        raw = self._call(what, create_and_reset)
+        return check_reset_answer({} if raw is None else self._answer(raw, what), what)
+
+    def get_task_prompt(self) -> list:
+        s = self.spec
+        what = f"get_task_prompt {s.env_name}/{s.episode_id} (inproc)"
+        env = self._env(what)
+        return check_prompt_answer(self._answer(self._call(what, env.get_task_prompt), what), what)
+
+    def step(self, action: str) -> StepResult:
+        s = self.spec
+        what = f"step {s.env_name}/{s.episode_id} (inproc)"
+        env = self._env(what)
+        raw = self._call(what, lambda: env.step(action))
+        return check_step_answer(self._answer(raw, what), what)
+
+    def close(self) -> None:
+        """Best effort, never raises; stops the instance's thread."""
+        s = self.spec
+        what = f"close {s.env_name}/{s.episode_id} (inproc)"
+        runner, env = self._runner, self.env
+        self._runner = None
+        if runner is None:
+            return
+        try:
+            if self._stuck:
+                log.warning("%s: skipped, a call of this instance never returned; instance abandoned", what)
+            elif env is not None and hasattr(env, "close"):
+                now = time.monotonic()
+                budget = min(CLOSE_BUDGET_S, max(self.deadline - now, CLOSE_MIN_BUDGET_S))
+                fut = runner.submit(env.close)
+                done, _ = wait_futures([fut], timeout=budget)
+                if not done:
+                    log.warning("%s: no answer within %.1fs; instance abandoned", what, budget)
+                elif fut.exception() is not None:
+                    log.warning("%s failed: %s", what, _short(fut.exception()))
+        except Exception as exc:  # never raise from close
+            log.warning("%s failed unexpectedly: %s", what, type(exc).__name__, exc_info=True)
+        finally:
+            runner.stop()
+            self.env = None
+
+    # ---- plumbing -----------------------------------------------------------------------
+    def _env(self, what: str) -> Any:
+        if self.env is None:
+            raise EpisodeError(ENV_BAD_REQUEST, f"{what}: the instance was not reset")
+        return self.env
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        s = self.settings
+        left = remaining(self.deadline)
+        if left <= 0:
+            raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out")
+        if self._stuck:
+            raise EpisodeError(ENV_UNREACHABLE, f"{what}: an earlier call of this instance never returned")
+        if self._runner is None:
+            self._runner = _CallThread(f"inproc:{self.spec.episode_id}")
+        timeout = min(s.env_read_timeout_s, left)
+        fut = self._runner.submit(fn)
+        done, _ = wait_futures([fut], timeout=timeout)
+        if not done:
+            self._stuck = not fut.cancel()  # cancelled before it started: the thread is free
+            if deadline_passed(self.deadline):
+                raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out waiting for the env")
+            raise EpisodeError(ENV_UNREACHABLE, f"{what}: no answer within {timeout:.1f}s (env_read_timeout_s)")
+        exc = fut.exception()
+        if exc is None:
+            return fut.result()
+        if isinstance(exc, (ValueError, ImportError)):
+            raise with_cause(EpisodeError(ENV_BAD_REQUEST, f"{what}: {_short(exc)}"), exc)
+        if isinstance(exc, EpisodeError):
+            raise exc
+        log.warning("%s raised %s", what, type(exc).__name__, exc_info=exc)
+        raise with_cause(EpisodeError(ENV_SERVER_ERROR, f"{what}: failure inside the env: {_short(exc)}"), exc)
+
+    def _answer(self, raw: Any, what: str) -> Any:
+        try:
+            obj = normalize_answer(raw)
+            data = json.dumps(obj, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise EpisodeError(ENV_MALFORMED, f"{what}: answer is not JSON data ({_short(exc)})") from None
+        if len(data) > self.settings.max_response_bytes:
+            raise EpisodeError(
+                ENV_MALFORMED,
+                f"{what}: answer larger than max_response_bytes={self.settings.max_response_bytes} ({len(data)} chars)",
+            )
+        return json.loads(data)
