@@ -1,0 +1,266 @@
+"""Crash safety, one behaviour at a time: reconcile, the DLQ commands, stream trimming,
+backpressure, graceful shutdown of workers and consumer, pickle refusal, bad servers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle  # only to build the hostile message the worker must refuse
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from broker import errors
+from broker.dlq import DeadLetterQueue
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.records import AttemptRecord, StepRecord, unpack
+from consumer.ingest import GROUP, Ingestor
+from consumer.store import Store
+from producer.enqueue import submit
+from tests.conftest import ROOT, wait_for
+from tests.test_integration import assert_trajectories_sound, wait_job_stored, write_tasks
+from tests.test_runner import make_job, stream_records
+from workers.runner import WorkerRuntime
+
+pytestmark = pytest.mark.integration
+
+
+def cli(settings, *args, timeout=60):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    env.update(settings.as_environ())
+    return subprocess.run([sys.executable, "-m", "interactor.cli", *args], env=env, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_reconcile_resends_episodes_the_broker_lost(settings, redis_client, tmp_path):
+    sub = submit(redis_client, settings, [write_tasks(tmp_path, "http://127.0.0.1:9", guess=2, rows=2)])
+    assert redis_client.llen(settings.queue) == 6
+    redis_client.delete(settings.queue)  # the broker lost every message
+    dry = cli(settings, "reconcile", sub.job.job_id, "--dry-run")
+    assert dry.returncode == 0 and "would re-enqueue 6 episodes" in dry.stdout
+    assert redis_client.llen(settings.queue) == 0
+    out = cli(settings, "reconcile", sub.job.job_id)
+    assert out.returncode == 0 and "re-enqueued 6 episodes" in out.stdout, out.stderr
+    assert redis_client.llen(settings.queue) == 6
+    # Nothing is lost any more, so a second pass sends nothing (no duplicates).
+    again = cli(settings, "reconcile", sub.job.job_id)
+    assert "re-enqueued 0 episodes" in again.stdout
+    assert redis_client.llen(settings.queue) == 6
+
+
+def test_dlq_commands(settings, redis_client, env_server, model_server):
+    _, env_url = env_server
+    _, model_url = model_server
+    job, eps = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1",
+                        env_name="no_such_env", n=2)
+    rt = WorkerRuntime(settings, name="dlq-worker")
+    try:
+        for e in eps:
+            assert rt.run(job.job_id, e.episode_id) == "failed"
+    finally:
+        rt.stop()
+    listed = cli(settings, "dlq", "list", "--job", job.job_id)
+    assert listed.returncode == 0 and "2 dead-lettered episodes" in listed.stdout
+    assert errors.ENV_BAD_REQUEST in listed.stdout
+    shown = cli(settings, "dlq", "show", eps[0].episode_id)
+    letter = json.loads(shown.stdout)
+    assert letter["reason"] == errors.ENV_BAD_REQUEST and letter["spec"]["group_id"] == eps[0].group_id
+    assert letter["attempts"] == 1 and letter["error_class"] and letter["dead_at"] > 0
+    missing = cli(settings, "dlq", "show", "nope")
+    assert missing.returncode == 2 and "nope" in missing.stderr
+    unsure = cli(settings, "dlq", "redrive")
+    assert unsure.returncode == 2 and "--all" in unsure.stderr
+    assert cli(settings, "dlq", "list", "--reason", "model_malformed").stdout.strip().endswith("0 dead-lettered episodes")
+    redrove = cli(settings, "dlq", "redrive", eps[0].episode_id)
+    assert "re-drove 1 episodes" in redrove.stdout
+    assert Ledger(redis_client, Keys(settings.key_prefix)).state(job.job_id, eps[0].episode_id) == "queued"
+    assert redis_client.llen(settings.queue) == 1
+    purged = cli(settings, "dlq", "purge", "--all")
+    assert "purged 1 dead letters" in purged.stdout
+    assert len(DeadLetterQueue(redis_client, settings)) == 0
+
+
+def test_trim_keeps_everything_not_acknowledged(settings, redis_client, tmp_path):
+    keys = Keys(settings.key_prefix)
+    store = Store(str(tmp_path / "trim.sqlite"))
+    ing = Ingestor(redis_client, settings.replace(consumer_batch=10), store, name="c1")
+    rec = StepRecord("j", "e", 1, 1, "env", "m", "g", [], "x", 0.0, 0.0, False, False, False, True)
+    for i in range(30):
+        rec.step_id = i + 1
+        redis_client.xadd(keys.results, {"r": rec.pack()})
+    assert ing.poll_once(block_ms=10) == 10  # 10 acknowledged
+    # 10 delivered to another consumer and never acknowledged; 10 never read at all.
+    redis_client.xreadgroup(GROUP, "c2", {keys.results: ">"}, count=10)
+    ing.trim()
+    left = [int(unpack(f[b"r"]).step_id) for _, f in redis_client.xrange(keys.results)]
+    assert left[0] <= 11 and left[-1] == 30 and set(range(11, 31)) <= set(left)
+    store.close()
+
+
+def test_backpressure_holds_workers_until_the_consumer_catches_up(settings, redis_client, env_server, model_server,
+                                                                  tmp_path):
+    _, env_url = env_server
+    _, model_url = model_server
+    bound = 4
+    tight = settings.replace(stream_backlog_max=bound)
+    job, (ep,) = make_job(redis_client, tight, env_url=env_url, llm_url=model_url + "/v1",
+                          env_params={"low": 1, "high": 1000, "max_turns": 12})
+    rt = WorkerRuntime(tight, name="bp-worker")
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", rt.run(job.job_id, ep.episode_id)))
+    t.start()
+    try:
+        keys = Keys(settings.key_prefix)
+        wait_for(lambda: redis_client.xlen(keys.results) > bound, 20, what="backlog over the bound")
+        time.sleep(1.5)
+        assert t.is_alive() and redis_client.xlen(keys.results) == bound + 1  # held at the bound
+        store = Store(str(tmp_path / "bp.sqlite"))
+        ing = Ingestor(redis_client, tight, store, name="bp-consumer")
+        deadline = time.monotonic() + 30
+        while t.is_alive() and time.monotonic() < deadline:
+            ing.poll_once(block_ms=50)
+        t.join(1)
+        assert result["r"] == "completed"
+        store.close()
+    finally:
+        rt.stop()
+
+
+def test_worker_sigterm_hands_back_running_episodes(settings, procs, env_server, redis_client, tmp_path):
+    from examples.model_standin import start_in_thread
+
+    _, env_url = env_server
+    slow, slow_url = start_in_thread(latency_ms=700)
+    try:
+        s = settings.replace(llm_base_url=slow_url + "/v1", shutdown_grace_s=1.0)
+        procs.settings = s
+        tasks = tmp_path / "long.yaml"
+        tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n"
+                         f"    env_params: {{low: 1, high: 100000, max_turns: 20}}\n    env_num: 3\n")
+        sub = submit(redis_client, s, [str(tasks)])
+        ledger = Ledger(redis_client, Keys(s.key_prefix))
+        w = procs.worker("w1")
+        wait_for(lambda: ledger.counts(sub.job.job_id)["running"] == 3, 30, what="3 running")
+        t0 = time.monotonic()
+        os.kill(w.pid, signal.SIGTERM)
+        w.wait(30)
+        assert time.monotonic() - t0 < 15  # grace 1 s + one in-flight call + shutdown
+        counts = ledger.counts(sub.job.job_id)
+        assert counts["queued"] == 3 and counts["running"] == 0, counts
+        assert "handed back" in procs.log("w1")
+        procs.worker("w2")
+        procs.consumer()
+        res = wait_job_stored(s, sub.job.job_id, 3, timeout=120)
+        assert res["completed"] == 3
+        assert_trajectories_sound(s.results_db, sub.job.job_id)
+    finally:
+        slow.shutdown()
+
+
+def test_consumer_sigterm_commits_and_acks(settings, procs, redis_client):
+    keys = Keys(settings.key_prefix)
+    rec = AttemptRecord("jt", "jt.1.1.1.1", 1, "completed", "jt.1.1.1", 1, "env", "m")
+    for i in range(200):
+        rec.episode_id = f"jt.1.1.{i}.1"
+        rec.group_id = f"jt.1.1.{i}"
+        redis_client.xadd(keys.results, {"r": rec.pack()})
+    last = redis_client.xrevrange(keys.results, count=1)[0][0]
+    c = procs.consumer()
+
+    def all_read():
+        groups = [g for g in redis_client.xinfo_groups(keys.results) if g["name"] in (GROUP, GROUP.encode())]
+        return groups and groups[0]["last-delivered-id"] == last
+
+    wait_for(all_read, 30, what="records read")
+    os.kill(c.pid, signal.SIGTERM)
+    assert c.wait(30) == 0
+    assert redis_client.xpending(keys.results, GROUP)["pending"] == 0
+    store = Store(settings.results_db)
+    try:
+        assert store.results("jt")["job"]["completed"] == 200
+    finally:
+        store.close()
+
+
+def test_pickled_message_is_refused(settings, procs, redis_client, env_server, model_server, tmp_path):
+    _, env_url = env_server
+    _, model_url = model_server
+    s = settings.replace(llm_base_url=model_url + "/v1")
+    procs.settings = s
+    marker = tmp_path / "pwned"
+    body = base64.b64encode(pickle.dumps(((["x", "y"]), {}, {}))).decode()
+    hostile = {"body": body, "content-encoding": "binary", "content-type": "application/x-python-serialize",
+               "headers": {"lang": "py", "task": "interactor.run_episode", "id": str(uuid.uuid4()),
+                           "argsrepr": str(marker)},
+               "properties": {"delivery_mode": 2, "delivery_info": {"exchange": "", "routing_key": s.queue},
+                              "priority": 0, "body_encoding": "base64", "delivery_tag": str(uuid.uuid4())}}
+    redis_client.lpush(s.queue, json.dumps(hostile))
+    sub = submit(redis_client, s, [write_tasks(tmp_path, env_url, guess=1, rows=1, arith_num=1)])
+    procs.worker("w1")
+    procs.consumer()
+    res = wait_job_stored(s, sub.job.job_id, 2)
+    assert res["completed"] == 2  # the worker refused the pickle and went on
+    log = procs.log("w1")
+    assert "ContentDisallowed" in log or "disallowed" in log.lower() or "Refusing" in log, log[-2000:]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("knob,reason", [("garbage_rate", errors.ENV_MALFORMED)])
+def test_malformed_env_answers_end_in_the_dlq(settings, redis_client, model_server, knob, reason):
+    from examples.envserver import start_in_thread
+
+    _, model_url = model_server
+    env, env_url = start_in_thread(**{knob: 1.0})
+    rt = WorkerRuntime(settings, name="bad-env")
+    try:
+        job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1")
+        assert rt.run(job.job_id, ep.episode_id) == "failed"
+        (letter,) = DeadLetterQueue(redis_client, settings).list()
+        assert letter.reason == reason and letter.error
+    finally:
+        rt.stop()
+        env.shutdown()
+
+
+def test_malformed_model_answers_end_in_the_dlq(settings, redis_client, env_server):
+    from examples.model_standin import start_in_thread
+
+    _, env_url = env_server
+    model, model_url = start_in_thread(malformed_rate=1.0)
+    rt = WorkerRuntime(settings, name="bad-model")
+    try:
+        job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1")
+        assert rt.run(job.job_id, ep.episode_id) == "failed"
+        (letter,) = DeadLetterQueue(redis_client, settings).list()
+        assert letter.reason == errors.MODEL_MALFORMED
+        closing = [r for r in stream_records(redis_client, settings) if isinstance(r, AttemptRecord)]
+        assert closing[-1].status == "failed" and closing[-1].reason == errors.MODEL_MALFORMED
+    finally:
+        rt.stop()
+        model.shutdown()
+
+
+def test_hanging_env_server_is_a_clear_reason_not_a_stuck_episode(settings, redis_client, model_server):
+    from examples.envserver import start_in_thread
+
+    _, model_url = model_server
+    env, env_url = start_in_thread(latency_ms=2000)
+    s = settings.replace(env_read_timeout_s=0.3, env_retries=0)
+    rt = WorkerRuntime(s, name="hang")
+    try:
+        job, (ep,) = make_job(redis_client, s, env_url=env_url, llm_url=model_url + "/v1", max_attempts=1)
+        t0 = time.monotonic()
+        assert rt.run(job.job_id, ep.episode_id) == "failed"
+        assert time.monotonic() - t0 < 10
+        (letter,) = DeadLetterQueue(redis_client, s).list()
+        assert letter.reason == errors.ENV_UNREACHABLE and "after 1 attempts" in letter.error
+    finally:
+        rt.stop()
+        env.shutdown()
