@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from broker.redisconn import broker_transport_options
+from broker.redisconn import broker_transport_options, broker_use_ssl
 from broker.settings import Settings
 
 EPISODE_TASK = "interactor.run_episode"
@@ -45,6 +45,7 @@ def make_app(settings: Settings, *, main: str = "interactor") -> Celery:
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
         broker_transport_options=broker_transport_options(settings),
+        broker_use_ssl=broker_use_ssl(settings),
         broker_heartbeat=0,
         task_default_queue=settings.queue,
         task_create_missing_queues=True,

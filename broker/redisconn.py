@@ -17,8 +17,14 @@ _RETRY_ERRORS = (ConnectionError, TimeoutError, BusyLoadingError, ConnectionRese
 def connect(settings: Settings, *, retries: int = 12) -> redis.Redis:
     if not settings.redis_url:
         raise ValueError("no Redis URL: set REDIS_URL (or let `interactor run` start an embedded Redis)")
+    tls = {}
+    if settings.redis_url.startswith("rediss://"):
+        tls = {"ssl_cert_reqs": "required"}
+        if settings.redis_tls_ca:
+            tls["ssl_ca_certs"] = settings.redis_tls_ca
     return redis.Redis.from_url(
         settings.redis_url,
+        **tls,
         socket_connect_timeout=5,
         socket_timeout=30,
         socket_keepalive=True,
@@ -27,6 +33,18 @@ def connect(settings: Settings, *, retries: int = 12) -> redis.Redis:
         retry_on_error=list(_RETRY_ERRORS),
         max_connections=None,
     )
+
+
+def broker_use_ssl(settings: Settings) -> dict | None:
+    """kombu refuses a rediss:// URL without TLS options; certificates are always verified."""
+    if not settings.redis_url.startswith("rediss://"):
+        return None
+    import ssl
+
+    opts = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    if settings.redis_tls_ca:
+        opts["ssl_ca_certs"] = settings.redis_tls_ca
+    return opts
 
 
 def broker_transport_options(settings: Settings) -> dict:

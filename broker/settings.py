@@ -48,6 +48,7 @@ class SettingsError(ValueError):
 class Settings:
     # --- where things live -------------------------------------------------------------
     redis_url: str = ""  # empty: `interactor run` starts an embedded Redis
+    redis_tls_ca: str = ""  # CA file for rediss:// URLs (default: the system's trust store)
     key_prefix: str = "ix"  # every Redis key this system writes starts with it
     queue: str = "episodes"  # Celery queue that episode tasks go to by default
     queues: str = ""  # comma-separated queues a worker serves ("" = the default queue)

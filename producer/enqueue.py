@@ -68,7 +68,7 @@ def submit_plan(client: redis.Redis, settings: Settings, planned: PlannedJob) ->
     Ledger(client, Keys(settings.key_prefix), settings.lease_ttl_s).create_job(job, planned.episodes)
     push_episodes(client, ((job_id, e.episode_id, e.queue or settings.queue) for e in planned.episodes))
     dt = time.perf_counter() - t0
-    log.info("job %s: %d episodes in %d groups enqueued in %.2fs", job_id, len(planned.episodes), planned.groups, dt)
+    log.debug("job %s: %d episodes in %d groups enqueued in %.2fs", job_id, len(planned.episodes), planned.groups, dt)
     return Submitted(job, planned, dt)
 
 
