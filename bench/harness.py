@@ -423,6 +423,9 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
         res.cpu_s = {r: _cpu_delta(snap0[r], snap1[r]) for r in snap0}
         busy = (sum(mach1) - mach1.idle - getattr(mach1, "iowait", 0)) - (sum(mach0) - mach0.idle - getattr(mach0, "iowait", 0))
         res.machine_busy = busy / (sum(mach1) - sum(mach0))
+        for name, p in [("consumer", cluster.consumer_p)] + [(f"worker{i + 1}", w) for i, w in enumerate(cluster.workers)]:
+            if p.poll() is not None:
+                res.errors.append(f"{name} exited with {p.returncode} (see {cluster.logs / (name + '.log')})")
         c = ledger.counts(job_id)
         if c["queued"] == 0:
             res.errors.append("the queue ran dry during the window: raise episodes_factor")

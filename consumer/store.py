@@ -618,6 +618,13 @@ class Store:
             names = [d[0] for d in cur.description]
         return dict(zip(names, row)) if row else None
 
+    def groups(self, job_id: str) -> list[dict]:
+        """Every group of a job: size, completed, failed, reward mean and std, complete or why not."""
+        with self._lock:
+            cur = self._conn.execute("SELECT * FROM groups WHERE job_id = ? ORDER BY group_id", (job_id,))
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row)) for row in cur.fetchall()]
+
     def attempts(self, episode_id: str) -> list[dict]:
         with self._lock:
             cur = self._conn.execute("SELECT * FROM attempts WHERE episode_id = ? ORDER BY attempt", (episode_id,))

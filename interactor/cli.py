@@ -181,7 +181,7 @@ def cmd_demo(args) -> int:
 # --- reading results ----------------------------------------------------------------------
 def cmd_results(args) -> int:
     from consumer.store import Store
-    from interactor.report import print_results
+    from interactor.report import print_groups, print_results
 
     settings = _settings(args)
     store = Store(settings.results_db)
@@ -190,12 +190,16 @@ def cmd_results(args) -> int:
             print(f"no job {args.job!r} in {settings.results_db}", file=sys.stderr)
             return 2
         res = store.results(args.job)
+        if args.groups:
+            res["group_rows"] = store.groups(args.job)
     finally:
         store.close()
     if args.json:
         print(json.dumps(res, indent=2, default=str))
     else:
         print_results(args.job, res, settings.results_db)
+        if args.groups:
+            print_groups(res["group_rows"])
     return 0
 
 
@@ -321,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("results", cmd_results, "print a job's results")
     sp.add_argument("job")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--groups", action="store_true", help="one row per group: size, mean, std, complete")
     sp = add("export", cmd_export, "export a job's training rows")
     sp.add_argument("job")
     sp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")

@@ -264,35 +264,41 @@ class FleetReader:
     """Reads everything the metrics and `interactor status` show, in a few Redis round trips.
 
     Queues seen: the settings' queue and ``queues``, ``extra_queues``, every queue a Celery
-    worker declared (kombu's binding sets), and the queues of every unfinished job's episodes
-    (read once per job: a job's episodes never change queue), so a queue nobody serves yet
-    shows its depth too.
+    worker declared (kombu's binding sets), every queue with tasks in flight, and every Redis
+    list holding episode tasks (a SCAN by type, at most every ``rescan_s``; a list counts when
+    its oldest message is one of our tasks). A queue seen once keeps being reported (at 0 once
+    drained), so a queue nobody serves yet shows its depth too.
     """
 
-    def __init__(self, client: redis.Redis, settings: Settings, extra_queues: Iterable[str] = ()):
+    def __init__(self, client: redis.Redis, settings: Settings, extra_queues: Iterable[str] = (),
+                 rescan_s: float = 30.0):
         self.r = client
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.extra_queues = [q for q in extra_queues if q]
-        self._job_queues: dict[str, set[str]] = {}
+        self.rescan_s = rescan_s
+        self._seen: set[str] = set()
+        self._not_queues: set[str] = set()
+        self._last_scan = -math.inf
 
     # queues ----------------------------------------------------------------------------
-    def _queues_of_job(self, job_id: str) -> set[str]:
-        got = self._job_queues.get(job_id)
-        if got is None:
-            import msgpack
+    def _scan_task_lists(self) -> set[str]:
+        from broker.queueing import decode_task_args
 
-            got = set()
-            for _, raw in self.r.hscan_iter(self.keys.job_episodes(job_id), count=2000):
-                try:
-                    q = msgpack.unpackb(raw, raw=False, strict_map_key=False).get("queue")
-                except Exception:
-                    continue
-                got.add(q or self.settings.queue)
-            if len(self._job_queues) > 2000:
-                self._job_queues.clear()
-            self._job_queues[job_id] = got
-        return got
+        found = set()
+        for key in self.r.scan_iter(count=1000, _type="list"):
+            name = _s(key)
+            base = name.split(PRIORITY_SEP, 1)[0]
+            if base in self._seen or base in found or name in self._not_queues:
+                continue
+            raw = self.r.lindex(key, -1)  # the oldest: kombu LPUSHes and BRPOPs
+            if raw is not None and decode_task_args(raw) is not None:
+                found.add(base)
+            else:
+                if len(self._not_queues) > 10_000:
+                    self._not_queues.clear()
+                self._not_queues.add(name)
+        return found
 
     def _declared_queues(self) -> set[str]:
         found = set()
@@ -307,14 +313,18 @@ class FleetReader:
                     found.add(q)
         return found
 
-    def queues(self, active_jobs: Iterable[str] = ()) -> list[str]:
-        qs = set(self.settings.served_queues) | {self.settings.queue} | set(self.extra_queues)
-        try:
-            qs |= self._declared_queues()
-        except redis.ResponseError:
-            pass
-        for j in active_jobs:
-            qs |= self._queues_of_job(j)
+    def queues(self, inflight: dict[str, int] | None = None) -> list[str]:
+        qs = set(self.settings.served_queues) | {self.settings.queue} | set(self.extra_queues) | self._seen
+        qs |= set(inflight or ())
+        now = time.monotonic()
+        if now - self._last_scan >= self.rescan_s:
+            self._last_scan = now
+            try:
+                qs |= self._declared_queues() | self._scan_task_lists()
+            except redis.ResponseError as exc:  # e.g. SCAN TYPE on a Redis older than 6
+                log.debug("queue discovery: %s", exc)
+        if len(qs) < 10_000:
+            self._seen = qs
         return sorted(qs)
 
     def queue_depths(self, queues: list[str]) -> dict[str, dict[int, int]]:
@@ -333,13 +343,16 @@ class FleetReader:
 
     def inflight(self) -> dict[str, int]:
         """Messages delivered to a worker and not acknowledged yet (reserved or running), per queue."""
+        from broker.app import EPISODE_TASK
+
         out: dict[str, int] = {}
         for _, raw in self.r.hscan_iter(UNACKED_KEY, count=1000):
             try:
-                _msg, _exchange, routing_key = json.loads(raw)
-            except (ValueError, TypeError):
+                msg, _exchange, routing_key = json.loads(raw)
+                ours = msg["headers"]["task"] == EPISODE_TASK  # not another Celery app's
+            except (ValueError, TypeError, KeyError):
                 continue
-            if routing_key:
+            if ours and routing_key:
                 out[routing_key] = out.get(routing_key, 0) + 1
         return out
 
@@ -397,9 +410,9 @@ class FleetReader:
         finished = [j for j in job_ids if j not in set(active)]
         shown = [job_id] if job_id else active + finished[-RECENT_FINISHED_JOBS:]
         totals = {s: sum(counts[j][s] for j in job_ids) for s in LEDGER_STATES}
-        queues = self.queues(active)
-        depths = self.queue_depths(queues)
         inflight = self.inflight()
+        queues = self.queues(inflight)
+        depths = self.queue_depths(queues)
 
         pipe = self.r.pipeline(transaction=False)
         pipe.zcount(k.running, now_ms, "+inf")

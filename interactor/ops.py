@@ -114,7 +114,7 @@ def _failures(st) -> dict[str, int]:
 
 
 def _latency_line(st) -> str:
-    from interactor.metrics import HISTOGRAMS, Histogram
+    from interactor.metrics import Histogram
 
     parts = []
     for part in ("env", "model"):

@@ -44,6 +44,19 @@ def print_results(job_id: str, res: dict, db_path: str) -> None:
     print(f"results database: {Path(db_path).resolve()}")
 
 
+def print_groups(groups: list[dict]) -> None:
+    rows = [("group_id", "env_name", "size", "done", "failed", "mean", "std", "complete")]
+    for g in groups:
+        rows.append((g["group_id"], g["env_name"] or "", str(g["size"]), str(g["completed"]), str(g["failed"]),
+                     _f(g["reward_mean"]), _f(g["reward_std"]),
+                     "yes" if g["complete"] else f"no: {g['incomplete_reason'] or 'not finished'}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for i, r in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        if i == 0:
+            print("  ".join("-" * w for w in widths) + "  --------")
+
+
 def print_left(counts: dict, job_id: str, run_dir: Path) -> None:
     left = {k: v for k, v in counts.items() if k not in ("done", "failed") and v}
     print("left unfinished: " + (", ".join(f"{v} {k}" for k, v in left.items()) or "nothing"))

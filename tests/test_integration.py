@@ -115,7 +115,12 @@ def test_batch_end_to_end(settings, procs, env_server, model_server, redis_clien
     for key in redis_client.scan_iter(f"{settings.key_prefix}:*"):
         assert b"planted-secret" not in redis_client.dump(key)
     assert b"planted-secret" not in open(db, "rb").read()
-    assert "planted-secret" not in procs.log("w1") + procs.log("w2") + procs.log("consumer")
+    logs = procs.log("w1") + procs.log("w2") + procs.log("consumer")
+    assert "planted-secret" not in logs
+    # The Redis password (in every process's REDIS_URL) is redacted wherever the URL is logged.
+    assert "s3cret-redis-pw" not in logs
+    for key in redis_client.scan_iter(f"{settings.key_prefix}:*"):
+        assert b"s3cret-redis-pw" not in redis_client.dump(key)
 
 
 def test_interactor_run_with_embedded_redis(env_server, model_server, tmp_path):
@@ -135,6 +140,18 @@ def test_interactor_run_with_embedded_redis(env_server, model_server, tmp_path):
     jobs = db_rows(str(run_dir / "results.sqlite"), "SELECT status, COUNT(*) FROM episodes GROUP BY status")
     assert jobs == [("completed", 2 + 3 * 2)]
     assert (run_dir / "redis" / "appendonly.aof").exists() or list((run_dir / "redis").glob("appendonly*"))
+    # Group statistics, for people and for scripts.
+    job_id = out.stdout.split("job ", 1)[1].split(":", 1)[0]
+    res = subprocess.run([sys.executable, "-m", "interactor.cli", "results", job_id, "--groups", "--json",
+                          "--run-dir", str(run_dir)], env=env, cwd=str(ROOT), capture_output=True, text=True)
+    groups = json.loads(res.stdout)["group_rows"]
+    assert len(groups) == 1 + 3 and all(g["complete"] == 1 and g["size"] == g["completed"] for g in groups)
+    for g in groups:
+        rewards = [r[0] for r in db_rows(str(run_dir / "results.sqlite"),
+                                         "SELECT total_reward FROM episodes WHERE group_id = ?", (g["group_id"],))]
+        mean = sum(rewards) / len(rewards)
+        assert g["reward_mean"] == pytest.approx(mean)
+        assert g["reward_std"] == pytest.approx((sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5)
 
 
 def test_bad_task_file_enqueues_nothing(settings, redis_client, tmp_path):

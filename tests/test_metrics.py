@@ -67,15 +67,23 @@ def test_priority_sub_queues_are_kombus(settings, redis_client):
     app = make_app(settings)
     for prio in (0, 0, 4, 7, 9):
         app.send_task(EPISODE_TASK, args=["job", f"e{prio}"], queue=q, priority=prio)
+    # A queue no setting names and no worker serves, holding only high-priority tasks.
+    other = q + "-elsewhere"
+    app.send_task(EPISODE_TASK, args=["job", "x"], queue=other, priority=9)
     app.close()
+    redis_client.lpush(q + "-not-ours", b"something else")
     reader = FleetReader(redis_client, settings)
     depths = reader.queue_depths([q])[q]
     assert depths == {0: 2, 3: 1, 6: 1, 9: 1}
     fams = families(exposition(reader))
     assert sample(fams, "interactor_queue_depth", queue=q) == 5
     assert sample(fams, "interactor_queue_depth", queue=q, priority="9") == 1
-    for _, name in sub_queues(q):
+    assert sample(fams, "interactor_queue_depth", queue=other) == 1
+    assert not [s for s in fams["interactor_queue_depth"].samples if s.labels["queue"] == q + "-not-ours"]
+    for name in [n for _, n in sub_queues(q) + sub_queues(other)] + [q + "-not-ours"]:
         redis_client.delete(name)
+    # Drained, a queue once seen still reports 0 rather than vanishing.
+    assert sample(families(exposition(reader)), "interactor_queue_depth", queue=other) == 0
 
 
 def test_records_fold_into_counters_and_histograms(settings, redis_client):

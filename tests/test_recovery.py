@@ -264,3 +264,35 @@ def test_hanging_env_server_is_a_clear_reason_not_a_stuck_episode(settings, redi
     finally:
         rt.stop()
         env.shutdown()
+
+
+def test_dead_workers_episodes_rerun_within_the_lease_bound(settings, procs, env_server, redis_client, tmp_path):
+    """SIGKILL a worker mid-episode: its episodes start again (attempt 2) from a fresh reset within
+    about lease TTL + sweep interval, not after the broker's visibility timeout (hours)."""
+    from examples.model_standin import start_in_thread
+
+    env, env_url = env_server
+    slow, slow_url = start_in_thread(latency_ms=500)
+    try:
+        s = settings.replace(llm_base_url=slow_url + "/v1")
+        procs.settings = s
+        tasks = tmp_path / "long.yaml"
+        tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n"
+                         f"    env_params: {{low: 1, high: 100000, max_turns: 20}}\n    env_num: 3\n")
+        sub = submit(redis_client, s, [str(tasks)])
+        ledger = Ledger(redis_client, Keys(s.key_prefix))
+        procs.worker("w1")
+        wait_for(lambda: ledger.counts(sub.job.job_id)["running"] == 3, 30, what="3 running")
+        resets_before = env.stats()["resets"]
+        procs.kill("w1")
+        killed_at = time.monotonic()
+        procs.worker("w2")
+        eps = list(ledger.states(sub.job.job_id))
+        wait_for(lambda: all(ledger.attempts(sub.job.job_id, e) >= 2 for e in eps), 60, what="attempt 2 started")
+        took = time.monotonic() - killed_at
+        bound = s.lease_ttl_s + s.sweep_interval_s + 10  # + worker start-up on a loaded machine
+        assert took < bound, f"re-run after {took:.1f}s, bound {bound:.1f}s"
+        assert env.stats()["resets"] >= resets_before + 3  # from a fresh reset
+        assert s.visibility_timeout_s > 10 * bound  # so this was not the broker's redelivery
+    finally:
+        slow.shutdown()

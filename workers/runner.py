@@ -45,6 +45,7 @@ from broker.records import (
 from broker.recovery import Sweeper
 from broker.redisconn import connect
 from broker.settings import Settings, redact_url
+from workers import limits
 from workers.envclient import EnvClient
 from workers.hooks import load_hook
 from workers.loop import LoopConfig, run_episode
@@ -113,7 +114,9 @@ class WorkerRuntime:
         self.keys = Keys(settings.key_prefix)
         self.ledger = Ledger(self.redis, self.keys, settings.lease_ttl_s)
         self.env = EnvClient(settings)
-        self.model = ModelClient(settings)
+        self.model = ModelClient(settings, session=limits.model_session(settings))
+        self.model_gate = limits.shared_gate(settings.llm_max_concurrency)  # None: no cap
+        self.jitter = limits.FirstWaveJitter.from_settings(settings)
         self.shutdown_at: float | None = None
         self._leases: dict[str, Lease] = {}
         self._reserved: set[str] = set()  # members received from the broker, not started yet
@@ -204,16 +207,19 @@ class WorkerRuntime:
                          group_id=spec.group_id, llm_model=job.model, attempt=lease.attempt,
                          max_steps=job.max_steps, message_cut=job.message_cut)
         outcome = None
+        check = lambda: self._check(lease, deadline)  # noqa: E731
         try:
             hook = load_hook(job.episode_hook)
+            self.jitter.wait(check)  # spreads the first wave so it does not hit the model at once
+            policy = BoundPolicy(self.model, job, policy_url(job, spec.episode_id),
+                                 self.settings.llm_api_key.reveal(), deadline)
             outcome = run_episode(
                 cfg,
                 env=self._env_port(spec, deadline),
-                policy=BoundPolicy(self.model, job, policy_url(job, spec.episode_id),
-                                   self.settings.llm_api_key.reveal(), deadline),
+                policy=limits.LimitedPolicy(policy, self.model_gate, deadline, check),
                 publish=lambda rec: self._publish(lease, rec, deadline),
                 hook=hook,
-                check=lambda: self._check(lease, deadline),
+                check=check,
             )
         except errors.EpisodeError as exc:
             return self._close_error(lease, base, spec, job, exc, "")

@@ -58,6 +58,13 @@ def _reserve(request=None, **_):
             log.exception("could not reserve a received episode (the sweeper's reconcile still covers it)")
 
 
+@signals.worker_ready.connect
+def _start_runtime(**_):
+    # At start, not on the first task: the runtime's sweeper must run in an idle worker too,
+    # or a fleet with no consumer up would never re-run a dead worker's episodes.
+    runtime()
+
+
 @signals.worker_process_init.connect
 def _fresh_runtime_after_fork(**_):
     # A prefork child must not share the parent's sockets or renewal thread.
