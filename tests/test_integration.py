@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -165,3 +166,46 @@ def test_bad_task_file_enqueues_nothing(settings, redis_client, tmp_path):
     assert "bad.yaml" in out.stderr and "entry 1" in out.stderr and "env_num" in out.stderr
     assert list(redis_client.scan_iter(f"{settings.key_prefix}:*")) == []
     assert redis_client.llen(settings.queue) == 0
+
+
+def test_ctrl_c_stops_cleanly_says_what_was_left_and_resume_finishes(env_server, tmp_path):
+    from examples.model_standin import start_in_thread
+
+    _, env_url = env_server
+    slow, slow_url = start_in_thread(latency_ms=300)
+    try:
+        tasks = tmp_path / "long.yaml"
+        tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n"
+                         f"    env_params: {{low: 1, high: 100000, max_turns: 20}}\n    env_num: 6\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+        run_dir = tmp_path / "runs"
+        common = ["--llm-base-url", slow_url + "/v1", "--run-dir", str(run_dir), "--concurrency", "3",
+                  "--workers", "1", "--shutdown-grace", "1"]
+        proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "run", str(tasks), *common], env=env,
+                                cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: _running(run_dir), 60, what="steps recorded")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 130, out[-3000:]
+        assert "interrupted" in out and "left unfinished:" in out and "--resume" in out
+        job_id = out.split("job ", 1)[1].split(":", 1)[0]
+        resumed = subprocess.run([sys.executable, "-m", "interactor.cli", "run", "--resume", job_id, *common,
+                                  "--concurrency", "6"], env=env, cwd=str(ROOT), capture_output=True, text=True,
+                                 timeout=300)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+        db = str(run_dir / "results.sqlite")
+        assert db_rows(db, "SELECT status, COUNT(*) FROM episodes WHERE job_id = ? GROUP BY status",
+                       (job_id,)) == [("completed", 6)]
+        assert_trajectories_sound(db, job_id)
+    finally:
+        slow.shutdown()
+
+
+def _running(run_dir) -> bool:
+    db = run_dir / "results.sqlite"
+    if not db.exists():
+        return False
+    try:
+        return bool(db_rows(str(db), "SELECT COUNT(*) FROM session_steps")[0][0])
+    except sqlite3.OperationalError:
+        return False
