@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from broker.keys import Keys
-from broker.ledger import Ledger
-from broker.settings import Settings
 
 
 def _f(x, nd: int = 3) -> str:
@@ -63,15 +60,3 @@ def print_left(counts: dict, job_id: str, run_dir: Path) -> None:
     if left:
         print(f"the ledger is kept in {run_dir / 'redis'}; finish with: interactor run --resume {job_id} "
               f"--run-dir {run_dir}")
-
-
-def print_status(client, settings: Settings, job_id: str | None) -> None:
-    keys = Keys(settings.key_prefix)
-    ledger = Ledger(client, keys, settings.lease_ttl_s)
-    queues = {q: client.llen(q) for q in settings.served_queues}
-    print("queues: " + ", ".join(f"{q}={n}" for q, n in queues.items()))
-    print(f"running leases: {client.zcard(keys.running)}  retry scheduled: {client.zcard(keys.retry)}  "
-          f"dead letters: {client.hlen(keys.dlq)}  results stream: {client.xlen(keys.results)}")
-    for j in [job_id] if job_id else ledger.job_ids()[-10:]:
-        c = ledger.counts(j)
-        print(f"job {j}: " + " ".join(f"{k}={v}" for k, v in c.items()))

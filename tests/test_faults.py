@@ -236,7 +236,7 @@ def test_workers_sigkilled_again_and_again(scenario):
     s.start()
     rng = random.Random(1)
 
-    @every(3.0)
+    @every(2.0)
     def kill_a_worker(s: Scenario):
         if s.faults.get("worker_kills", 0) >= 8:
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -167,14 +168,18 @@ def test_job_metrics_and_status_over_http(settings, procs, env_server, model_ser
     wait_for(lambda: value(scrape(), "interactor_steps", "interactor_steps_total") > 0, 60,
              what="steps counted")
     wait_job_stored(settings, job, total)
-    wait_for(lambda: value(scrape(), "interactor_job_progress_ratio", job_id=job) == 1.0, 30,
-             what="job progress 1.0")
-    fams = scrape()
-    missing = set(METRIC_NAMES) - set(fams)
-    assert not missing, missing
-
     db = settings.results_db
     (n_steps,) = db_rows(db, "SELECT COUNT(*) FROM session_steps WHERE job_id = ?", (job,))[0]
+
+    def settled():  # the consumer folds a batch into the counters just after committing it
+        f = scrape()
+        return f if (value(f, "interactor_job_progress_ratio", job_id=job) == 1.0
+                     and value(f, "interactor_steps", "interactor_steps_total") == n_steps
+                     and value(f, "interactor_episodes_finished", "interactor_episodes_finished_total") == total) else None
+
+    fams = wait_for(settled, 30, what="metrics to show the whole job")
+    missing = set(METRIC_NAMES) - set(fams)
+    assert not missing, missing
     assert sample(fams, "interactor_steps", "interactor_steps_total") == n_steps
     lat = "interactor_step_latency_seconds"
     assert sample(fams, lat, lat + "_count", part="model") == n_steps
@@ -213,10 +218,14 @@ def test_job_metrics_and_status_over_http(settings, procs, env_server, model_ser
     snap = json.loads(js.stdout)
     assert snap["jobs"][0]["counts"]["done"] == total and snap["steps_total"] == n_steps
     # --watch redraws until interrupted.
-    watch = subprocess.Popen([sys.executable, "-m", "interactor.cli", "status", "--watch", "--interval", "0.5"],
-                             env=env_vars, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(4)
-    watch.send_signal(2)
-    stdout, _ = watch.communicate(timeout=30)
-    assert stdout.count("interactor status") >= 2 and watch.returncode == 0
+    out_path = tmp_path / "watch.txt"
+    with open(out_path, "w") as out_file:
+        watch = subprocess.Popen([sys.executable, "-m", "interactor.cli", "status", "--watch", "--interval", "0.5"],
+                                 env=env_vars, cwd=str(ROOT), stdout=out_file, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: out_path.read_text().count("interactor status") >= 2, 60, what="two redraws")
+        finally:
+            watch.send_signal(signal.SIGINT)
+            watch.wait(30)
+    assert watch.returncode == 0 and job in out_path.read_text()
     assert os.path.exists(db)
