@@ -21,7 +21,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
 
 from broker import errors
 from broker.keys import Keys, member
@@ -44,7 +43,7 @@ from broker.records import (
 )
 from broker.recovery import Sweeper
 from broker.redisconn import connect
-from broker.settings import Settings, redact_url
+from broker.settings import Settings
 from workers import limits
 from workers.envclient import EnvClient
 from workers.hooks import load_hook
@@ -318,7 +317,3 @@ def _redis_password(url: str) -> str:
     except ValueError:
         return ""
 
-
-def _describe(settings: Settings) -> dict[str, Any]:
-    return {"redis": redact_url(settings.redis_url), "queues": settings.served_queues,
-            "concurrency": settings.concurrency, "pool": settings.pool}
