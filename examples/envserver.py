@@ -453,6 +453,9 @@ class EnvServer(QuietHTTPServer):
         self.rewards_total = 0.0
         self.steps_by_env: dict[str, int] = {}
 
+    def env_names(self) -> list[str]:
+        return list(ENV_NAMES)
+
     def stats(self) -> dict:
         with self.lock:
             out: dict[str, Any] = dict(self.counters)
@@ -467,43 +470,74 @@ class EnvServer(QuietHTTPServer):
             self.counters[key] += 1
 
 
-class _EnvHandler(JSONHandler):
-    server: EnvServer
-    server_version = "interactor-envserver/0.1"
+class EnvProtocolHandler(JSONHandler):
+    """Routes PROTOCOL.md section 1 (shared by this server and ``interactor serve-env``).
+
+    Subclasses provide ``close_instance`` and ``env_call``; the server provides ``env_names``,
+    ``stats``, ``bump`` and ``verbose``. Exceptions of ``bad_request_errors`` answer 400, any
+    other exception inside an env 500.
+    """
+
+    bad_request_errors: tuple[type[BaseException], ...] = ()
 
     def fail(self, status: int, message: str) -> None:
-        self.server.bump("not_found" if status == 404 else
-                         "bad_request" if status in (400, 405) else "internal_errors")
+        self.server.bump("not_found" if status == 404 else "bad_request" if status < 500 else "internal_errors")
         self.send_json(status, {"error": message})
 
     def dispatch(self, method: str) -> None:
         srv = self.server
         body = self.read_body() if method in ("POST", "PUT", "PATCH", "DELETE") else b""
         parts = self.split_path()
-        with srv.lock:
-            srv.counters["requests"] += 1
+        srv.bump("requests")
         try:
-            if len(parts) == 1 and method == "GET" and parts[0] == "envs":
-                return self.send_json(200, ENV_NAMES)
-            if len(parts) == 1 and method == "GET" and parts[0] == "stats":
+            if parts == ["envs"] and method == "GET":
+                return self.send_json(200, srv.env_names())
+            if parts == ["stats"] and method == "GET":
                 return self.send_json(200, srv.stats())
             if len(parts) == 2 and method == "DELETE":
                 return self.close_instance(parts[0], parts[1])
             if len(parts) == 3:
                 env_name, env_id, op = parts
-                route = (method, op)
-                if route == ("POST", "close"):
+                if (method, op) == ("POST", "close"):
                     return self.close_instance(env_name, env_id)
-                if route in (("POST", "reset"), ("GET", "get_task_prompt"), ("POST", "step")):
+                if (method, op) in (("POST", "reset"), ("GET", "get_task_prompt"), ("POST", "step")):
                     return self.env_call(op, env_name, env_id, body)
                 if op in ("close", "reset", "get_task_prompt", "step"):
                     return self.fail(405, f"method {method} not allowed for {op}")
             return self.fail(404, f"no route for {method} {self.path}")
         except (ConnectionError, TimeoutError):
             raise
+        except self.bad_request_errors as exc:
+            return self.fail(400, f"{exc}")
         except Exception as exc:  # noqa: BLE001 - a failure inside the env is a 500
-            traceback.print_exc()
-            return self.fail(500, f"internal error: {type(exc).__name__}: {exc}")
+            if srv.verbose:
+                traceback.print_exc()
+            return self.fail(500, f"internal error: {type(exc).__name__}: {exc}"[:2000])
+
+    def parse_payload(self, op: str, body: bytes) -> dict | None:
+        """The request's JSON object ({} for none); None once a 400 has been answered."""
+        if op == "get_task_prompt" or not body.strip():
+            return {}
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            self.fail(400, "request body is not valid JSON")
+            return None
+        if not isinstance(payload, dict):
+            self.fail(400, "request body must be a JSON object")
+            return None
+        return payload
+
+    def close_instance(self, env_name: str, env_id: str) -> None:
+        raise NotImplementedError
+
+    def env_call(self, op: str, env_name: str, env_id: str, body: bytes) -> None:
+        raise NotImplementedError
+
+
+class _EnvHandler(EnvProtocolHandler):
+    server: EnvServer
+    server_version = "interactor-envserver/0.1"
 
     def close_instance(self, env_name: str, env_id: str) -> None:
         srv = self.server
@@ -531,15 +565,9 @@ class _EnvHandler(JSONHandler):
             return self.send_bytes(200, b"<html>502 Bad Gateway: injected garbage</html>",
                                    content_type="text/html")
 
-        payload: Any = {}
-        if op != "get_task_prompt" and body.strip():
-            try:
-                payload = json.loads(body)
-            except ValueError:
-                return self.fail(400, "request body is not valid JSON")
-            if not isinstance(payload, dict):
-                return self.fail(400, "request body must be a JSON object")
-
+        payload = self.parse_payload(op, body)
+        if payload is None:
+            return None
         if op == "reset":
             return self.reset(env_name, env_id, payload)
 

@@ -21,13 +21,11 @@ unknown instance 404.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import traceback
 from typing import Any
 
-from examples.envserver import FaultDice, JSONHandler, QuietHTTPServer
+from examples.envserver import EnvProtocolHandler, FaultDice, QuietHTTPServer
 from interactor.envs import ADAPTERS, adapter_for, installed
 from interactor.envs.base import construct, import_object, normalize_answer
 
@@ -82,43 +80,10 @@ class AdapterEnvServer(QuietHTTPServer):
             self.counters[key] += n
 
 
-class _AdapterHandler(JSONHandler):
+class _AdapterHandler(EnvProtocolHandler):
     server: AdapterEnvServer
     server_version = "interactor-serve-env/0.1"
-
-    def fail(self, status: int, message: str) -> None:
-        self.server.bump("not_found" if status == 404 else "bad_request" if status < 500 else "internal_errors")
-        self.send_json(status, {"error": message})
-
-    def dispatch(self, method: str) -> None:
-        srv = self.server
-        body = self.read_body() if method in ("POST", "PUT", "PATCH", "DELETE") else b""
-        parts = self.split_path()
-        srv.bump("requests")
-        try:
-            if parts == ["envs"] and method == "GET":
-                return self.send_json(200, srv.env_names())
-            if parts == ["stats"] and method == "GET":
-                return self.send_json(200, srv.stats())
-            if len(parts) == 2 and method == "DELETE":
-                return self.close_instance(parts[0], parts[1])
-            if len(parts) == 3:
-                env_name, env_id, op = parts
-                if (method, op) == ("POST", "close"):
-                    return self.close_instance(env_name, env_id)
-                if (method, op) in (("POST", "reset"), ("GET", "get_task_prompt"), ("POST", "step")):
-                    return self.env_call(op, env_name, env_id, body)
-                if op in ("close", "reset", "get_task_prompt", "step"):
-                    return self.fail(405, f"method {method} not allowed for {op}")
-            return self.fail(404, f"no route for {method} {self.path}")
-        except (ConnectionError, TimeoutError):
-            raise
-        except ValueError as exc:  # EnvError and friends: a bad request
-            return self.fail(400, f"{exc}")
-        except Exception as exc:  # noqa: BLE001 - a failure inside the env is a 500
-            if srv.verbose:
-                traceback.print_exc()
-            return self.fail(500, f"internal error: {type(exc).__name__}: {exc}"[:2000])
+    bad_request_errors = (ValueError,)  # EnvError and friends: a bad request
 
     def env_call(self, op: str, env_name: str, env_id: str, body: bytes) -> None:
         srv = self.server
@@ -126,14 +91,9 @@ class _AdapterHandler(JSONHandler):
             time.sleep(srv.latency_ms / 1000.0)
         if srv.dice.roll(("error", srv.error_rate)):
             return self.send_json(500, {"error": "injected fault (nothing was applied)"})
-        payload: Any = {}
-        if op != "get_task_prompt" and body.strip():
-            try:
-                payload = json.loads(body)
-            except ValueError:
-                return self.fail(400, "request body is not valid JSON")
-            if not isinstance(payload, dict):
-                return self.fail(400, "request body must be a JSON object")
+        payload = self.parse_payload(op, body)
+        if payload is None:
+            return None
         if op == "reset":
             return self.reset(env_name, env_id, payload)
         with srv.lock:
