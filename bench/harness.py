@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class LoadSpec:
     concurrency: int
     pool: str = "threads"
-    workers: int = 2  # worker processes; concurrency is split between them
+    workers: int = 4  # worker processes; concurrency is split between them
     model_latency_ms: float = 1000.0
     env_latency_ms: float = 20.0
     steps: int = 20  # steps per episode
@@ -539,7 +539,14 @@ def run_ingest(n: int, work: Path, *, base: Settings | None = None, store_factor
         del recs
         res.bytes_per_record = total_bytes / n
         store = (store_factory or Store)(settings.results_db)
-        ing = Ingestor(client, settings, store, name="bench-ingest")
+        observers = []
+        try:  # what `interactor consumer` adds to every Ingestor
+            from interactor.metrics import StatsRecorder
+
+            observers.append(StatsRecorder(client, settings))
+        except ImportError:
+            pass
+        ing = Ingestor(client, settings, store, name="bench-ingest", observers=observers)
         me, rp = psutil.Process(), psutil.Process(srv.proc.pid)
         c0, r0 = me.cpu_times(), rp.cpu_times()
         t0 = time.perf_counter()

@@ -34,11 +34,15 @@ def _f(x: Any, nd: int = 2) -> str:
 
 def orch_ms(r: dict) -> float:
     c = r["cpu_s"]
-    return 1000 * (c.get("workers", 0) + c.get("consumer", 0) + c.get("redis", 0)) / max(1, r["steps"])
+    if not r["steps"]:
+        return float("nan")
+    return 1000 * (c.get("workers", 0) + c.get("consumer", 0) + c.get("redis", 0)) / r["steps"]
 
 
 def role_ms(r: dict, role: str) -> float:
-    return 1000 * r["cpu_s"].get(role, 0.0) / max(1, r["steps"])
+    if not r["steps"]:
+        return float("nan")
+    return 1000 * r["cpu_s"].get(role, 0.0) / r["steps"]
 
 
 def mem_per_ep(r: dict) -> float:
@@ -58,9 +62,11 @@ def target_rows(res: dict) -> list[tuple]:
     load = res.get("load", [])
 
     def row(metric, target_txt, measured, target, higher_is_better, nd=2, unit=""):
-        if measured is None or (isinstance(measured, float) and math.isnan(measured)) or measured <= 0 and higher_is_better:
-            rows.append((metric, target_txt, "n/a" if measured is None else _f(measured, nd) + unit, "n/a",
-                         "no" if measured is not None else "not measured"))
+        if measured is None or (isinstance(measured, float) and math.isnan(measured)):
+            rows.append((metric, target_txt, "n/a", "n/a", "not measured"))
+            return
+        if measured <= 0 and higher_is_better:
+            rows.append((metric, target_txt, _f(measured, nd) + unit, "0.00x", "**no**"))
             return
         ratio = measured / target if higher_is_better else (target / measured if measured > 0 else math.inf)
         rows.append((metric, target_txt, _f(measured, nd) + unit, f"{ratio:.2f}x", "yes" if ratio >= 1 else "**no**"))
@@ -109,10 +115,12 @@ def load_rows(runs: list[dict]) -> list[tuple]:
     for r in runs:
         s = r["spec"]
         lat = r.get("latency_ms") or {}
+        st = r.get("step_time_ms") or {}
         rows.append((
             s["concurrency"], s["pool"], f"{s['workers']}", _f(r["rate"], 1), _f(s["concurrency"] / _step_s(s), 1),
             _f(r["efficiency"], 3), _f(orch_ms(r), 3), _f(role_ms(r, "workers"), 3), _f(role_ms(r, "consumer"), 3),
             _f(role_ms(r, "redis"), 3), _f(role_ms(r, "env") + role_ms(r, "model"), 3), f"{100 * r['machine_busy']:.0f}%",
+            " / ".join(_f(st.get(k), 0) for k in ("interval", "model", "env", "own")) if st else "n/a",
             _f(r["worker_pss_idle_mb"], 0), _f(r["worker_pss_load_mb"], 0), _f(mem_per_ep(r), 3),
             _f(lat.get("p50"), 0), _f(lat.get("p99"), 0), _f(r["ramp_s"], 1),
             "; ".join(r.get("errors") or []) or "",
@@ -121,8 +129,33 @@ def load_rows(runs: list[dict]) -> list[tuple]:
 
 
 LOAD_HEADER = ["C", "pool", "worker procs", "steps/s", "ideal", "efficiency", "orch. CPU ms/step", "workers",
-               "consumer", "redis", "stand-ins (apart)", "machine busy", "worker PSS idle MB", "loaded MB",
-               "MB/episode", "latency p50 ms", "p99 ms", "ramp s", "problems"]
+               "consumer", "redis", "stand-ins (apart)", "machine busy", "step ms: interval / model / env / own",
+               "worker PSS idle MB", "loaded MB", "MB/episode", "latency p50 ms", "p99 ms", "ramp s", "problems"]
+
+
+def compare_rows(before: dict, after: dict) -> list[tuple]:
+    """Headline figures of two runs side by side (for bench/notes.md)."""
+    rows = []
+    bl = {r["spec"]["concurrency"]: r for r in before.get("load", [])}
+    for r in after.get("load", []):
+        c = r["spec"]["concurrency"]
+        b = bl.get(c)
+        if b is None:
+            continue
+        rows.append((f"efficiency, C={c}", _f(b["efficiency"], 3), _f(r["efficiency"], 3)))
+        rows.append((f"orchestration CPU ms/step, C={c}", _f(orch_ms(b), 2), _f(orch_ms(r), 2)))
+        rows.append((f"record latency p99 ms, C={c}", _f((b.get("latency_ms") or {}).get("p99"), 0),
+                     _f((r.get("latency_ms") or {}).get("p99"), 0)))
+    bp = {r["spec"]["pool"]: r for r in before.get("pools", [])}
+    for r in after.get("pools", []):
+        b = bp.get(r["spec"]["pool"])
+        if b is not None:
+            rows.append((f"pool {r['spec']['pool']} (C={r['spec']['concurrency']}): efficiency, CPU ms/step",
+                         f"{b['efficiency']:.3f}, {orch_ms(b):.2f}", f"{r['efficiency']:.3f}, {orch_ms(r):.2f}"))
+    for key, label in (("ingest", "consumer ingest records/s"), ("enqueue", "enqueue episodes/s")):
+        if before.get(key) and after.get(key):
+            rows.append((label, _f(before[key]["rate"], 0), _f(after[key]["rate"], 0)))
+    return rows
 
 
 def _step_s(s: dict) -> float:
@@ -159,9 +192,10 @@ def render(res: dict, png_name: str | None) -> str:
                "timings are ratios within it (efficiency = achieved / ideal), because the machine is shared and noisy.\n")
     out.append("## How to run\n")
     out.append("```\nmake bench                     # everything, ~10 min; rewrites docs/benchmarks.md and docs/benchmarks.png\n"
-               "interactor bench --quick       # a 2-minute smoke version (writes to runs/bench/)\n"
+               "interactor bench --quick       # a 20-second smoke version (writes to runs/bench/)\n"
                "interactor bench --levels 256 --pools '' --skip ingest,enqueue   # one load level only\n"
-               "interactor bench --src /path/to/other/checkout   # the load runs against another version of the code\n```\n")
+               "interactor bench --src /path/to/other/checkout   # workers, consumer, stand-ins from another checkout\n"
+               "interactor bench --render runs/bench/results.json  # re-render this page from a run's raw results\n```\n")
     out.append("The load runs start, per level and in a fresh folder: an embedded Redis (append-only file on, as "
                "`interactor run` uses it), the env and model stand-ins in their own processes (`bench/standins.py`: "
                "same wire protocol as `examples/`, one asyncio loop each, so they stay cheap), "
@@ -176,6 +210,10 @@ def render(res: dict, png_name: str | None) -> str:
                "get_task_prompt, the model, step; reset and close are two more env calls per episode, spread over "
                "its steps.")
     out.append("* **Steps/s**: the env stand-in's step counter at both ends of the window.")
+    out.append("* **Step ms: interval / model / env / own**: the mean time between consecutive steps of an episode "
+               "in the window, split into the model and env waits the worker measured and the rest (the worker's own "
+               "time: loop, record, publish, and any wait for the GIL or a core). Waits longer than the configured "
+               "latencies mean a busy worker or machine (a reply is only read when the thread gets the GIL).")
     out.append("* **Orchestration CPU per step**: CPU seconds (user + system, children included) of the worker "
                "processes, the consumer and Redis in the window, divided by the steps; the stand-ins are measured "
                "the same way and reported apart.")

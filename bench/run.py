@@ -20,8 +20,8 @@ class BenchConfig:
     levels: list[int] = field(default_factory=lambda: [64, 256, 1000])
     pool: str = "threads"
     pools: list[str] = field(default_factory=lambda: ["threads", "gevent", "prefork"])
-    pool_level: int = 64
-    workers: int = 2
+    pool_level: int = 256
+    workers: int = 4
     model_latency_ms: float = 1000.0
     env_latency_ms: float = 20.0
     steps: int = 20

@@ -38,6 +38,9 @@ ABANDONED = "abandoned"  # lease lost or handed back at shutdown; another attemp
 ATTEMPT_STATUSES = (COMPLETED, ATTEMPT_RETRYING, ATTEMPT_FAILED, ABANDONED)
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 @dataclass
 class _Record:
     KIND: ClassVar[str] = ""
@@ -45,7 +48,10 @@ class _Record:
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies every nested message list, and records are
         # packed right away, so sharing the nested objects is safe and several times faster.
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        names = _FIELD_NAMES.get(type(self))
+        if names is None:  # dataclasses.fields() costs more than the rest of a small record's packing
+            names = _FIELD_NAMES[type(self)] = tuple(f.name for f in fields(self))
+        d = {name: getattr(self, name) for name in names}
         d["kind"] = self.KIND
         d["v"] = SCHEMA_VERSION
         return d

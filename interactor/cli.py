@@ -71,6 +71,12 @@ def cmd_worker(args) -> int:
     os.environ.update(settings.as_environ())  # workers.tasks reads its settings at import
     if os.environ.get(_WORKER_CHILD) != "1":
         return _supervise_worker(sys.argv[1:] if args.argv is None else args.argv)
+    if settings.pool == "gevent":
+        # What `celery -P gevent` does first thing; app.worker_main does not, and an unpatched
+        # gevent pool blocks its hub on the first socket read: no episode ever starts.
+        from gevent import monkey
+
+        monkey.patch_all()
     from workers.tasks import app
 
     argv = ["worker", "-P", settings.pool, "-c", str(settings.concurrency), "-Q", ",".join(settings.served_queues),

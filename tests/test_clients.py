@@ -600,3 +600,42 @@ def test_concurrent_use_of_one_client(server):
         t.join()
     assert results == [1.5] * 80
     assert len({r["peer"] for r in server.requests}) <= 8  # connections were reused
+
+
+def test_environment_proxy_still_applies_with_trust_env_off(monkeypatch):
+    """Sessions skip requests' per-request environment scan; HTTP_PROXY/NO_PROXY still apply."""
+    import http.server
+    import json as _json
+    import threading as _threading
+
+    from workers import envclient as ec
+
+    seen = []
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen.append(self.path)  # a proxy gets the absolute URL
+            body = _json.dumps([{"role": "user", "content": "via proxy"}]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    _threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}")
+        monkeypatch.setenv("NO_PROXY", "bypassed.invalid")
+        monkeypatch.setattr(ec, "_proxies", {})
+        client = ec.EnvClient(Settings.from_env({}))
+        assert client.session.trust_env is False
+        prompt = client.get_task_prompt("http://envs.invalid:8080", "game", "e1", deadline=time.monotonic() + 5)
+        assert prompt == [{"role": "user", "content": "via proxy"}]
+        assert seen == ["http://envs.invalid:8080/game/e1/get_task_prompt"]
+        assert ec.proxies_for("http://bypassed.invalid:1/x") == {}
+    finally:
+        proxy.shutdown()

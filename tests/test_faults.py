@@ -82,7 +82,8 @@ class Figures:
 
 
 class Scenario:
-    def __init__(self, name, tmp_path, settings, *, env_knobs=None, model_knobs=None, workers=2, **overrides):
+    def __init__(self, name, tmp_path, settings, *, env_knobs=None, model_knobs=None, workers=2,
+                 model_latency_ms=40, **overrides):
         from examples.envserver import start_in_thread as start_env
         from examples.model_standin import start_in_thread as start_model
 
@@ -90,7 +91,8 @@ class Scenario:
         self.tmp_path = tmp_path
         self.redis = EmbeddedRedis(tmp_path / "redis", password="fault-pw").start()
         self.env, self.env_url = start_env(latency_ms=5, **(env_knobs or {}))
-        self.model, model_url = start_model(latency_ms=40, **(model_knobs or {}))
+        # The chaos scenarios slow the model down so that the job outlasts their faults.
+        self.model, model_url = start_model(latency_ms=model_latency_ms, **(model_knobs or {}))
         self.settings = settings.replace(redis_url=self.redis.url, llm_base_url=model_url + "/v1", **overrides)
         self.client = connect(self.settings)
         self.procs = Procs(self.settings, tmp_path / "logs")
@@ -232,7 +234,7 @@ def every(seconds: float):
 
 
 def test_workers_sigkilled_again_and_again(scenario):
-    s = scenario("worker-sigkill", max_attempts=10)
+    s = scenario("worker-sigkill", max_attempts=10, model_latency_ms=100)
     s.start()
     rng = random.Random(1)
 
@@ -252,10 +254,10 @@ def test_workers_sigkilled_again_and_again(scenario):
 
 
 def test_consumer_sigkilled(scenario):
-    s = scenario("consumer-sigkill")
+    s = scenario("consumer-sigkill", model_latency_ms=100)
     s.start()
 
-    @every(2.5)
+    @every(1.5)
     def kill_consumer(s: Scenario):
         if s.faults.get("consumer_kills", 0) >= 4:
             return
@@ -269,7 +271,7 @@ def test_consumer_sigkilled(scenario):
 
 
 def test_redis_restarted_mid_run(scenario):
-    s = scenario("redis-restart")
+    s = scenario("redis-restart", model_latency_ms=120)
     s.start()
 
     @every(4.0)

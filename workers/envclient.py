@@ -40,6 +40,7 @@ import email.utils
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
@@ -83,15 +84,36 @@ _DEADLINE_SLACK_S = 0.005
 # --------------------------------------------------------------------------------------------
 
 
-def make_session(settings: Settings) -> requests.Session:
+def make_session(settings: Settings, pool_size: int | None = None) -> requests.Session:
     """A Session with a pool large enough for every thread of the worker and no urllib3
-    retries (retries are decided by the clients, per call, through tenacity)."""
+    retries (retries are decided by the clients, per call, through tenacity).
+
+    ``trust_env`` is off: with it on, requests re-reads the proxy variables and ~/.netrc on
+    every request, which doubled a worker's CPU per call (docs/benchmarks.md). The proxy
+    variables still apply, resolved once per origin (:func:`proxies_for`), and a CA bundle
+    named by REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE is used as before.
+    """
     session = requests.Session()
-    size = max(10, settings.concurrency * 2)
+    session.trust_env = False
+    session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+    size = pool_size or max(10, settings.concurrency * 2)
     adapter = HTTPAdapter(pool_connections=32, pool_maxsize=size, max_retries=0)
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session
+
+
+_proxies: dict[str, dict[str, str]] = {}
+
+
+def proxies_for(url: str) -> dict[str, str]:
+    """HTTP(S)_PROXY / NO_PROXY for ``url``'s origin, looked up once per origin."""
+    end = url.find("/", url.find("//") + 2)
+    origin = url if end < 0 else url[:end]
+    found = _proxies.get(origin)
+    if found is None:
+        found = _proxies[origin] = requests.utils.get_environ_proxies(origin)
+    return found
 
 
 def remaining(deadline: float) -> float:
@@ -145,7 +167,8 @@ def send(
     hdrs = dict(headers or {})
     if body is not None:
         hdrs.setdefault("Content-Type", "application/json")
-    with session.request(method, url, data=body, headers=hdrs, timeout=timeout, stream=True) as resp:
+    with session.request(method, url, data=body, headers=hdrs, timeout=timeout, stream=True,
+                         proxies=proxies_for(url)) as resp:
         ok = 200 <= resp.status_code < 300
         cap = max_bytes if ok else min(max_bytes, ERROR_BODY_READ_BYTES)
         if ok:
@@ -329,6 +352,19 @@ def run_with_retries(
             what, state.attempt_number, attempts, exc, log_target, state.upcoming_sleep,
         )
 
+    # Most calls succeed on the first try: make it without building the retry machinery (a
+    # Retrying per call cost about a tenth of a request's CPU, docs/benchmarks.md). A first
+    # failure is handed to Retrying as its attempt 1, so waits, logs and give-up are unchanged.
+    try:
+        return attempt()
+    except Retryable as exc:
+        failed = [exc]
+
+    def replay() -> T:
+        if failed:
+            raise failed.pop()
+        return attempt()
+
     retrying = Retrying(
         stop=stop,
         wait=wait,
@@ -336,7 +372,7 @@ def run_with_retries(
         before_sleep=before_sleep,
         retry_error_callback=give_up,
     )
-    return retrying(attempt)
+    return retrying(replay)
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,10 +23,10 @@ import time
 from typing import Any, Callable
 
 import requests
-from requests.adapters import HTTPAdapter
 
 from broker.errors import EPISODE_TIMEOUT, EpisodeError
 from broker.settings import Settings
+from workers.envclient import make_session
 
 __all__ = ["ModelGate", "shared_gate", "LimitedPolicy", "model_session", "FirstWaveJitter"]
 
@@ -111,11 +111,7 @@ def model_session(settings: Settings) -> requests.Session:
     if size <= 0:
         in_flight = min(settings.concurrency, settings.llm_max_concurrency or settings.concurrency)
         size = max(10, 2 * in_flight)
-    session = requests.Session()
-    adapter = HTTPAdapter(pool_connections=32, pool_maxsize=size, max_retries=0)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
+    return make_session(settings, pool_size=size)
 
 
 class FirstWaveJitter:
