@@ -528,6 +528,20 @@ class EnvProtocolHandler(JSONHandler):
             return None
         return payload
 
+    def reset_args(self, payload: dict) -> tuple[dict, int | None] | None:
+        """``(env_param, seed)`` of a reset body; None once a 400 has been answered."""
+        env_param = payload.get("env_param")
+        if env_param is None:
+            env_param = {}
+        if not isinstance(env_param, dict):
+            self.fail(400, "body field 'env_param' must be an object")
+            return None
+        seed = payload.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            self.fail(400, f"body field 'seed' must be an integer or null, got {seed!r}")
+            return None
+        return env_param, seed
+
     def close_instance(self, env_name: str, env_id: str) -> None:
         raise NotImplementedError
 
@@ -608,14 +622,10 @@ class _EnvHandler(EnvProtocolHandler):
         cls = ENVS.get(env_name)
         if cls is None:
             return self.fail(400, f"unknown env_name {env_name!r}; known: {ENV_NAMES}")
-        env_param = payload.get("env_param")
-        if env_param is None:
-            env_param = {}
-        if not isinstance(env_param, dict):
-            return self.fail(400, "body field 'env_param' must be an object")
-        seed = payload.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            return self.fail(400, f"body field 'seed' must be an integer or null, got {seed!r}")
+        args = self.reset_args(payload)
+        if args is None:
+            return None
+        env_param, seed = args
         try:
             env = cls(env_param, seed)
         except EnvError as exc:

@@ -167,13 +167,19 @@ def _arithmetic(msgs: list[tuple[str, str]], rng: random.Random, skill: float) -
         value = _eval(ast.parse(expr.strip(), mode="eval"))
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
         return None
+    value = _with_skill(value, rng, skill)
+    return f"Let me compute {m.group(1).strip()}. The answer is {value}"
+
+
+def _with_skill(value: float, rng: random.Random, skill: float) -> float:
+    """The right answer with probability ``skill``, else off by one (so group rewards vary)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if rng.random() >= skill:
         value = value + rng.choice((-1, 1))
     if isinstance(value, float):
         value = round(value, 6)
-    return f"Let me compute {m.group(1).strip()}. The answer is {value}"
+    return value
 
 
 def _tagged_answer(msgs: list[tuple[str, str]], rng: random.Random, skill: float) -> str | None:
@@ -194,12 +200,7 @@ def _tagged_answer(msgs: list[tuple[str, str]], rng: random.Random, skill: float
             continue
     if value is None:
         return "I don't know. <answer>unknown</answer>"
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if rng.random() >= skill:
-        value = value + rng.choice((-1, 1))
-    if isinstance(value, float):
-        value = round(value, 6)
+    value = _with_skill(value, rng, skill)
     return f"Let me compute it step by step. <answer>{value}</answer>"
 
 

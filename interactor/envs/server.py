@@ -125,14 +125,10 @@ class _AdapterHandler(EnvProtocolHandler):
         path = adapter_for(env_name, srv.registry)
         if path is None:
             return self.fail(400, f"unknown env_name {env_name!r}; served: {srv.env_names()}")
-        env_param = payload.get("env_param")
-        if env_param is None:
-            env_param = {}
-        if not isinstance(env_param, dict):
-            return self.fail(400, "body field 'env_param' must be an object")
-        seed = payload.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            return self.fail(400, f"body field 'seed' must be an integer or null, got {seed!r}")
+        args = self.reset_args(payload)
+        if args is None:
+            return None
+        env_param, seed = args
         try:
             cls = import_object(path)
         except (ImportError, AttributeError) as exc:
