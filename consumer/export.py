@@ -269,29 +269,10 @@ def _flat_messages(msgs: Iterable[Any]) -> list[dict[str, str | None]]:
     return out
 
 
-def export_job(
-    store_path_or_store: str | os.PathLike | Store,
-    job_id: str,
-    out_path: str | os.PathLike,
-    fmt: str = "jsonl",
-    *,
-    trainable_only: bool = True,
-    complete_groups_only: bool = False,
-    episode_statuses: Sequence[str] | None = (EP_COMPLETED,),
-    row_group_size: int = 2048,
-    env_names: Sequence[str] | None = None,
-    max_staleness: float | None = None,
-    current_version: Any = None,
-    eps: float = ADVANTAGE_EPS,
-) -> int:
-    """Write one row per exported step to ``out_path``; returns the number of rows.
-    (:func:`export_training` does the same and returns an :class:`ExportSummary`.)"""
-    return export_training(
-        store_path_or_store, job_id, out_path, fmt, trainable_only=trainable_only,
-        complete_groups_only=complete_groups_only, episode_statuses=episode_statuses,
-        row_group_size=row_group_size, env_names=env_names, max_staleness=max_staleness,
-        current_version=current_version, eps=eps,
-    ).rows
+def export_job(store_path_or_store: str | os.PathLike | Store, job_id: str, out_path: str | os.PathLike,
+               fmt: str = "jsonl", **filters: Any) -> int:
+    """:func:`export_training` (same filters), returning only the number of rows written."""
+    return export_training(store_path_or_store, job_id, out_path, fmt, **filters).rows
 
 
 def export_training(
