@@ -153,6 +153,15 @@ def procs(settings, tmp_path):
     p.stop_all()
 
 
+def interruptible() -> None:
+    """preexec_fn for a child a test will Ctrl-C: SIGINT as a terminal has it.
+
+    A shell starting a job in the background (`make test &`, some CI runners) sets SIGINT to
+    ignored, and the children inherit that; Python then never raises KeyboardInterrupt.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,7 +17,7 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from consumer.store import Store
 from producer.enqueue import submit
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, interruptible, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -172,7 +172,7 @@ def test_ctrl_c_stops_cleanly_says_what_was_left_and_resume_finishes(env_server,
     from examples.model_standin import start_in_thread
 
     _, env_url = env_server
-    slow, slow_url = start_in_thread(latency_ms=300)
+    slow, slow_url = start_in_thread(latency_ms=500)
     try:
         tasks = tmp_path / "long.yaml"
         tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n"
@@ -182,7 +182,8 @@ def test_ctrl_c_stops_cleanly_says_what_was_left_and_resume_finishes(env_server,
         common = ["--llm-base-url", slow_url + "/v1", "--run-dir", str(run_dir), "--concurrency", "3",
                   "--workers", "1", "--shutdown-grace", "1"]
         proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "run", str(tasks), *common], env=env,
-                                cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=interruptible)
         wait_for(lambda: _running(run_dir), 60, what="steps recorded")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=90)

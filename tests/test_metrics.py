@@ -28,7 +28,7 @@ from interactor.metrics import (
     sub_queues,
 )
 from producer.enqueue import submit
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, interruptible, wait_for
 from tests.test_integration import db_rows, wait_job_stored, write_tasks
 
 pytestmark = pytest.mark.integration
@@ -221,7 +221,8 @@ def test_job_metrics_and_status_over_http(settings, procs, env_server, model_ser
     out_path = tmp_path / "watch.txt"
     with open(out_path, "w") as out_file:
         watch = subprocess.Popen([sys.executable, "-m", "interactor.cli", "status", "--watch", "--interval", "0.5"],
-                                 env=env_vars, cwd=str(ROOT), stdout=out_file, stderr=subprocess.STDOUT)
+                                 env=env_vars, cwd=str(ROOT), stdout=out_file, stderr=subprocess.STDOUT,
+                                 preexec_fn=interruptible)
         try:
             wait_for(lambda: out_path.read_text().count("interactor status") >= 2, 60, what="two redraws")
         finally:
