@@ -94,6 +94,13 @@ class QuietHTTPServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
+    def serve_in_thread(self, name: str) -> tuple["QuietHTTPServer", str]:
+        """Serve from a daemon thread; ``(self, base_url)``. Stop with ``shutdown()``."""
+        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
+                                       name=f"{name}:{self.server_address[1]}", daemon=True)
+        self.thread.start()
+        return self, self.base_url
+
     def track(self, conn: socket.socket) -> None:
         with self._conns_lock:
             self._conns.add(conn)
@@ -643,12 +650,7 @@ class _EnvHandler(EnvProtocolHandler):
 
 def start_in_thread(host: str = "127.0.0.1", port: int = 0, **knobs: Any) -> tuple[EnvServer, str]:
     """Start an :class:`EnvServer` in a daemon thread; stop it with ``server.shutdown()``."""
-    server = EnvServer(host, port, **knobs)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              name=f"envserver:{server.server_address[1]}", daemon=True)
-    thread.start()
-    server.thread = thread  # type: ignore[attr-defined]
-    return server, server.base_url
+    return EnvServer(host, port, **knobs).serve_in_thread("envserver")
 
 
 def add_fault_args(parser: argparse.ArgumentParser) -> None:

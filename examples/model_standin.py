@@ -398,12 +398,7 @@ def start_in_thread(host: str = "127.0.0.1", port: int = 0,
 
     The returned base URL is the server root; the OpenAI base URL is ``base_url + "/v1"``.
     """
-    server = ModelStandin(host, port, **knobs)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              name=f"model-standin:{server.server_address[1]}", daemon=True)
-    thread.start()
-    server.thread = thread  # type: ignore[attr-defined]
-    return server, server.base_url
+    return ModelStandin(host, port, **knobs).serve_in_thread("model-standin")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,9 +170,4 @@ def _close_quietly(env: Any) -> None:
 
 def start_in_thread(host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> tuple[AdapterEnvServer, str]:
     """Start an :class:`AdapterEnvServer` in a daemon thread; stop it with ``server.shutdown()``."""
-    server = AdapterEnvServer(host, port, **kwargs)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              name=f"serve-env:{server.server_address[1]}", daemon=True)
-    thread.start()
-    server.thread = thread  # type: ignore[attr-defined]
-    return server, server.base_url
+    return AdapterEnvServer(host, port, **kwargs).serve_in_thread("serve-env")
