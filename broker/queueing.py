@@ -140,7 +140,14 @@ def push_episodes(client: redis.Redis, items: Iterable[tuple[str, str, str]], ch
 def decode_task_args(raw: bytes) -> tuple[str, str] | None:
     """``(job_id, episode_id)`` of an episode task message, or None for anything else."""
     try:
-        envelope = json.loads(raw)
+        return task_args(json.loads(raw))
+    except ValueError:
+        return None
+
+
+def task_args(envelope) -> tuple[str, str] | None:
+    """The same, for an envelope already parsed (kombu's unacked hash holds it in a list)."""
+    try:
         headers = envelope.get("headers") if isinstance(envelope, dict) else None
         if not isinstance(headers, dict) or headers.get("task") != EPISODE_TASK:
             return None

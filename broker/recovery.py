@@ -22,7 +22,7 @@ import redis
 from broker import errors
 from broker.keys import Keys, member, split_member
 from broker.ledger import Ledger
-from broker.queueing import decode_task_args, send_episodes
+from broker.queueing import decode_task_args, send_episodes, task_args
 from broker.records import (
     ABANDONED,
     ATTEMPT_FAILED,
@@ -172,7 +172,7 @@ def waiting_members(client: redis.Redis, queues: list[str], *, unacked_grace_s: 
             envelope = json.loads(raw)[0]
         except (ValueError, IndexError, TypeError, KeyError):
             continue
-        args = decode_task_args(json.dumps(envelope).encode())
+        args = task_args(envelope)
         if args:
             found.add(member(*args))
     return found
