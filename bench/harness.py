@@ -459,6 +459,8 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
 def realistic_records(n: int, *, concurrency: int = 256, steps: int = 20, job_id: str = "bench-ingest"):
     """``n`` records as a stream at this concurrency carries them: steps of ``concurrency``
     episodes interleaved, each episode closed by an AttemptRecord; prompts of a few KB."""
+    import orjson
+
     from bench.standins import _filler
     from broker.records import AttemptRecord, StepRecord
 
@@ -487,7 +489,7 @@ def realistic_records(n: int, *, concurrency: int = 256, steps: int = 20, job_id
             last = k == steps
             out.append(StepRecord(
                 job_id=job_id, env_id=eid, attempt=1, step_id=k, env_name="countdown", llm_model="stand-in",
-                group_id=f"g{int(eid[2:]) // 4}", messages=msgs, response=f"Action {k}: {reply}",
+                group_id=f"g{int(eid[2:]) // 4}", messages_json=orjson.dumps(msgs), response=f"Action {k}: {reply}",
                 step_reward=1 / steps, cumulative_reward=k / steps, terminated=last, truncated=False,
                 episode_finished=last, is_trainable=True, weight_version="v1", env_latency_s=0.04,
                 model_latency_s=1.0, created_at=now))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -36,6 +35,8 @@ from broker.records import (
     DeadLetter,
     EpisodeSpec,
     JobSpec,
+    RecordError,
+    new_attempt_id,
     unpack,
 )
 
@@ -47,7 +48,9 @@ local function move(counts, old, new)
 end
 """
 
-# KEYS: state, attempts, counts, lease, running, reserved   ARGV: episode, token_prefix, ttl_ms, now_ms, member
+# KEYS: state, attempts, counts, lease, running, reserved, episodes
+# ARGV: episode, token_prefix, ttl_ms, now_ms, member
+# Returns {'ok', attempt, token, episode spec} so that starting costs one round trip.
 _START = _COUNTS_FN + """
 redis.call('ZREM', KEYS[6], ARGV[5])
 local st = redis.call('HGET', KEYS[1], ARGV[1])
@@ -61,7 +64,7 @@ redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
 redis.call('HSET', KEYS[1], ARGV[1], 'running')
 move(KEYS[3], st, 'running')
 redis.call('ZADD', KEYS[5], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[5])
-return {'ok', tostring(attempt), token}
+return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or ''}
 """
 
 # KEYS: lease, running   ARGV: token, ttl_ms, now_ms, member
@@ -140,12 +143,16 @@ return 0
 
 @dataclass
 class Lease:
-    """The right to run one attempt of one episode; lost when its token stops matching."""
+    """The right to run one attempt of one episode; lost when its token stops matching.
+
+    ``attempt_id`` is the attempt's own random token (broker/records.py): the lease token
+    carries it, and so does every record of the attempt."""
 
     job_id: str
     episode_id: str
     attempt: int
     token: str
+    attempt_id: str = ""
     lost: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -158,6 +165,7 @@ class StartResult:
     status: str  # ok | busy | finished | unknown
     lease: Lease | None = None
     detail: str = ""
+    spec: EpisodeSpec | None = None  # with ok: the episode's spec (None if the ledger has none)
 
 
 class Ledger:
@@ -236,16 +244,23 @@ class Ledger:
     # --- attempts --------------------------------------------------------------------
     def start(self, job_id: str, episode_id: str, worker: str) -> StartResult:
         k = self.k
-        prefix = f"{worker}:{uuid.uuid4().hex[:8]}"
+        attempt_id = new_attempt_id()
         out = self._start(
             keys=[k.job_state(job_id), k.job_attempts(job_id), k.job_counts(job_id), k.lease(episode_id), k.running,
-                  k.reserved],
-            args=[episode_id, prefix, self.lease_ttl_ms, _now_ms(), member(job_id, episode_id)],
+                  k.reserved, k.job_episodes(job_id)],
+            args=[episode_id, f"{worker}:{attempt_id}", self.lease_ttl_ms, _now_ms(), member(job_id, episode_id)],
         )
         status = out[0].decode()
         if status != "ok":
             return StartResult(status, detail=out[1].decode() if len(out) > 1 else "")
-        return StartResult("ok", Lease(job_id, episode_id, int(out[1]), out[2].decode()))
+        raw_spec = out[3] if len(out) > 3 else b""
+        spec = None
+        if raw_spec:
+            try:
+                spec = unpack(raw_spec)
+            except RecordError:
+                spec = None  # the runner dead-letters the episode as bad_task
+        return StartResult("ok", Lease(job_id, episode_id, int(out[1]), out[2].decode(), attempt_id), spec=spec)
 
     def renew(self, leases: Iterable[Lease]) -> None:
         """Extend every lease; a lease whose token no longer matches is flagged lost."""

@@ -7,18 +7,33 @@
 
 All travel as msgpack maps with ``kind`` and ``v`` (schema version). A reader accepts any
 record whose version it knows and ignores fields it does not (so a newer writer can add one).
+
+Version 2 (this code writes it; version 1 is still read):
+
+* ``StepRecord.messages_json`` replaces ``messages``: the prompt sent to the model as JSON
+  text (bytes). The worker encodes it once; the database stores it as it is, so a step's
+  largest field is neither unpacked into Python objects nor encoded again on the way
+  (``StepRecord.messages`` decodes it for readers). A v1 record's list is converted on read.
+* ``attempt_id`` on steps and attempt closes: a random token drawn when the attempt starts.
+  The attempt *number* comes from a Redis counter that a Redis failover or a lost AOF tail can
+  roll back; the token cannot repeat, so two runs under one number are never mixed.
+* ``prompt_tokens`` / ``completion_tokens`` (the server's ``usage``, when it sends one) and
+  ``ended_by`` (why the episode ended: terminated, truncated, length, context_length,
+  empty_prompt, max_steps).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
+import orjson
 
-SCHEMA_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+SCHEMA_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, 2})
 
 
 class RecordError(ValueError):
@@ -39,6 +54,12 @@ ATTEMPT_STATUSES = (COMPLETED, ATTEMPT_RETRYING, ATTEMPT_FAILED, ABANDONED)
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+def new_attempt_id() -> str:
+    """A token that no other attempt of any episode will ever carry (96 random bits)."""
+    return os.urandom(12).hex()
 
 
 @dataclass
@@ -63,6 +84,7 @@ class _Record:
         v = d.get("v")
         if v not in SUPPORTED_VERSIONS:
             raise RecordError(f"{cls.KIND}: unsupported schema version {v!r} (known: {sorted(SUPPORTED_VERSIONS)})")
+        d = cls._upgrade(d)
         kwargs = {}
         for f in fields(cls):
             if f.name in d:
@@ -71,8 +93,13 @@ class _Record:
                 raise RecordError(f"{cls.KIND}: missing field {f.name!r}")
         return cls(**kwargs)
 
+    @classmethod
+    def _upgrade(cls, d: dict[str, Any]) -> dict[str, Any]:
+        """An older version's map in this version's shape (no-op unless a kind needs one)."""
+        return d
+
     def pack(self) -> bytes:
-        return msgpack.packb(self.to_dict(), use_bin_type=True)
+        return _packb(self.to_dict())
 
 
 
@@ -123,7 +150,7 @@ class StepRecord(_Record):
     env_name: str
     llm_model: str
     group_id: str
-    messages: list[Any]  # the messages actually sent to the model
+    messages_json: bytes  # the messages actually sent to the model, as JSON text
     response: str
     step_reward: float
     cumulative_reward: float
@@ -136,6 +163,21 @@ class StepRecord(_Record):
     env_latency_s: float = 0.0
     model_latency_s: float = 0.0
     created_at: float = field(default_factory=time.time)
+    attempt_id: str = ""  # the attempt's token (see the module docstring)
+    prompt_tokens: int | None = None  # the model server's usage, when it reported one
+    completion_tokens: int | None = None
+    ended_by: str = ""  # on the episode's final step: why it ended (see EpisodeOutcome.ended_by)
+
+    @property
+    def messages(self) -> list[Any]:
+        return orjson.loads(self.messages_json)
+
+    @classmethod
+    def _upgrade(cls, d: dict[str, Any]) -> dict[str, Any]:
+        if "messages_json" not in d and "messages" in d:  # version 1: the list itself
+            d = dict(d)
+            d["messages_json"] = orjson.dumps(d.pop("messages"))
+        return d
 
 
 @dataclass
@@ -158,6 +200,10 @@ class AttemptRecord(_Record):
     finished_at: float = field(default_factory=time.time)
     last_info: dict[str, Any] | None = None
     worker: str = ""
+    attempt_id: str = ""  # the attempt's token (see the module docstring)
+    ended_by: str = ""  # completed: why the episode ended (terminated, truncated, length, ...)
+    prompt_tokens: int = 0  # sums over the attempt's steps of the server's usage
+    completion_tokens: int = 0
 
     @property
     def duration_s(self) -> float:

@@ -14,7 +14,23 @@ from broker.settings import Settings
 _RETRY_ERRORS = (ConnectionError, TimeoutError, BusyLoadingError, ConnectionResetError)
 
 
-def connect(settings: Settings, *, retries: int = 12) -> redis.Redis:
+# A caller that finds every pooled connection in use waits this long for one, then the call
+# fails like an unreachable Redis (transient). A full pool is load, never an episode's fault.
+POOL_WAIT_S = 60.0
+POOL_HEADROOM = 16  # connections beyond one per episode thread: renewer, sweeper, metrics
+
+
+def pool_size(settings: Settings) -> int:
+    """Connections a process may hold at once: one per episode it runs, plus its own threads'."""
+    return max(1, settings.concurrency) + POOL_HEADROOM
+
+
+def connect(settings: Settings, *, retries: int = 12, max_connections: int | None = None) -> redis.Redis:
+    """A client whose pool is sized from the concurrency it serves and *blocks* when full.
+
+    redis-py's default pool raises ``MaxConnectionsError`` past 100 connections, which at
+    concurrency 1,000 failed episodes under plain load; a blocking pool makes the caller wait.
+    """
     if not settings.redis_url:
         raise ValueError("no Redis URL: set REDIS_URL (or let `interactor run` start an embedded Redis)")
     tls = {}
@@ -22,17 +38,19 @@ def connect(settings: Settings, *, retries: int = 12) -> redis.Redis:
         tls = {"ssl_cert_reqs": "required"}
         if settings.redis_tls_ca:
             tls["ssl_ca_certs"] = settings.redis_tls_ca
-    return redis.Redis.from_url(
+    pool = redis.BlockingConnectionPool.from_url(
         settings.redis_url,
         **tls,
+        max_connections=max_connections or pool_size(settings),
+        timeout=POOL_WAIT_S,
         socket_connect_timeout=5,
         socket_timeout=30,
         socket_keepalive=True,
         health_check_interval=15,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
         retry_on_error=list(_RETRY_ERRORS),
-        max_connections=None,
     )
+    return redis.Redis(connection_pool=pool)
 
 
 def broker_use_ssl(settings: Settings) -> dict | None:
@@ -50,6 +68,8 @@ def broker_use_ssl(settings: Settings) -> dict | None:
 def broker_transport_options(settings: Settings) -> dict:
     return {
         "visibility_timeout": settings.visibility_timeout_s,
+        # kombu's own pool (acks come from the pool's threads at once); its default is 10.
+        "max_connections": pool_size(settings),
         "global_keyprefix": "",
         "socket_connect_timeout": 5,
         "socket_keepalive": True,

@@ -408,7 +408,7 @@ class Store:
                 append(
                     (
                         s.job_id, s.env_id, s.step_id, s.env_name, s.llm_model, s.group_id,
-                        _messages_json(s.messages, msg_json), s.response, float(s.step_reward or 0.0),
+                        s.messages_json.decode(), s.response, float(s.step_reward or 0.0),
                         float(s.cumulative_reward or 0.0), es, wv, 1 if s.terminated else 0,
                         1 if s.truncated else 0, 1 if s.episode_finished else 0,
                         1 if s.is_trainable else 0, s.created_at, s.attempt,

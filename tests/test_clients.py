@@ -608,7 +608,7 @@ def test_environment_proxy_still_applies_with_trust_env_off(monkeypatch):
     import json as _json
     import threading as _threading
 
-    from workers import envclient as ec
+    from workers import http as ec
 
     seen = []
 
@@ -631,7 +631,7 @@ def test_environment_proxy_still_applies_with_trust_env_off(monkeypatch):
         monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}")
         monkeypatch.setenv("NO_PROXY", "bypassed.invalid")
         monkeypatch.setattr(ec, "_proxies", {})
-        client = ec.EnvClient(Settings.from_env({}))
+        client = EnvClient(Settings.from_env({}))
         assert client.session.trust_env is False
         prompt = client.get_task_prompt("http://envs.invalid:8080", "game", "e1", deadline=time.monotonic() + 5)
         assert prompt == [{"role": "user", "content": "via proxy"}]

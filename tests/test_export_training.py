@@ -13,6 +13,7 @@ import textwrap
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import orjson
 import pytest
 
 from broker.records import AttemptRecord, JobSpec, StepRecord
@@ -25,7 +26,7 @@ JOB = "train-1"
 
 def step(ep, n, *, group, env="alpha", reward=0.0, last=False, trainable=True, wv="7", attempt=1):
     return StepRecord(job_id=JOB, env_id=ep, attempt=attempt, step_id=n, env_name=env, llm_model="m", group_id=group,
-                      messages=[{"role": "system", "content": "sys"}, {"role": "user", "content": f"{ep} turn {n}"}],
+                      messages_json=orjson.dumps([{"role": "system", "content": "sys"}, {"role": "user", "content": f"{ep} turn {n}"}]),
                       response=f"answer {ep} {n}", step_reward=reward, cumulative_reward=reward, terminated=last,
                       truncated=False, episode_finished=last, is_trainable=trainable, weight_version=wv,
                       created_at=1000.0 + n)

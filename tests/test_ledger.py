@@ -51,7 +51,7 @@ def attempt_rec(lease: Lease, status: str = COMPLETED, **kw) -> AttemptRecord:
 
 def step_rec(lease: Lease, step_id: int = 1) -> bytes:
     return StepRecord(job_id=lease.job_id, env_id=lease.episode_id, attempt=lease.attempt, step_id=step_id,
-                      env_name="arith", llm_model="stand-in", group_id=f"{JOB}.1.1.1", messages=[],
+                      env_name="arith", llm_model="stand-in", group_id=f"{JOB}.1.1.1", messages_json=b"[]",
                       response="a", step_reward=1.0, cumulative_reward=1.0, terminated=True, truncated=False,
                       episode_finished=True, is_trainable=True).pack()
 

@@ -91,7 +91,7 @@ def test_records_fold_into_counters_and_histograms(settings, redis_client):
     rec = StatsRecorder(redis_client, settings)
     now = time.time()
     steps = [StepRecord(job_id="j", env_id=f"e{i}", attempt=1, step_id=1, env_name="arithmetic", llm_model="m",
-                        group_id="g", messages=[], response="", step_reward=1.0, cumulative_reward=1.0,
+                        group_id="g", messages_json=b"[]", response="", step_reward=1.0, cumulative_reward=1.0,
                         terminated=True, truncated=False, episode_finished=True, is_trainable=True,
                         env_latency_s=0.02, model_latency_s=0.3 if i < 3 else 7.0) for i in range(4)]
     attempts = [

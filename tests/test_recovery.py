@@ -91,7 +91,7 @@ def test_trim_keeps_everything_not_acknowledged(settings, redis_client, tmp_path
     keys = Keys(settings.key_prefix)
     store = Store(str(tmp_path / "trim.sqlite"))
     ing = Ingestor(redis_client, settings.replace(consumer_batch=10), store, name="c1")
-    rec = StepRecord("j", "e", 1, 1, "env", "m", "g", [], "x", 0.0, 0.0, False, False, False, True)
+    rec = StepRecord("j", "e", 1, 1, "env", "m", "g", b"[]", "x", 0.0, 0.0, False, False, False, True)
     for i in range(30):
         rec.step_id = i + 1
         redis_client.xadd(keys.results, {"r": rec.pack()})

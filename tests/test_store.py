@@ -4,6 +4,7 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import orjson
 import pytest
 
 from broker.records import AttemptRecord, JobSpec, StepRecord, unpack
@@ -16,7 +17,7 @@ JOB = "job-1"
 def step(ep, n, *, attempt=1, reward=1.0, group="g1", env="echo", last=False, trainable=True, wv="v1", msgs=None, cum=None):
     return StepRecord(
         job_id=JOB, env_id=ep, attempt=attempt, step_id=n, env_name=env, llm_model="m", group_id=group,
-        messages=msgs if msgs is not None else [{"role": "system", "content": "sys"}, {"role": "user", "content": f"turn {n}"}],
+        messages_json=orjson.dumps(msgs if msgs is not None else [{"role": "system", "content": "sys"}, {"role": "user", "content": f"turn {n}"}]),
         response=f"action {ep} a{attempt} s{n}", step_reward=reward, cumulative_reward=cum if cum is not None else reward * n,
         terminated=last, truncated=False, episode_finished=last, is_trainable=trainable, weight_version=wv,
         created_at=1000.0 + n,

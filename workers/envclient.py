@@ -30,31 +30,20 @@ Errors (reason codes from :mod:`broker.errors`)
 * a body that is not JSON, has the wrong shape, or is larger than
   ``settings.max_response_bytes``: ``ENV_MALFORMED`` (permanent).
 
-This module also holds the small HTTP helpers that :mod:`workers.modelclient` shares (session
-set-up, capped body reads, deadline arithmetic, retry plumbing).
+The HTTP plumbing (pools, the urllib3 shortcut of the per-step calls, retries) is
+:mod:`workers.http`.
 """
 
 from __future__ import annotations
 
-import email.utils
-import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any
 from urllib.parse import quote
 
 import requests
-from requests.adapters import HTTPAdapter
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_random_exponential
-from urllib3.exceptions import MaxRetryError, NewConnectionError
-
-try:  # urllib3 >= 2 (a subclass of NewConnectionError there; listed for clarity)
-    from urllib3.exceptions import NameResolutionError
-except ImportError:  # pragma: no cover
-    NameResolutionError = NewConnectionError  # type: ignore[misc,assignment]
 
 from broker.errors import (
     ENV_BAD_REQUEST,
@@ -66,313 +55,36 @@ from broker.errors import (
     EpisodeError,
 )
 from broker.settings import Settings, redact_url
+from workers.http import (
+    ERROR_TEXT_CHARS,
+    HttpPool,
+    Reply,
+    Retryable,
+    TooLarge,
+    deadline_passed,
+    describe,
+    dumps,
+    error_text,
+    is_timeout,
+    make_session,
+    never_reached_server,
+    parse_json,
+    remaining,
+    run_with_retries,
+    send,
+    timeouts,
+    with_cause,
+)
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-ERROR_TEXT_CHARS = 300  # server error text quoted in messages, at most
-ERROR_BODY_READ_BYTES = 64 * 1024  # read at most this much of a non-2xx body
 CLOSE_BUDGET_S = 10.0  # close's own overall budget
 CLOSE_MIN_BUDGET_S = 2.0  # close still gets this long when the episode's deadline has passed
 READY_TIMEOUT_S = 5.0
-_DEADLINE_SLACK_S = 0.005
 
-
-# --------------------------------------------------------------------------------------------
-# Shared helpers (also used by workers.modelclient)
-# --------------------------------------------------------------------------------------------
-
-
-def make_session(settings: Settings, pool_size: int | None = None) -> requests.Session:
-    """A Session with a pool large enough for every thread of the worker and no urllib3
-    retries (retries are decided by the clients, per call, through tenacity).
-
-    ``trust_env`` is off: with it on, requests re-reads the proxy variables and ~/.netrc on
-    every request, which doubled a worker's CPU per call (docs/benchmarks.md). The proxy
-    variables still apply, resolved once per origin (:func:`proxies_for`), and a CA bundle
-    named by REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE is used as before.
-    """
-    session = requests.Session()
-    session.trust_env = False
-    session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
-    size = pool_size or max(10, settings.concurrency * 2)
-    adapter = HTTPAdapter(pool_connections=32, pool_maxsize=size, max_retries=0)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
-
-
-_proxies: dict[str, dict[str, str]] = {}
-
-
-def proxies_for(url: str) -> dict[str, str]:
-    """HTTP(S)_PROXY / NO_PROXY for ``url``'s origin, looked up once per origin."""
-    end = url.find("/", url.find("//") + 2)
-    origin = url if end < 0 else url[:end]
-    found = _proxies.get(origin)
-    if found is None:
-        found = _proxies[origin] = requests.utils.get_environ_proxies(origin)
-    return found
-
-
-def remaining(deadline: float) -> float:
-    return deadline - time.monotonic()
-
-
-def timeouts(deadline: float, connect_s: float, read_s: float, *, what: str) -> tuple[float, float]:
-    """``(connect, read)`` timeouts for one request, or EPISODE_TIMEOUT when no time is left."""
-    left = remaining(deadline)
-    if left <= 0:
-        raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out")
-    return (min(connect_s, left), min(read_s, left))
-
-
-def deadline_passed(deadline: float) -> bool:
-    return remaining(deadline) <= _DEADLINE_SLACK_S
-
-
-class TooLarge(Exception):
-    pass
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: Mapping[str, str]
-    body: bytes
-    elapsed_s: float
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-
-def send(
-    session: requests.Session,
-    method: str,
-    url: str,
-    *,
-    deadline: float,
-    timeout: tuple[float, float],
-    max_bytes: int,
-    what: str,
-    body: bytes | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> Reply:
-    """One HTTP exchange. The body of a 2xx answer is read in full up to ``max_bytes`` (more:
-    :class:`TooLarge`); of other answers only the first ``ERROR_BODY_READ_BYTES`` (for the
-    message). Transport errors propagate as ``requests`` exceptions."""
-    started = time.monotonic()
-    hdrs = dict(headers or {})
-    if body is not None:
-        hdrs.setdefault("Content-Type", "application/json")
-    with session.request(method, url, data=body, headers=hdrs, timeout=timeout, stream=True,
-                         proxies=proxies_for(url)) as resp:
-        ok = 200 <= resp.status_code < 300
-        cap = max_bytes if ok else min(max_bytes, ERROR_BODY_READ_BYTES)
-        if ok:
-            declared = resp.headers.get("Content-Length")
-            if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
-                raise TooLarge(f"{declared} bytes declared")
-        chunks: list[bytes] = []
-        size = 0
-        for chunk in resp.iter_content(chunk_size=64 * 1024):
-            if deadline_passed(deadline):
-                raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while reading the answer")
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > cap:
-                if ok:
-                    raise TooLarge(f"more than {max_bytes} bytes")
-                break
-        data = b"".join(chunks)[:cap]
-        return Reply(resp.status_code, resp.headers, data, time.monotonic() - started)
-
-
-def parse_json(data: bytes) -> Any:
-    """JSON or ValueError (also for invalid UTF-8 and absurd nesting)."""
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-
-
-def error_text(reply: Reply, *, scrub: str = "") -> str:
-    """The server's error message, short: JSON ``error``/``detail``/``message`` or raw text."""
-    text = reply.body.decode("utf-8", "replace")
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):
-        obj = None
-    if isinstance(obj, dict):
-        for key in ("error", "detail", "message"):
-            if key in obj:
-                val = obj[key]
-                if isinstance(val, dict) and "message" in val:
-                    val = val["message"]
-                text = val if isinstance(val, str) else json.dumps(val, default=str)
-                break
-    text = " ".join(text.split())
-    if scrub:
-        text = text.replace(scrub, "***")
-    if len(text) > ERROR_TEXT_CHARS:
-        text = text[:ERROR_TEXT_CHARS] + "..."
-    return text or "<empty body>"
-
-
-def never_reached_server(exc: BaseException) -> bool:
-    """True only when the connection could not be established, so the request was not sent."""
-    if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return True
-    if isinstance(exc, requests.exceptions.ConnectionError) and not isinstance(
-        exc, (requests.exceptions.ProxyError, requests.exceptions.SSLError)
-    ):
-        cause: Any = exc.args[0] if exc.args else None
-        if isinstance(cause, MaxRetryError):
-            cause = cause.reason
-        return isinstance(cause, (NewConnectionError, NameResolutionError))
-    return False
-
-
-def is_timeout(exc: BaseException) -> bool:
-    if isinstance(exc, requests.exceptions.Timeout):
-        return True
-    # A read timeout while streaming the body surfaces as ConnectionError(ReadTimeoutError).
-    from urllib3.exceptions import ReadTimeoutError
-
-    cause = exc.args[0] if isinstance(exc, requests.exceptions.ConnectionError) and exc.args else None
-    return isinstance(cause, ReadTimeoutError)
-
-
-def describe(exc: BaseException) -> str:
-    """A short, key-free description of a transport error."""
-    if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return "connect timeout"
-    if is_timeout(exc):
-        return "read timeout"
-    if never_reached_server(exc):
-        cause: Any = exc.args[0] if exc.args else None
-        if isinstance(cause, MaxRetryError):
-            cause = cause.reason
-        if isinstance(cause, NameResolutionError) and NameResolutionError is not NewConnectionError:
-            return "name resolution failed"
-        return "connection refused or unreachable"
-    if isinstance(exc, requests.exceptions.ChunkedEncodingError):
-        return "connection dropped while reading the answer"
-    if isinstance(exc, requests.exceptions.ConnectionError):
-        return "connection dropped or reset"
-    return type(exc).__name__
-
-
-def retry_after_s(headers: Mapping[str, str], cap: float) -> float | None:
-    """``Retry-After`` in seconds (delta-seconds or HTTP date), capped; None if absent/bad."""
-    raw = headers.get("Retry-After") if headers is not None else None
-    if not raw:
-        return None
-    raw = raw.strip()
-    try:
-        value = float(raw)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(raw)
-        except (TypeError, ValueError):
-            return None
-        if when is None:
-            return None
-        value = when.timestamp() - time.time()
-    if math.isnan(value):
-        return None
-    return max(0.0, min(value, cap))
-
-
-class Retryable(Exception):
-    """Raised inside an attempt: ``error`` is what the caller gets if no retry is left."""
-
-    def __init__(self, error: EpisodeError, *, retry_after: float | None = None):
-        super().__init__(str(error))
-        self.error = error
-        self.retry_after = retry_after
-
-
-def with_cause(error: EpisodeError, cause: BaseException | None) -> EpisodeError:
-    error.__cause__ = cause
-    return error
-
-
-def run_with_retries(
-    attempt: Callable[[], T],
-    *,
-    attempts: int,
-    backoff_initial_s: float,
-    backoff_max_s: float,
-    deadline: float,
-    what: str,
-    log_target: str,
-    logger: logging.Logger = log,
-) -> T:
-    """Run ``attempt`` until it returns, raises an EpisodeError (final) or runs out of tries.
-
-    ``attempt`` raises :class:`Retryable` for what may be retried. Attempts are capped at
-    ``attempts``; a back-off that would pass ``deadline`` ends the call with EPISODE_TIMEOUT.
-    """
-    attempts = max(1, attempts)
-    backoff = wait_random_exponential(multiplier=backoff_initial_s, max=backoff_max_s)
-
-    def wait(state: RetryCallState) -> float:
-        exc = state.outcome.exception() if state.outcome else None
-        hint = getattr(exc, "retry_after", None)
-        if hint is not None:
-            return min(hint, backoff_max_s)
-        return backoff(state)
-
-    def stop(state: RetryCallState) -> bool:
-        if state.attempt_number >= attempts:
-            return True
-        return time.monotonic() + state.upcoming_sleep >= deadline
-
-    def give_up(state: RetryCallState) -> T:
-        exc = state.outcome.exception()
-        assert isinstance(exc, Retryable)
-        if state.attempt_number < attempts:
-            raise with_cause(
-                EpisodeError(
-                    EPISODE_TIMEOUT,
-                    f"{what}: no time left in the attempt's budget to retry "
-                    f"(after {state.attempt_number} tries; last: {exc.error})",
-                ),
-                exc.error,
-            )
-        raise exc.error
-
-    def before_sleep(state: RetryCallState) -> None:
-        exc = state.outcome.exception()
-        logger.warning(
-            "%s: try %d/%d failed (%s); retrying %s in %.2fs",
-            what, state.attempt_number, attempts, exc, log_target, state.upcoming_sleep,
-        )
-
-    # Most calls succeed on the first try: make it without building the retry machinery (a
-    # Retrying per call cost about a tenth of a request's CPU, docs/benchmarks.md). A first
-    # failure is handed to Retrying as its attempt 1, so waits, logs and give-up are unchanged.
-    try:
-        return attempt()
-    except Retryable as exc:
-        failed = [exc]
-
-    def replay() -> T:
-        if failed:
-            raise failed.pop()
-        return attempt()
-
-    retrying = Retrying(
-        stop=stop,
-        wait=wait,
-        retry=retry_if_exception_type(Retryable),
-        before_sleep=before_sleep,
-        retry_error_callback=give_up,
-    )
-    return retrying(replay)
+__all__ = ["EnvClient", "StepResult", "check_reset_answer", "check_prompt_answer", "check_step_answer",
+           "CLOSE_BUDGET_S", "CLOSE_MIN_BUDGET_S", "ERROR_TEXT_CHARS", "deadline_passed", "remaining",
+           "with_cause"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,11 +166,15 @@ class EnvClient:
 
     def __init__(self, settings: Settings, *, session: requests.Session | None = None):
         self.settings = settings
-        self.session = session or make_session(settings)
+        self.http = HttpPool(session or make_session(settings))
+
+    @property
+    def session(self) -> requests.Session:
+        return self.http.session
 
     def shutdown(self) -> None:
         """Close the connection pool (``close`` is the environment call)."""
-        self.session.close()
+        self.http.close()
 
     def __repr__(self) -> str:
         return "EnvClient()"
@@ -480,7 +196,7 @@ class EnvClient:
         what = f"get_task_prompt {env_name}/{env_id}"
         reply = self._call(
             "GET", self._url(base_url, env_name, env_id, "get_task_prompt"), what=what, deadline=deadline,
-            idempotent=False, not_found=ENV_INSTANCE_LOST,
+            idempotent=False, not_found=ENV_INSTANCE_LOST, hot=True,
         )
         return check_prompt_answer(self._json(reply, what), what)
 
@@ -489,7 +205,7 @@ class EnvClient:
         body = self._encode({"action": action}, what)
         reply = self._call(
             "POST", self._url(base_url, env_name, env_id, "step"), what=what, deadline=deadline,
-            body=body, idempotent=False, not_found=ENV_INSTANCE_LOST,
+            body=body, idempotent=False, not_found=ENV_INSTANCE_LOST, hot=True,
         )
         return check_step_answer(self._json(reply, what), what)
 
@@ -539,7 +255,7 @@ class EnvClient:
     @staticmethod
     def _encode(obj: Any, what: str) -> bytes:
         try:
-            return json.dumps(obj).encode("utf-8")
+            return dumps(obj)
         except (TypeError, ValueError) as exc:
             raise EpisodeError(ENV_BAD_REQUEST, f"{what}: request body is not JSON-serialisable ({exc})") from None
 
@@ -561,6 +277,7 @@ class EnvClient:
         body: bytes | None = None,
         not_found: str = ENV_BAD_REQUEST,
         raise_4xx: bool = True,
+        hot: bool = False,
     ) -> Reply:
         s = self.settings
         shown = redact_url(url)
@@ -569,8 +286,8 @@ class EnvClient:
             timeout = timeouts(deadline, s.env_connect_timeout_s, s.env_read_timeout_s, what=what)
             try:
                 reply = send(
-                    self.session, method, url, deadline=deadline, timeout=timeout,
-                    max_bytes=s.max_response_bytes, what=what, body=body,
+                    self.http, method, url, deadline=deadline, timeout=timeout,
+                    max_bytes=s.max_response_bytes, what=what, body=body, hot=hot,
                 )
             except TooLarge as exc:
                 raise EpisodeError(

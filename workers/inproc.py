@@ -59,6 +59,7 @@ from workers.envclient import (
     remaining,
     with_cause,
 )
+from workers.http import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -209,14 +210,19 @@ class InprocEnv:
         raise with_cause(EpisodeError(ENV_SERVER_ERROR, f"{what}: failure inside the env: {_short(exc)}"), exc)
 
     def _answer(self, raw: Any, what: str) -> Any:
+        """A copy of the answer through JSON text, read back as the HTTP client reads a body
+        (so NaN, lone surrogates and the like fail here exactly as they would over HTTP)."""
         try:
             obj = normalize_answer(raw)
-            data = json.dumps(obj, ensure_ascii=False)
+            data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
         except (TypeError, ValueError, RecursionError) as exc:
             raise EpisodeError(ENV_MALFORMED, f"{what}: answer is not JSON data ({_short(exc)})") from None
         if len(data) > self.settings.max_response_bytes:
             raise EpisodeError(
                 ENV_MALFORMED,
-                f"{what}: answer larger than max_response_bytes={self.settings.max_response_bytes} ({len(data)} chars)",
+                f"{what}: answer larger than max_response_bytes={self.settings.max_response_bytes} ({len(data)} bytes)",
             )
-        return json.loads(data)
+        try:
+            return parse_json(data)
+        except ValueError as exc:
+            raise EpisodeError(ENV_MALFORMED, f"{what}: answer is not JSON data ({_short(exc)})") from None

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import orjson
+
 from broker.records import StepRecord
 from workers.hooks import EpisodeHook
 
@@ -27,7 +29,8 @@ class EnvPort(Protocol):
 
 
 class PolicyPort(Protocol):
-    def complete(self, messages: list[dict]) -> Any: ...  # -> content, finish_reason, weight_version
+    # -> content, finish_reason, weight_version (and prompt_tokens, completion_tokens if known)
+    def complete(self, messages: list[dict]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class LoopConfig:
     attempt: int = 1
     max_steps: int = 1000
     message_cut: int = 3
+    attempt_id: str = ""
 
 
 @dataclass
@@ -48,6 +52,8 @@ class EpisodeOutcome:
     steps: int = 0
     last_info: dict | None = None
     ended_by: str = ""  # terminated | truncated | length | empty_prompt | max_steps
+    prompt_tokens: int = 0  # sums of the server's usage over the steps (0 when it sends none)
+    completion_tokens: int = 0
 
 
 def trim_messages(prompt: Any, message_cut: int) -> list:
@@ -106,11 +112,16 @@ def run_episode(
             model_s = time.perf_counter() - t0
             action = completion.content or ""
             finish_reason = completion.finish_reason or "stop"
+            prompt_tokens = getattr(completion, "prompt_tokens", None)
+            completion_tokens = getattr(completion, "completion_tokens", None)
+            out.prompt_tokens += prompt_tokens or 0
+            out.completion_tokens += completion_tokens or 0
             common = dict(
                 job_id=cfg.job_id, env_id=cfg.episode_id, attempt=cfg.attempt, step_id=step_id,
                 env_name=cfg.env_name, llm_model=cfg.llm_model, group_id=cfg.group_id,
-                messages=prompt, response=action, weight_version=completion.weight_version,
-                finish_reason=finish_reason, model_latency_s=model_s,
+                messages_json=orjson.dumps(prompt), response=action, weight_version=completion.weight_version,
+                finish_reason=finish_reason, model_latency_s=model_s, attempt_id=cfg.attempt_id,
+                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             )
 
             if finish_reason == "length":
@@ -119,7 +130,7 @@ def run_episode(
                 out.ended_by = "length"
                 publish(StepRecord(**common, step_reward=0.0, cumulative_reward=out.total_reward,
                                    terminated=True, truncated=True, episode_finished=True,
-                                   is_trainable=True, env_latency_s=env_s))
+                                   is_trainable=True, env_latency_s=env_s, ended_by="length"))
                 break
 
             check()
@@ -131,16 +142,18 @@ def run_episode(
             out.steps = step_id
             out.last_info = result.info if isinstance(result.info, dict) else None
             done = bool(result.terminated or result.truncated)
+            last = done or step_id == cfg.max_steps
+            ended_by = ("terminated" if result.terminated else "truncated") if done else "max_steps" if last else ""
             publish(StepRecord(**common, step_reward=reward, cumulative_reward=out.total_reward,
                                terminated=bool(result.terminated), truncated=bool(result.truncated),
-                               episode_finished=done or step_id == cfg.max_steps,
+                               episode_finished=last,
                                # The max_steps step is final too: without this, a full-history
                                # episode cut off by max_steps would leave no trainable row.
                                is_trainable=is_trainable(cfg.message_cut, result.terminated,
                                                          result.truncated or step_id == cfg.max_steps),
-                               env_latency_s=env_s))
+                               env_latency_s=env_s, ended_by=ended_by))
             if done:
-                out.ended_by = "terminated" if result.terminated else "truncated"
+                out.ended_by = ended_by
                 break
         else:
             out.ended_by = "max_steps"

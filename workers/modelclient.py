@@ -21,16 +21,17 @@ from the server are scrubbed of it too); URLs are logged through ``redact_url``.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import requests
 
 from broker.errors import EPISODE_TIMEOUT, MODEL_BAD_REQUEST, MODEL_MALFORMED, MODEL_UNAVAILABLE, EpisodeError
 from broker.settings import Secret, Settings, redact_url
-from workers.envclient import (
+from workers.http import (
+    HttpPool,
     Reply,
     Retryable,
     TooLarge,
@@ -55,6 +56,8 @@ class Completion:
     weight_version: str | None  # top-level metadata.weight_version, stringified
     latency_s: float  # wall time of the request that answered (not counting failed tries)
     attempts: int = 1  # how many requests it took
+    prompt_tokens: int | None = None  # usage.prompt_tokens, when the server reports usage
+    completion_tokens: int | None = None  # usage.completion_tokens, likewise
 
 
 class ModelClient:
@@ -62,10 +65,14 @@ class ModelClient:
 
     def __init__(self, settings: Settings, *, session: requests.Session | None = None):
         self.settings = settings
-        self.session = session or make_session(settings)
+        self.http = HttpPool(session or make_session(settings))
+
+    @property
+    def session(self) -> requests.Session:
+        return self.http.session
 
     def shutdown(self) -> None:
-        self.session.close()
+        self.http.close()
 
     def __repr__(self) -> str:
         return "ModelClient()"
@@ -95,10 +102,9 @@ class ModelClient:
                 raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: the api key contains characters not allowed in a header")
             headers["Authorization"] = f"Bearer {key}"
         try:
-            body = json.dumps({"model": model, "messages": messages, "temperature": temperature, **(params or {})})
+            data = orjson.dumps({"model": model, "messages": messages, "temperature": temperature, **(params or {})})
         except (TypeError, ValueError) as exc:
             raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request body is not JSON-serialisable ({type(exc).__name__})") from None
-        data = body.encode("utf-8")
         tries = 0
 
         def attempt() -> Reply:
@@ -107,8 +113,8 @@ class ModelClient:
             tries += 1
             try:
                 reply = send(
-                    self.session, "POST", url, deadline=deadline, timeout=timeout,
-                    max_bytes=s.max_response_bytes, what=what, body=data, headers=headers,
+                    self.http, "POST", url, deadline=deadline, timeout=timeout,
+                    max_bytes=s.max_response_bytes, what=what, body=data, headers=headers, hot=True,
                 )
             except TooLarge as exc:
                 raise EpisodeError(
@@ -178,11 +184,26 @@ def _parse(reply: Reply, what: str, tries: int) -> Completion:
     metadata = obj.get("metadata")
     if isinstance(metadata, dict) and metadata.get("weight_version") is not None:
         wv = metadata["weight_version"]
-        weight_version = wv if isinstance(wv, str) else json.dumps(wv) if isinstance(wv, (dict, list)) else str(wv)
+        weight_version = wv if isinstance(wv, str) else orjson.dumps(wv).decode() if isinstance(wv, (dict, list)) else str(wv)
+    usage = obj.get("usage")
+    prompt_tokens = completion_tokens = None
+    if isinstance(usage, dict):
+        prompt_tokens = _count(usage.get("prompt_tokens"))
+        completion_tokens = _count(usage.get("completion_tokens"))
     return Completion(
         content=content,
         finish_reason=finish,
         weight_version=weight_version,
         latency_s=reply.elapsed_s,
         attempts=tries,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
     )
+
+
+def _count(value: Any) -> int | None:
+    """A token count as the server reported it, or None for anything but a sane integer (a
+    malformed ``usage`` is not worth failing a step over)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
+        return None
+    return value

@@ -118,7 +118,10 @@ class WorkerRuntime:
         self.jitter = limits.FirstWaveJitter.from_settings(settings)
         self.shutdown_at: float | None = None
         self._leases: dict[str, Lease] = {}
-        self._reserved: set[str] = set()  # members received from the broker, not started yet
+        # Members received from the broker and not started yet; the renewer writes their
+        # reservations (a task usually starts at once, and then never needs one).
+        self._reserved: set[str] = set()
+        self._reserved_written: set[str] = set()
         self._lock = threading.Lock()
         self.sweeper = Sweeper(self.redis, settings)
         self._jobs: dict[str, JobSpec] = {}
@@ -137,11 +140,11 @@ class WorkerRuntime:
         self._stop.set()
 
     def received(self, job_id: str, episode_id: str) -> None:
-        """The broker handed us a task; hold a reservation on it until it starts."""
-        m = member(job_id, episode_id)
+        """The broker handed us a task. Until it starts it is held by a reservation, which the
+        renewer writes on its next round: a worker that dies before that leaves the message in
+        kombu's unacked hash, which reconcile counts as lost once it is older than the lease."""
         with self._lock:
-            self._reserved.add(m)
-        self.ledger.reserve([m])
+            self._reserved.add(member(job_id, episode_id))
 
     def _renew_forever(self) -> None:
         period = min(self.settings.lease_ttl_s / 3, self.settings.sweep_interval_s)
@@ -149,13 +152,17 @@ class WorkerRuntime:
         while not self._stop.wait(period):
             with self._lock:
                 leases = list(self._leases.values())
-                reserved = list(self._reserved)
+                new = [m for m in self._reserved if m not in self._reserved_written]
+                written = [m for m in self._reserved if m in self._reserved_written]
+                self._reserved_written.update(new)
             try:
                 self.ledger.renew(leases)
-                gone = self.ledger.renew_reservations(reserved)
+                self.ledger.reserve(new)
+                gone = self.ledger.renew_reservations(written)
                 if gone:
                     with self._lock:
                         self._reserved -= gone
+                        self._reserved_written -= gone
                 if time.monotonic() - last_sweep >= self.settings.sweep_interval_s:
                     last_sweep = time.monotonic()
                     self.sweeper.tick()
@@ -165,8 +172,10 @@ class WorkerRuntime:
     # --- one delivery ----------------------------------------------------------------
     def run(self, job_id: str, episode_id: str) -> str:
         started = self.ledger.start(job_id, episode_id, self.name)  # also ends the reservation
+        m = member(job_id, episode_id)
         with self._lock:
-            self._reserved.discard(member(job_id, episode_id))
+            self._reserved.discard(m)
+            self._reserved_written.discard(m)
         if started.status != "ok":
             log.info("episode %s: delivery dropped (%s %s)", episode_id, started.status, started.detail)
             return started.status
@@ -174,7 +183,7 @@ class WorkerRuntime:
         with self._lock:
             self._leases[lease.token] = lease
         try:
-            return self._run_attempt(lease)
+            return self._run_attempt(lease, started.spec)
         finally:
             with self._lock:
                 self._leases.pop(lease.token, None)
@@ -189,14 +198,13 @@ class WorkerRuntime:
                 self._jobs[job_id] = job
         return job
 
-    def _run_attempt(self, lease: Lease) -> str:
+    def _run_attempt(self, lease: Lease, spec: EpisodeSpec | None) -> str:
         t_start = time.time()
         job = self._job(lease.job_id)
-        spec = self.ledger.episode_spec(lease.job_id, lease.episode_id)
         base = dict(job_id=lease.job_id, episode_id=lease.episode_id, attempt=lease.attempt,
                     group_id=spec.group_id if spec else "", group_size=spec.group_size if spec else 0,
                     env_name=spec.env_name if spec else "", llm_model=job.model if job else "",
-                    started_at=t_start, worker=self.name)
+                    started_at=t_start, worker=self.name, attempt_id=lease.attempt_id)
         if job is None or spec is None:
             err = errors.EpisodeError(errors.BAD_TASK, "job or episode spec missing from the ledger")
             return self._close_failed(lease, base, spec, err, "", limit=lease.attempt)
@@ -204,7 +212,7 @@ class WorkerRuntime:
         deadline = time.monotonic() + job.episode_budget_s
         cfg = LoopConfig(job_id=job.job_id, episode_id=spec.episode_id, env_name=spec.env_name,
                          group_id=spec.group_id, llm_model=job.model, attempt=lease.attempt,
-                         max_steps=job.max_steps, message_cut=job.message_cut)
+                         max_steps=job.max_steps, message_cut=job.message_cut, attempt_id=lease.attempt_id)
         outcome = None
         check = lambda: self._check(lease, deadline)  # noqa: E731
         try:
@@ -228,7 +236,8 @@ class WorkerRuntime:
             return self._close_error(lease, base, spec, job, err, self._traceback(exc))
 
         record = AttemptRecord(**base, status=COMPLETED, total_reward=outcome.total_reward,
-                               steps=outcome.steps, last_info=outcome.last_info)
+                               steps=outcome.steps, last_info=outcome.last_info, ended_by=outcome.ended_by,
+                               prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
         if not self.ledger.finish(lease, record, DONE):
             log.warning("episode %s attempt %d: lease lost before completion was recorded", spec.episode_id, lease.attempt)
             return errors.LEASE_LOST

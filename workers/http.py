@@ -1,0 +1,531 @@
+"""HTTP plumbing shared by the env client and the model client.
+
+Both clients speak through one :class:`HttpPool` per worker process: a ``requests.Session``
+(the project's HTTP library, whose exceptions and proxy rules are the clients' contract) and,
+for the three calls of every step (``get_task_prompt``, the chat completion, ``step``), a
+shortcut one level down to the *same* urllib3 connection pools that requests' adapter owns.
+A request through ``requests`` costs about 0.4 ms of client CPU here, through its urllib3
+pool about 0.15 ms (docs/benchmarks.md): three calls a step made requests the largest single
+cost of a step. The shortcut raises exactly what ``requests`` would raise for the same
+failure (``send`` maps urllib3's errors the way ``HTTPAdapter.send`` and ``iter_content`` do),
+so :func:`never_reached_server`, :func:`is_timeout` and the retry rules cannot tell the two
+paths apart. An origin reached through a proxy always takes the ``requests`` path.
+
+Every call takes ``deadline``, an absolute ``time.monotonic()``: no request starts without time
+left, and a body is read chunk by chunk with the socket's timeout cut to the time left, so a
+server that trickles bytes cannot hold a call past the attempt's budget.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, TypeVar
+
+import orjson
+import requests
+import urllib3
+from requests.adapters import HTTPAdapter
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_random_exponential
+from urllib3.exceptions import (
+    ClosedPoolError,
+    ConnectTimeoutError,
+    DecodeError,
+    MaxRetryError,
+    NewConnectionError,
+    ProtocolError,
+    ProxyError as _ProxyError,
+    ReadTimeoutError,
+    ResponseError,
+    SSLError as _SSLError,
+)
+
+try:  # urllib3 >= 2 (a subclass of NewConnectionError there; listed for clarity)
+    from urllib3.exceptions import NameResolutionError
+except ImportError:  # pragma: no cover
+    NameResolutionError = NewConnectionError  # type: ignore[misc,assignment]
+
+from broker.errors import EPISODE_TIMEOUT, EpisodeError
+from broker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ERROR_TEXT_CHARS = 300  # server error text quoted in messages, at most
+ERROR_BODY_READ_BYTES = 64 * 1024  # read at most this much of a non-2xx body
+READ_CHUNK = 256 * 1024
+_DEADLINE_SLACK_S = 0.005
+USER_AGENT = "interactor"
+
+
+# --------------------------------------------------------------------------------------------
+# Deadlines
+# --------------------------------------------------------------------------------------------
+
+
+def remaining(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def timeouts(deadline: float, connect_s: float, read_s: float, *, what: str) -> tuple[float, float]:
+    """``(connect, read)`` timeouts for one request, or EPISODE_TIMEOUT when no time is left."""
+    left = remaining(deadline)
+    if left <= 0:
+        raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out")
+    return (min(connect_s, left), min(read_s, left))
+
+
+def deadline_passed(deadline: float) -> bool:
+    return remaining(deadline) <= _DEADLINE_SLACK_S
+
+
+# --------------------------------------------------------------------------------------------
+# Connection pools
+# --------------------------------------------------------------------------------------------
+
+
+def make_session(settings: Settings, pool_size: int | None = None) -> requests.Session:
+    """A Session whose pools hold a connection for every thread of the worker, and no urllib3
+    retries (retries are decided by the clients, per call, through tenacity).
+
+    ``trust_env`` is off: with it on, requests re-reads the proxy variables and ~/.netrc on
+    every request. The proxy variables still apply, resolved once per origin
+    (:func:`proxies_for`), and a CA bundle named by REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE is
+    used as before. ``pool_block``: a thread that finds every connection of an origin busy
+    waits for one instead of opening (and then dropping) an extra connection.
+    """
+    session = requests.Session()
+    session.trust_env = False
+    session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+    session.headers["User-Agent"] = USER_AGENT
+    size = pool_size or max(10, settings.concurrency * 2)
+    adapter = HTTPAdapter(pool_connections=32, pool_maxsize=size, max_retries=0, pool_block=True)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+_proxies: dict[str, dict[str, str]] = {}
+
+
+def origin_of(url: str) -> str:
+    end = url.find("/", url.find("//") + 2)
+    return url if end < 0 else url[:end]
+
+
+def proxies_for(url: str) -> dict[str, str]:
+    """HTTP(S)_PROXY / NO_PROXY for ``url``'s origin, looked up once per origin."""
+    origin = origin_of(url)
+    found = _proxies.get(origin)
+    if found is None:
+        found = _proxies[origin] = requests.utils.get_environ_proxies(origin)
+    return found
+
+
+class HttpPool:
+    """One per client per worker process, shared by its threads: a requests Session, and the
+    urllib3 pool of each origin that the Session's adapter owns (``pool_for``)."""
+
+    def __init__(self, session: requests.Session):
+        self.session = session
+        self._pools: dict[str, Any] = {}  # origin -> urllib3 pool, or None (take requests' path)
+
+    @classmethod
+    def for_settings(cls, settings: Settings, pool_size: int | None = None) -> "HttpPool":
+        return cls(make_session(settings, pool_size))
+
+    def close(self) -> None:
+        self.session.close()
+        self._pools.clear()
+
+    def pool_for(self, url: str):
+        """The urllib3 pool requests itself would use for ``url`` (same TLS settings), or
+        None when the origin goes through a proxy (then requests handles the call)."""
+        origin = origin_of(url)
+        try:
+            return self._pools[origin]
+        except KeyError:
+            pass
+        pool = None
+        if not proxies_for(url):
+            adapter = self.session.get_adapter(url)
+            if isinstance(adapter, HTTPAdapter):
+                probe = requests.PreparedRequest()
+                probe.prepare(method="GET", url=origin + "/")
+                verify, cert = self.session.verify, self.session.cert
+                pool = adapter.get_connection_with_tls_context(probe, verify, proxies={}, cert=cert)
+                adapter.cert_verify(pool, probe.url, verify, cert)
+        self._pools[origin] = pool
+        return pool
+
+
+# --------------------------------------------------------------------------------------------
+# One exchange
+# --------------------------------------------------------------------------------------------
+
+
+class TooLarge(Exception):
+    pass
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
+_NO_RETRIES = urllib3.Retry(0, read=False)  # what HTTPAdapter(max_retries=0) passes: errors come wrapped
+
+
+def send(
+    http: HttpPool,
+    method: str,
+    url: str,
+    *,
+    deadline: float,
+    timeout: tuple[float, float],
+    max_bytes: int,
+    what: str,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    hot: bool = False,
+) -> Reply:
+    """One HTTP exchange. The body of a 2xx answer is read in full up to ``max_bytes`` (more:
+    :class:`TooLarge`); of other answers only the first ``ERROR_BODY_READ_BYTES`` (for the
+    message). Transport errors propagate as ``requests`` exceptions, whichever path was taken.
+
+    ``hot``: the call is on every step; take the urllib3 pool directly when there is one.
+    """
+    started = time.monotonic()
+    pool = http.pool_for(url) if hot else None
+    if pool is None:
+        return _send_requests(http.session, method, url, deadline=deadline, timeout=timeout,
+                              max_bytes=max_bytes, what=what, body=body, headers=headers, started=started)
+    hdrs = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
+    if headers:
+        hdrs.update(headers)
+    if body is not None:
+        hdrs.setdefault("Content-Type", "application/json")
+    path = url[len(origin_of(url)):] or "/"
+    try:
+        resp = pool.urlopen(method, path, body=body, headers=hdrs, redirect=False, assert_same_host=False,
+                            preload_content=False, decode_content=False, retries=_NO_RETRIES,
+                            timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]))
+    except (ProtocolError, OSError) as err:
+        raise requests.exceptions.ConnectionError(err) from None
+    except MaxRetryError as e:
+        reason = e.reason
+        if isinstance(reason, ConnectTimeoutError) and not isinstance(reason, NewConnectionError):
+            raise requests.exceptions.ConnectTimeout(e) from None
+        if isinstance(reason, ResponseError):
+            raise requests.exceptions.RetryError(e) from None
+        if isinstance(reason, _ProxyError):
+            raise requests.exceptions.ProxyError(e) from None
+        if isinstance(reason, _SSLError):
+            raise requests.exceptions.SSLError(e) from None
+        raise requests.exceptions.ConnectionError(e) from None
+    except ClosedPoolError as e:
+        raise requests.exceptions.ConnectionError(e) from None
+    except _SSLError as e:
+        raise requests.exceptions.SSLError(e) from None
+    except ReadTimeoutError as e:
+        raise requests.exceptions.ReadTimeout(e) from None
+    try:
+        status = resp.status
+        ok = 200 <= status < 300
+        cap = max_bytes if ok else min(max_bytes, ERROR_BODY_READ_BYTES)
+        if ok:
+            declared = resp.headers.get("Content-Length")
+            if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+                raise TooLarge(f"{declared} bytes declared")
+        data = _read_body(resp, deadline=deadline, read_s=timeout[1], cap=cap, ok=ok, what=what)
+        return Reply(status, resp.headers, data, time.monotonic() - started)
+    finally:
+        # Read in full, urllib3 has put the connection back already. Otherwise what was not
+        # read leaves it unusable: close it, and give the pool its slot back.
+        if resp.connection is not None:
+            resp.close()
+            resp.release_conn()
+
+
+def _read_body(resp, *, deadline: float, read_s: float, cap: int, ok: bool, what: str) -> bytes:
+    """Read ``resp``'s body one receive at a time, each bounded by the time left (a trickling
+    server meets the deadline); the same requests exceptions as ``iter_content`` on failure.
+
+    The connection is ours until urllib3 puts it back into the pool (body read in full, or a
+    failed read): only then may another thread take it, so its timeout is set only while
+    ``resp.connection`` still holds it."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        left = remaining(deadline)
+        if left <= _DEADLINE_SLACK_S:
+            raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while reading the answer")
+        conn = resp.connection
+        sock = getattr(conn, "sock", None) if conn is not None else None
+        if sock is not None:
+            sock.settimeout(min(read_s, left))
+        try:
+            chunk = resp.read1(READ_CHUNK, decode_content=True)
+        except ProtocolError as e:
+            raise requests.exceptions.ChunkedEncodingError(e) from None
+        except DecodeError as e:
+            raise requests.exceptions.ContentDecodingError(e) from None
+        except ReadTimeoutError as e:
+            raise requests.exceptions.ConnectionError(e) from None
+        except _SSLError as e:
+            raise requests.exceptions.SSLError(e) from None
+        except OSError as e:
+            raise requests.exceptions.ConnectionError(e) from None
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            if ok:
+                raise TooLarge(f"more than {cap} bytes")
+            break  # an error body is cut short (the caller closes the connection)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return data if size <= cap else data[:cap]
+
+
+def _send_requests(session: requests.Session, method: str, url: str, *, deadline: float,
+                   timeout: tuple[float, float], max_bytes: int, what: str, body: bytes | None,
+                   headers: Mapping[str, str] | None, started: float) -> Reply:
+    hdrs = dict(headers or {})
+    if body is not None:
+        hdrs.setdefault("Content-Type", "application/json")
+    with session.request(method, url, data=body, headers=hdrs, timeout=timeout, stream=True,
+                         proxies=proxies_for(url)) as resp:
+        ok = 200 <= resp.status_code < 300
+        cap = max_bytes if ok else min(max_bytes, ERROR_BODY_READ_BYTES)
+        if ok:
+            declared = resp.headers.get("Content-Length")
+            if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+                raise TooLarge(f"{declared} bytes declared")
+        chunks: list[bytes] = []
+        size = 0
+        for chunk in resp.iter_content(chunk_size=64 * 1024):
+            if deadline_passed(deadline):
+                raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while reading the answer")
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > cap:
+                if ok:
+                    raise TooLarge(f"more than {max_bytes} bytes")
+                break
+        data = b"".join(chunks)[:cap]
+        return Reply(resp.status_code, resp.headers, data, time.monotonic() - started)
+
+
+# --------------------------------------------------------------------------------------------
+# Answers and errors
+# --------------------------------------------------------------------------------------------
+
+
+def parse_json(data: bytes) -> Any:
+    """JSON or ValueError: also for invalid UTF-8, lone surrogates, NaN/Infinity and numbers
+    out of range (orjson is strict where Python's json is lenient, which keeps such values out
+    of records that msgpack could not encode); absurd nesting too."""
+    try:
+        return orjson.loads(data)
+    except RecursionError:  # pragma: no cover - orjson limits depth itself
+        raise ValueError("JSON nested too deeply") from None
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes; TypeError for what JSON cannot carry (also lone surrogates and
+    integers past 64 bits)."""
+    return orjson.dumps(obj)
+
+
+def error_text(reply: Reply, *, scrub: str = "") -> str:
+    """The server's error message, short: JSON ``error``/``detail``/``message`` or raw text."""
+    text = reply.body.decode("utf-8", "replace")
+    try:
+        obj = orjson.loads(text)
+    except (ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, dict):
+        for key in ("error", "detail", "message"):
+            if key in obj:
+                val = obj[key]
+                if isinstance(val, dict) and "message" in val:
+                    val = val["message"]
+                text = val if isinstance(val, str) else orjson.dumps(val, default=str).decode()
+                break
+    text = " ".join(text.split())
+    if scrub:
+        text = text.replace(scrub, "***")
+    if len(text) > ERROR_TEXT_CHARS:
+        text = text[:ERROR_TEXT_CHARS] + "..."
+    return text or "<empty body>"
+
+
+def never_reached_server(exc: BaseException) -> bool:
+    """True only when the connection could not be established, so the request was not sent."""
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return True
+    if isinstance(exc, requests.exceptions.ConnectionError) and not isinstance(
+        exc, (requests.exceptions.ProxyError, requests.exceptions.SSLError)
+    ):
+        cause: Any = exc.args[0] if exc.args else None
+        if isinstance(cause, MaxRetryError):
+            cause = cause.reason
+        return isinstance(cause, (NewConnectionError, NameResolutionError))
+    return False
+
+
+def is_timeout(exc: BaseException) -> bool:
+    if isinstance(exc, requests.exceptions.Timeout):
+        return True
+    # A read timeout while streaming the body surfaces as ConnectionError(ReadTimeoutError).
+    cause = exc.args[0] if isinstance(exc, requests.exceptions.ConnectionError) and exc.args else None
+    return isinstance(cause, ReadTimeoutError)
+
+
+def describe(exc: BaseException) -> str:
+    """A short, key-free description of a transport error."""
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return "connect timeout"
+    if is_timeout(exc):
+        return "read timeout"
+    if never_reached_server(exc):
+        cause: Any = exc.args[0] if exc.args else None
+        if isinstance(cause, MaxRetryError):
+            cause = cause.reason
+        if isinstance(cause, NameResolutionError) and NameResolutionError is not NewConnectionError:
+            return "name resolution failed"
+        return "connection refused or unreachable"
+    if isinstance(exc, requests.exceptions.ChunkedEncodingError):
+        return "connection dropped while reading the answer"
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        return "connection dropped or reset"
+    return type(exc).__name__
+
+
+def retry_after_s(headers: Mapping[str, str], cap: float) -> float | None:
+    """``Retry-After`` in seconds (delta-seconds or HTTP date), capped; None if absent/bad."""
+    raw = headers.get("Retry-After") if headers is not None else None
+    if not raw:
+        return None
+    raw = raw.strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(raw)
+        except (TypeError, ValueError):
+            return None
+        if when is None:
+            return None
+        value = when.timestamp() - time.time()
+    if math.isnan(value):
+        return None
+    return max(0.0, min(value, cap))
+
+
+# --------------------------------------------------------------------------------------------
+# Retries
+# --------------------------------------------------------------------------------------------
+
+
+class Retryable(Exception):
+    """Raised inside an attempt: ``error`` is what the caller gets if no retry is left."""
+
+    def __init__(self, error: EpisodeError, *, retry_after: float | None = None):
+        super().__init__(str(error))
+        self.error = error
+        self.retry_after = retry_after
+
+
+def with_cause(error: EpisodeError, cause: BaseException | None) -> EpisodeError:
+    error.__cause__ = cause
+    return error
+
+
+def run_with_retries(
+    attempt: Callable[[], T],
+    *,
+    attempts: int,
+    backoff_initial_s: float,
+    backoff_max_s: float,
+    deadline: float,
+    what: str,
+    log_target: str,
+    logger: logging.Logger = log,
+) -> T:
+    """Run ``attempt`` until it returns, raises an EpisodeError (final) or runs out of tries.
+
+    ``attempt`` raises :class:`Retryable` for what may be retried. Attempts are capped at
+    ``attempts``; a back-off that would pass ``deadline`` ends the call with EPISODE_TIMEOUT.
+    """
+    attempts = max(1, attempts)
+
+    # Most calls succeed on the first try: make it without building the retry machinery (a
+    # Retrying per call cost about a tenth of a request's CPU, docs/benchmarks.md). A first
+    # failure is handed to Retrying as its attempt 1, so waits, logs and give-up are unchanged.
+    try:
+        return attempt()
+    except Retryable as exc:
+        failed = [exc]
+
+    backoff = wait_random_exponential(multiplier=backoff_initial_s, max=backoff_max_s)
+
+    def wait(state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        hint = getattr(exc, "retry_after", None)
+        if hint is not None:
+            return min(hint, backoff_max_s)
+        return backoff(state)
+
+    def stop(state: RetryCallState) -> bool:
+        if state.attempt_number >= attempts:
+            return True
+        return time.monotonic() + state.upcoming_sleep >= deadline
+
+    def give_up(state: RetryCallState) -> T:
+        exc = state.outcome.exception()
+        assert isinstance(exc, Retryable)
+        if state.attempt_number < attempts:
+            raise with_cause(
+                EpisodeError(
+                    EPISODE_TIMEOUT,
+                    f"{what}: no time left in the attempt's budget to retry "
+                    f"(after {state.attempt_number} tries; last: {exc.error})",
+                ),
+                exc.error,
+            )
+        raise exc.error
+
+    def before_sleep(state: RetryCallState) -> None:
+        exc = state.outcome.exception()
+        logger.warning(
+            "%s: try %d/%d failed (%s); retrying %s in %.2fs",
+            what, state.attempt_number, attempts, exc, log_target, state.upcoming_sleep,
+        )
+
+    def replay() -> T:
+        if failed:
+            raise failed.pop()
+        return attempt()
+
+    retrying = Retrying(
+        stop=stop,
+        wait=wait,
+        retry=retry_if_exception_type(Retryable),
+        before_sleep=before_sleep,
+        retry_error_callback=give_up,
+    )
+    return retrying(replay)
