@@ -82,6 +82,24 @@ redis.call('XADD', KEYS[2], '*', 'r', ARGV[2])
 return redis.call('XLEN', KEYS[2])
 """
 
+# KEYS: stream, lease_1 .. lease_n   ARGV: token_1 .. token_n, record_1 .. record_n
+# Each record is added only while its own lease token matches: one round trip for the records
+# of many episodes, fenced exactly as one PUBLISH each would be. Returns {ok_1 .. ok_n, xlen}.
+_PUBLISH_MANY = """
+local n = #KEYS - 1
+local out = {}
+for i = 1, n do
+  if redis.call('GET', KEYS[i + 1]) == ARGV[i] then
+    redis.call('XADD', KEYS[1], '*', 'r', ARGV[n + i])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+out[n + 1] = redis.call('XLEN', KEYS[1])
+return out
+"""
+
 # KEYS: lease, state, counts, running, stream, retry, dlq, dlq_index
 # ARGV: token, episode, new_state, member, record, retry_at_ms, dead_letter, now_s
 _FINISH = _COUNTS_FN + """
@@ -176,6 +194,7 @@ class Ledger:
         self._start = client.register_script(_START)
         self._renew = client.register_script(_RENEW)
         self._publish = client.register_script(_PUBLISH)
+        self._publish_many = client.register_script(_PUBLISH_MANY)
         self._finish = client.register_script(_FINISH)
         self._reclaim = client.register_script(_RECLAIM)
         self._move = client.register_script(_MOVE)
@@ -316,6 +335,20 @@ class Ledger:
             lease.lost.set()
         return int(n)
 
+    def publish_many(self, items: Sequence[tuple[Lease, bytes]]) -> tuple[list[bool], int]:
+        """XADD several records, each under its own lease, in one round trip. Returns which
+        were added (a refused one's lease is flagged lost) and the stream length after."""
+        if not items:
+            return [], 0
+        keys = [self.k.results] + [self.k.lease(lease.episode_id) for lease, _ in items]
+        args = [lease.token for lease, _ in items] + [payload for _, payload in items]
+        out = self._publish_many(keys=keys, args=args)
+        added = [bool(x) for x in out[:-1]]
+        for (lease, _), ok in zip(items, added):
+            if not ok:
+                lease.lost.set()
+        return added, int(out[-1])
+
     def finish(
         self,
         lease: Lease,
@@ -354,6 +387,33 @@ class Ledger:
     def move(self, job_id: str, episode_id: str, new_state: str, allowed_from: Sequence[str]) -> bool:
         return bool(self._move(keys=[self.k.job_state(job_id), self.k.job_counts(job_id)],
                                args=[episode_id, new_state, *allowed_from]))
+
+    def move_many(self, job_id: str, moves: Sequence[tuple[str, str]], new_state: str,
+                  chunk: int = 1000) -> list[bool]:
+        """:meth:`move` for many ``(episode_id, from_state)`` pairs, pipelined: each move is
+        still its own guarded script, ``chunk`` of them per round trip."""
+        out: list[bool] = []
+        keys = [self.k.job_state(job_id), self.k.job_counts(job_id)]
+        for i in range(0, len(moves), chunk):
+            pipe = self.r.pipeline(transaction=False)
+            for episode_id, old in moves[i : i + chunk]:
+                self._move(keys=keys, args=[episode_id, new_state, old], client=pipe)
+            out.extend(bool(x) for x in pipe.execute())
+        return out
+
+    def episode_specs(self, job_id: str, episode_ids: Sequence[str]) -> dict[str, EpisodeSpec]:
+        """Several episodes' specs in one round trip (those the ledger has)."""
+        if not episode_ids:
+            return {}
+        raws = self.r.hmget(self.k.job_episodes(job_id), list(episode_ids))
+        out = {}
+        for episode_id, raw in zip(episode_ids, raws):
+            if raw:
+                try:
+                    out[episode_id] = unpack(raw)
+                except RecordError:
+                    pass
+        return out
 
     def due_retries(self, limit: int = 1000) -> list[str]:
         return [m.decode() for m in self.r.zrangebyscore(self.k.retry, 0, _now_ms(), start=0, num=limit)]

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import redis
 
 from broker import errors
+from broker.duty import Duty
 from broker.keys import Keys, member, split_member
 from broker.ledger import Ledger
-from broker.queueing import decode_task_args, send_episodes, task_args
+from broker.queueing import decode_task_args, push_episodes, send_episodes, task_args
 from broker.records import (
     ABANDONED,
     ATTEMPT_FAILED,
@@ -35,6 +37,12 @@ from broker.records import (
 from broker.settings import Settings
 
 log = logging.getLogger("interactor.recovery")
+
+# KEYS: lock   ARGV: token. Deletes the lock only while it is still this holder's.
+_RELEASE_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 @dataclass
@@ -58,9 +66,13 @@ class Sweeper:
         self._last_reconcile = time.monotonic()
 
     def tick(self) -> SweepReport:
+        """One sweep, by whichever process takes the sweep lock first. The lock is released
+        only by its holder (token-checked) and outlives any sweep but a pathological one; a
+        second sweeper entering then only repeats guarded moves, which are no-ops."""
         report = SweepReport()
-        lock_ms = int(max(self.settings.sweep_interval_s * 2, 10) * 1000)
-        if not self.r.set(self.keys.sweep_lock, b"1", nx=True, px=lock_ms):
+        token = os.urandom(8).hex()
+        lock_ms = int(max(self.settings.sweep_interval_s * 4, 60) * 1000)
+        if not self.r.set(self.keys.sweep_lock, token, nx=True, px=lock_ms):
             return report
         try:
             self._reclaim_lost(report)
@@ -68,8 +80,11 @@ class Sweeper:
             self._enqueue_due(report)
             self._reconcile_quiet_jobs(report)
         finally:
-            self.r.delete(self.keys.sweep_lock)
+            self._release(token)
         return report
+
+    def _release(self, token: str) -> None:
+        self.r.eval(_RELEASE_LOCK, 1, self.keys.sweep_lock, token)
 
     def _reclaim_lost(self, report: SweepReport) -> None:
         for m in self.ledger.expired_running():
@@ -143,6 +158,21 @@ class Sweeper:
             report.retried.append(m)
 
 
+class SweepDuty(Duty):
+    """Runs :meth:`Sweeper.tick` on its own thread (workers and the consumer), so that a long
+    reconcile holds up neither lease renewal nor ingestion."""
+
+    name = "sweeper"
+
+    def __init__(self, sweeper: Sweeper, interval_s: float):
+        super().__init__(interval_s)
+        self.sweeper = sweeper
+        self.last_report: SweepReport | None = None
+
+    def tick(self) -> None:
+        self.last_report = self.sweeper.tick()
+
+
 KOMBU_UNACKED, KOMBU_UNACKED_INDEX = "unacked", "unacked_index"  # kombu's Redis transport keys
 
 
@@ -195,17 +225,15 @@ def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: 
     scheduled = {m.decode() for m in client.zrange(keys.retry, 0, -1)}
     scheduled |= {m.decode() for m in client.zrange(keys.reserved, 0, -1)}
     queues = sorted(set(settings.served_queues) | ledger.job_queues(job_id))
-    waiting = waiting_members(client, queues, unacked_grace_s=settings.lease_ttl_s)
+    accounted = waiting_members(client, queues, unacked_grace_s=settings.lease_ttl_s) | scheduled
     lost = [(episode_id, state) for episode_id, state in ledger.states(job_id).items()
-            if state in (QUEUED, RETRYING) and member(job_id, episode_id) not in waiting | scheduled]
+            if state in (QUEUED, RETRYING) and member(job_id, episode_id) not in accounted]
     if dry_run:
         return [e for e, _ in lost]
-    sent = []
-    for episode_id, state in lost:
-        if ledger.move(job_id, episode_id, QUEUED, [state]):
-            spec = ledger.episode_spec(job_id, episode_id)
-            send_episodes(client, [(job_id, episode_id, (spec.queue if spec else "") or settings.queue)])
-            sent.append(episode_id)
-    if sent:
-        log.warning("reconcile %s: re-enqueued %d lost episodes", job_id, len(sent))
-    return sent
+    # Batched: a guarded move each (pipelined), the specs in one read, one push per queue.
+    moved = [e for (e, _), ok in zip(lost, ledger.move_many(job_id, lost, QUEUED)) if ok]
+    specs = ledger.episode_specs(job_id, moved)
+    push_episodes(client, ((job_id, e, (specs[e].queue if e in specs else "") or settings.queue) for e in moved))
+    if moved:
+        log.warning("reconcile %s: re-enqueued %d lost episodes", job_id, len(moved))
+    return moved

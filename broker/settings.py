@@ -29,6 +29,8 @@ class Secret(str):
 
 def redact_url(url: str) -> str:
     """``redis://:pw@host/0`` -> ``redis://:***@host/0``: URLs are logged, passwords are not."""
+    if "@" not in url:  # no userinfo, nothing to hide (the common case, on every request)
+        return url
     try:
         parts = urlsplit(url)
     except ValueError:

@@ -271,10 +271,10 @@ def test_consumer_sigkilled(scenario):
 
 
 def test_redis_restarted_mid_run(scenario):
-    s = scenario("redis-restart", model_latency_ms=120)
+    s = scenario("redis-restart", model_latency_ms=250)
     s.start()
 
-    @every(4.0)
+    @every(3.0)
     def restart_redis(s: Scenario):
         if s.faults.get("redis_restarts", 0) >= 2:
             return

@@ -196,7 +196,7 @@ class EnvClient:
         what = f"get_task_prompt {env_name}/{env_id}"
         reply = self._call(
             "GET", self._url(base_url, env_name, env_id, "get_task_prompt"), what=what, deadline=deadline,
-            idempotent=False, not_found=ENV_INSTANCE_LOST, hot=True,
+            idempotent=False, not_found=ENV_INSTANCE_LOST,
         )
         return check_prompt_answer(self._json(reply, what), what)
 
@@ -205,7 +205,7 @@ class EnvClient:
         body = self._encode({"action": action}, what)
         reply = self._call(
             "POST", self._url(base_url, env_name, env_id, "step"), what=what, deadline=deadline,
-            body=body, idempotent=False, not_found=ENV_INSTANCE_LOST, hot=True,
+            body=body, idempotent=False, not_found=ENV_INSTANCE_LOST,
         )
         return check_step_answer(self._json(reply, what), what)
 
@@ -277,7 +277,6 @@ class EnvClient:
         body: bytes | None = None,
         not_found: str = ENV_BAD_REQUEST,
         raise_4xx: bool = True,
-        hot: bool = False,
     ) -> Reply:
         s = self.settings
         shown = redact_url(url)
@@ -287,7 +286,7 @@ class EnvClient:
             try:
                 reply = send(
                     self.http, method, url, deadline=deadline, timeout=timeout,
-                    max_bytes=s.max_response_bytes, what=what, body=body, hot=hot,
+                    max_bytes=s.max_response_bytes, what=what, body=body,
                 )
             except TooLarge as exc:
                 raise EpisodeError(

@@ -1,15 +1,15 @@
 """HTTP plumbing shared by the env client and the model client.
 
 Both clients speak through one :class:`HttpPool` per worker process: a ``requests.Session``
-(the project's HTTP library, whose exceptions and proxy rules are the clients' contract) and,
-for the three calls of every step (``get_task_prompt``, the chat completion, ``step``), a
+(the project's HTTP library, whose exceptions and proxy rules are the clients' contract) and a
 shortcut one level down to the *same* urllib3 connection pools that requests' adapter owns.
 A request through ``requests`` costs about 0.4 ms of client CPU here, through its urllib3
-pool about 0.15 ms (docs/benchmarks.md): three calls a step made requests the largest single
-cost of a step. The shortcut raises exactly what ``requests`` would raise for the same
+pool about 0.15 ms (docs/benchmarks.md): with three calls a step (``get_task_prompt``, the
+chat completion, ``step``) and two an episode (``reset``, ``close``), requests was the largest
+single cost of a step. The shortcut raises exactly what ``requests`` would raise for the same
 failure (``send`` maps urllib3's errors the way ``HTTPAdapter.send`` and ``iter_content`` do),
 so :func:`never_reached_server`, :func:`is_timeout` and the retry rules cannot tell the two
-paths apart. An origin reached through a proxy always takes the ``requests`` path.
+paths apart. An origin reached through a proxy takes the ``requests`` path.
 
 Every call takes ``deadline``, an absolute ``time.monotonic()``: no request starts without time
 left, and a body is read chunk by chunk with the socket's timeout cut to the time left, so a
@@ -22,6 +22,8 @@ import email.utils
 import logging
 import math
 import os
+import select
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
@@ -31,6 +33,7 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_random_exponential
+from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.exceptions import (
     ClosedPoolError,
     ConnectTimeoutError,
@@ -58,7 +61,7 @@ T = TypeVar("T")
 
 ERROR_TEXT_CHARS = 300  # server error text quoted in messages, at most
 ERROR_BODY_READ_BYTES = 64 * 1024  # read at most this much of a non-2xx body
-READ_CHUNK = 256 * 1024
+READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a bigger chunk costs mmap + mremap + munmap per read
 _DEADLINE_SLACK_S = 0.005
 USER_AGENT = "interactor"
 
@@ -127,6 +130,73 @@ def proxies_for(url: str) -> dict[str, str]:
     return found
 
 
+def _original_poll():
+    """``select.poll`` as the OS provides it, even where gevent has patched the module."""
+    if "gevent" in sys.modules:
+        from gevent import monkey
+
+        return monkey.get_original("select", "poll")
+    return select.poll
+
+
+_poll = _original_poll()
+
+
+class _QuickLivenessCheck:
+    """urllib3 checks every pooled connection before reusing it (was it closed by the peer?)
+    with ``select.poll`` and a zero timeout. Under gevent that poll is gevent's, which builds
+    watchers on the hub for a call that never waits: about a twentieth of a worker's CPU. The
+    same check on the OS's own poll never blocks either, and costs one syscall."""
+
+    @property
+    def is_connected(self) -> bool:
+        sock = self.sock
+        if sock is None:
+            return False
+        p = _poll()
+        p.register(sock, select.POLLIN | select.POLLPRI)
+        return not p.poll(0)
+
+
+class _OneWrite:
+    """A request with a body goes out in one write instead of two.
+
+    urllib3 writes the header block (``endheaders``) and then the body, each with its own
+    ``send``: with Nagle off that is two syscalls and two segments, and on loopback every send
+    also pays the receiving side's TCP work. Holding the header block back until the body's
+    first write joins them; the bytes on the wire are the same."""
+
+    _held: bytes | None = None
+    _hold = False
+
+    def request(self, method, url, body=None, headers=None, **kwargs):
+        self._hold = isinstance(body, (bytes, bytearray)) and 0 < len(body) <= 1024 * 1024
+        try:
+            return super().request(method, url, body=body, headers=headers, **kwargs)
+        finally:
+            held, self._held, self._hold = self._held, None, False
+            if held is not None:  # no body write came (an error on the way): send what was held
+                super().send(held)
+
+    def send(self, data):
+        if self._hold:
+            if self._held is None:
+                self._held = bytes(data)  # the header block
+                return
+            data = self._held + data
+            self._held = None
+            self._hold = False
+        super().send(data)
+
+
+class _Connection(_OneWrite, _QuickLivenessCheck, HTTPConnection):
+    pass
+
+
+class _TLSConnection(_OneWrite, _QuickLivenessCheck, HTTPSConnection):
+    pass
+
+
 class HttpPool:
     """One per client per worker process, shared by its threads: a requests Session, and the
     urllib3 pool of each origin that the Session's adapter owns (``pool_for``)."""
@@ -160,6 +230,7 @@ class HttpPool:
                 verify, cert = self.session.verify, self.session.cert
                 pool = adapter.get_connection_with_tls_context(probe, verify, proxies={}, cert=cert)
                 adapter.cert_verify(pool, probe.url, verify, cert)
+                pool.ConnectionCls = _TLSConnection if origin.startswith("https:") else _Connection
         self._pools[origin] = pool
         return pool
 
@@ -199,16 +270,13 @@ def send(
     what: str,
     body: bytes | None = None,
     headers: Mapping[str, str] | None = None,
-    hot: bool = False,
 ) -> Reply:
     """One HTTP exchange. The body of a 2xx answer is read in full up to ``max_bytes`` (more:
     :class:`TooLarge`); of other answers only the first ``ERROR_BODY_READ_BYTES`` (for the
     message). Transport errors propagate as ``requests`` exceptions, whichever path was taken.
-
-    ``hot``: the call is on every step; take the urllib3 pool directly when there is one.
     """
     started = time.monotonic()
-    pool = http.pool_for(url) if hot else None
+    pool = http.pool_for(url)
     if pool is None:
         return _send_requests(http.session, method, url, deadline=deadline, timeout=timeout,
                               max_bytes=max_bytes, what=what, body=body, headers=headers, started=started)

@@ -114,7 +114,7 @@ class ModelClient:
             try:
                 reply = send(
                     self.http, "POST", url, deadline=deadline, timeout=timeout,
-                    max_bytes=s.max_response_bytes, what=what, body=data, headers=headers, hot=True,
+                    max_bytes=s.max_response_bytes, what=what, body=data, headers=headers,
                 )
             except TooLarge as exc:
                 raise EpisodeError(

@@ -41,7 +41,7 @@ from broker.records import (
     JobSpec,
     StepRecord,
 )
-from broker.recovery import Sweeper
+from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
 from broker.settings import Settings
 from workers import limits
@@ -49,6 +49,8 @@ from workers.envclient import EnvClient
 from workers.hooks import load_hook
 from workers.loop import LoopConfig, run_episode
 from workers.modelclient import ModelClient
+from workers.publisher import StepPublisher
+from workers.renewer import LeaseRenewer
 
 log = logging.getLogger("interactor.worker")
 
@@ -117,18 +119,12 @@ class WorkerRuntime:
         self.model_gate = limits.shared_gate(settings.llm_max_concurrency)  # None: no cap
         self.jitter = limits.FirstWaveJitter.from_settings(settings)
         self.shutdown_at: float | None = None
-        self._leases: dict[str, Lease] = {}
-        # Members received from the broker and not started yet; the renewer writes their
-        # reservations (a task usually starts at once, and then never needs one).
-        self._reserved: set[str] = set()
-        self._reserved_written: set[str] = set()
-        self._lock = threading.Lock()
-        self.sweeper = Sweeper(self.redis, settings)
         self._jobs: dict[str, JobSpec] = {}
-        self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew_forever, name="lease-renewer", daemon=True)
-        self._renewer.start()
         self._secrets = [s for s in (settings.llm_api_key.reveal(), _redis_password(settings.redis_url)) if s]
+        # Background duties, each on its own thread (broker/duty.py).
+        self.renewer = LeaseRenewer(self.ledger, min(settings.lease_ttl_s / 3, settings.sweep_interval_s)).start()
+        self.sweeper = SweepDuty(Sweeper(self.redis, settings), settings.sweep_interval_s).start()
+        self.publisher = StepPublisher(self.ledger, backlog_max=settings.stream_backlog_max)
 
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
@@ -137,56 +133,27 @@ class WorkerRuntime:
         log.warning("shutdown: running episodes get %.0fs to finish, then are handed back", grace)
 
     def stop(self) -> None:
-        self._stop.set()
+        self.renewer.stop()
+        self.sweeper.stop()
+        self.publisher.stop()
 
     def received(self, job_id: str, episode_id: str) -> None:
-        """The broker handed us a task. Until it starts it is held by a reservation, which the
-        renewer writes on its next round: a worker that dies before that leaves the message in
-        kombu's unacked hash, which reconcile counts as lost once it is older than the lease."""
-        with self._lock:
-            self._reserved.add(member(job_id, episode_id))
-
-    def _renew_forever(self) -> None:
-        period = min(self.settings.lease_ttl_s / 3, self.settings.sweep_interval_s)
-        last_sweep = 0.0
-        while not self._stop.wait(period):
-            with self._lock:
-                leases = list(self._leases.values())
-                new = [m for m in self._reserved if m not in self._reserved_written]
-                written = [m for m in self._reserved if m in self._reserved_written]
-                self._reserved_written.update(new)
-            try:
-                self.ledger.renew(leases)
-                self.ledger.reserve(new)
-                gone = self.ledger.renew_reservations(written)
-                if gone:
-                    with self._lock:
-                        self._reserved -= gone
-                        self._reserved_written -= gone
-                if time.monotonic() - last_sweep >= self.settings.sweep_interval_s:
-                    last_sweep = time.monotonic()
-                    self.sweeper.tick()
-            except Exception as exc:  # Redis away: the next round tries again
-                log.warning("lease renewal or sweep failed: %s", exc)
+        """The broker handed us a task; the renewer holds a reservation on it until it starts."""
+        self.renewer.received(member(job_id, episode_id))
 
     # --- one delivery ----------------------------------------------------------------
     def run(self, job_id: str, episode_id: str) -> str:
         started = self.ledger.start(job_id, episode_id, self.name)  # also ends the reservation
-        m = member(job_id, episode_id)
-        with self._lock:
-            self._reserved.discard(m)
-            self._reserved_written.discard(m)
+        self.renewer.started(member(job_id, episode_id))
         if started.status != "ok":
             log.info("episode %s: delivery dropped (%s %s)", episode_id, started.status, started.detail)
             return started.status
         lease = started.lease
-        with self._lock:
-            self._leases[lease.token] = lease
+        self.renewer.hold(lease)
         try:
             return self._run_attempt(lease, started.spec)
         finally:
-            with self._lock:
-                self._leases.pop(lease.token, None)
+            self.renewer.release(lease)
 
     def _job(self, job_id: str) -> JobSpec | None:
         job = self._jobs.get(job_id)
@@ -238,7 +205,7 @@ class WorkerRuntime:
         record = AttemptRecord(**base, status=COMPLETED, total_reward=outcome.total_reward,
                                steps=outcome.steps, last_info=outcome.last_info, ended_by=outcome.ended_by,
                                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
-        if not self.ledger.finish(lease, record, DONE):
+        if not self._finish(lease, record, DONE):
             log.warning("episode %s attempt %d: lease lost before completion was recorded", spec.episode_id, lease.attempt)
             return errors.LEASE_LOST
         log.info("episode %s attempt %d completed: reward=%.3f steps=%d", spec.episode_id, lease.attempt,
@@ -262,15 +229,16 @@ class WorkerRuntime:
             raise errors.EpisodeError(errors.WORKER_SHUTDOWN, "worker shutting down; episode handed back")
 
     def _publish(self, lease: Lease, record: StepRecord, deadline: float) -> None:
-        backlog = self.ledger.publish(lease, record.pack())
-        if backlog < 0:
-            raise errors.EpisodeError(errors.LEASE_LOST, "lease lost; step not recorded")
-        # Backpressure: when the consumer falls behind, steps wait here instead of the
-        # stream growing without bound in Redis memory.
-        while backlog > self.settings.stream_backlog_max:
-            self._check(lease, deadline)
-            time.sleep(0.5)
-            backlog = self.redis.xlen(self.keys.results)
+        # Queued for the process's publisher (workers/publisher.py), which fences each record
+        # by its lease; a refused one flags the lease lost and the next check stops the loop.
+        # Backpressure: when the consumer falls behind, steps wait there instead of the stream
+        # growing without bound in Redis memory.
+        self.publisher.publish(lease, record.pack(), check=lambda: self._check(lease, deadline))
+
+    def _finish(self, lease: Lease, record: AttemptRecord, new_state: str, **kw) -> bool:
+        """Close the attempt once its steps are in the stream (never the close before them)."""
+        self.publisher.flush(lease)
+        return self.ledger.finish(lease, record, new_state, **kw)
 
     # --- closing an attempt that did not complete ------------------------------------
     def _close_error(self, lease, base, spec, job, exc: errors.EpisodeError, tb: str) -> str:
@@ -282,7 +250,7 @@ class WorkerRuntime:
         if exc.reason == errors.WORKER_SHUTDOWN:
             record = AttemptRecord(**base, status=ABANDONED, reason=exc.reason, error_class=error_class, error=message)
             self.ledger.grant_extra_attempt(lease.job_id, lease.episode_id, job.max_attempts)
-            if self.ledger.finish(lease, record, QUEUED):
+            if self._finish(lease, record, QUEUED):
                 send_episodes(self.redis, [(lease.job_id, lease.episode_id, spec.queue or self.settings.queue)])
             return errors.WORKER_SHUTDOWN
         limit = self.ledger.attempt_limit(lease.job_id, lease.episode_id, job.max_attempts)
@@ -290,7 +258,7 @@ class WorkerRuntime:
             record = AttemptRecord(**base, status=ATTEMPT_RETRYING, reason=exc.reason, error_class=error_class,
                                    error=message)
             retry_at = time.time() + retry_delay(self.settings, lease.attempt)
-            self.ledger.finish(lease, record, RETRYING, retry_at=retry_at)
+            self._finish(lease, record, RETRYING, retry_at=retry_at)
             log.warning("episode %s attempt %d/%d failed (%s); retrying", lease.episode_id, lease.attempt, limit, exc)
             return ATTEMPT_RETRYING
         if exc.transient:
@@ -305,7 +273,7 @@ class WorkerRuntime:
                             env_name=base["env_name"], reason=exc.reason, error_class=error_class, error=message,
                             traceback=self._redact(tb), attempts=lease.attempt,
                             spec=spec.to_dict() if spec else {}, first_attempt_at=base["started_at"])
-        self.ledger.finish(lease, record, FAILED, dead_letter=letter)
+        self._finish(lease, record, FAILED, dead_letter=letter)
         log.error("episode %s attempt %d dead-lettered: %s: %s", lease.episode_id, lease.attempt, exc.reason, message)
         return ATTEMPT_FAILED
 

@@ -1,0 +1,70 @@
+"""The lease renewer: keeps alive the leases of the attempts a worker process runs, and the
+reservations of the episodes it received but has not started.
+
+It does nothing else on its thread (sweeps have their own, broker/recovery.py), so a long
+reconcile can never hold up a renewal. One pipeline per round renews every lease of the
+process; a lease whose token no longer matches is flagged lost, and its attempt stops.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from broker.duty import Duty
+from broker.ledger import Lease, Ledger
+
+
+class LeaseRenewer(Duty):
+    name = "lease-renewer"
+
+    def __init__(self, ledger: Ledger, interval_s: float):
+        super().__init__(interval_s)
+        self.ledger = ledger
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        # Members received from the broker and not started yet. Their reservations are
+        # written on the next round: a task usually starts at once and then never needs one,
+        # and a worker that dies before that round leaves the message in kombu's unacked hash,
+        # which reconcile counts as lost once it is older than the lease.
+        self._received: set[str] = set()
+        self._reserved: set[str] = set()
+        self.last_renewed = time.monotonic()  # when a round last succeeded
+
+    # --- bookkeeping, called by the runtime ----------------------------------------------
+    def hold(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases[lease.token] = lease
+
+    def release(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases.pop(lease.token, None)
+
+    def received(self, member: str) -> None:
+        with self._lock:
+            self._received.add(member)
+
+    def started(self, member: str) -> None:
+        with self._lock:
+            self._received.discard(member)
+            self._reserved.discard(member)
+
+    def live(self) -> list[Lease]:
+        with self._lock:
+            return list(self._leases.values())
+
+    # --- one round -----------------------------------------------------------------------
+    def tick(self) -> None:
+        with self._lock:
+            leases = list(self._leases.values())
+            new = [m for m in self._received if m not in self._reserved]
+            written = [m for m in self._received if m in self._reserved]
+            self._reserved.update(new)
+        self.ledger.renew(leases)
+        self.ledger.reserve(new)
+        gone = self.ledger.renew_reservations(written)
+        if gone:
+            with self._lock:
+                self._received -= gone
+                self._reserved -= gone
+        self.last_renewed = time.monotonic()
