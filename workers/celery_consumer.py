@@ -16,7 +16,7 @@ from __future__ import annotations
 from celery.worker import loops
 from celery.worker.consumer import Consumer
 
-DRAIN_S = 0.05
+DRAIN_S = 0.1
 
 
 def capped_synloop(obj, connection, *args, **kwargs):

@@ -146,16 +146,22 @@ class _QuickLivenessCheck:
     """urllib3 checks every pooled connection before reusing it (was it closed by the peer?)
     with ``select.poll`` and a zero timeout. Under gevent that poll is gevent's, which builds
     watchers on the hub for a call that never waits: about a twentieth of a worker's CPU. The
-    same check on the OS's own poll never blocks either, and costs one syscall."""
+    same check on the OS's own poll never blocks either; the poll object is kept with the
+    socket, so a check is one syscall."""
+
+    _liveness: tuple | None = None  # (socket, poll object registered for it)
 
     @property
     def is_connected(self) -> bool:
         sock = self.sock
         if sock is None:
             return False
-        p = _poll()
-        p.register(sock, select.POLLIN | select.POLLPRI)
-        return not p.poll(0)
+        held = self._liveness
+        if held is None or held[0] is not sock:
+            p = _poll()
+            p.register(sock, select.POLLIN | select.POLLPRI)
+            held = self._liveness = (sock, p)
+        return not held[1].poll(0)
 
 
 class _OneWrite:
@@ -186,7 +192,13 @@ class _OneWrite:
             data = self._held + data
             self._held = None
             self._hold = False
-        super().send(data)
+        sock = self.sock
+        if sock is None or not isinstance(data, (bytes, bytearray)):
+            return super().send(data)
+        # sendall, without gevent's per-call SO_SNDBUF lookup (a syscall) for a few KB.
+        view = memoryview(data)
+        while view:
+            view = view[sock.send(view):]
 
 
 class _Connection(_OneWrite, _QuickLivenessCheck, HTTPConnection):

@@ -36,7 +36,7 @@ from broker.ledger import Lease, Ledger
 
 log = logging.getLogger("interactor.publisher")
 
-LINGER_S = 0.005  # gather records this long after the first one before sending
+LINGER_S = 0.02  # gather records this long after the first one before sending
 MAX_BATCH = 256
 _BACKOFF_MAX_S = 2.0
 _WAIT_SLICE_S = 0.25
