@@ -335,8 +335,8 @@ def _step_times(db: str, t0: float, t1: float) -> dict[str, float]:
 
     try:
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-        rows = con.execute("SELECT env_id, step_id, created_at, env_latency_s, model_latency_s FROM session_steps "
-                           "WHERE created_at BETWEEN ? AND ? ORDER BY env_id, step_id", (t0 - 5, t1)).fetchall()
+        rows = con.execute("SELECT session_id, step_id, created_ts, env_latency_s, model_latency_s FROM session_steps "
+                           "WHERE created_ts BETWEEN ? AND ? ORDER BY session_id, step_id", (t0 - 5, t1)).fetchall()
         con.close()
     except sqlite3.Error:
         return {}
@@ -517,7 +517,7 @@ class IngestResult:
 def run_ingest(n: int, work: Path, *, base: Settings | None = None, store_factory: Callable | None = None) -> IngestResult:
     """Records/s from a pre-filled stream into SQLite, through the consumer's own loop."""
     from consumer.ingest import Ingestor
-    from consumer.store import Store
+    from consumer.storage import open_store
 
     folder = Path(tempfile.mkdtemp(prefix="ingest-", dir=work))
     res = IngestResult(records=n)
@@ -540,7 +540,7 @@ def run_ingest(n: int, work: Path, *, base: Settings | None = None, store_factor
         pipe.execute()
         del recs
         res.bytes_per_record = total_bytes / n
-        store = (store_factory or Store)(settings.results_db)
+        store = (store_factory or open_store)(settings.results_db)
         observers = []
         try:  # what `interactor consumer` adds to every Ingestor
             from interactor.metrics import StatsRecorder

@@ -29,6 +29,9 @@ class Keys:
     def job_attempt_limit(self, job_id: str) -> str:  # hash episode_id -> last attempt allowed
         return f"{self.prefix}:job:{job_id}:attempt-limit"
 
+    def job_attempt_ids(self, job_id: str) -> str:  # hash episode_id -> attempt_id of its latest START
+        return f"{self.prefix}:job:{job_id}:attempt-ids"
+
     def job_queues(self, job_id: str) -> str:  # set of the queues the job's episodes use
         return f"{self.prefix}:job:{job_id}:queues"
 

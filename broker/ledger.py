@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+import orjson
 import redis
 
 from broker.keys import Keys, member
@@ -34,11 +35,14 @@ from broker.records import (
     AttemptRecord,
     DeadLetter,
     EpisodeSpec,
+    EpisodesEnqueued,
     JobSpec,
     RecordError,
     new_attempt_id,
     unpack,
 )
+
+ANNOUNCE_CHUNK = 1000  # episodes per EpisodesEnqueued record
 
 _COUNTS_FN = """
 local function move(counts, old, new)
@@ -48,9 +52,10 @@ local function move(counts, old, new)
 end
 """
 
-# KEYS: state, attempts, counts, lease, running, reserved, episodes
-# ARGV: episode, token_prefix, ttl_ms, now_ms, member
-# Returns {'ok', attempt, token, episode spec} so that starting costs one round trip.
+# KEYS: state, attempts, counts, lease, running, reserved, episodes, attempt_ids
+# ARGV: episode, token_prefix, ttl_ms, now_ms, member, attempt_id
+# Returns {'ok', attempt, token, episode spec} so that starting costs one round trip. The
+# attempt_id is kept so that the sweeper can name the attempt it reclaims.
 _START = _COUNTS_FN + """
 redis.call('ZREM', KEYS[6], ARGV[5])
 local st = redis.call('HGET', KEYS[1], ARGV[1])
@@ -64,6 +69,7 @@ redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
 redis.call('HSET', KEYS[1], ARGV[1], 'running')
 move(KEYS[3], st, 'running')
 redis.call('ZADD', KEYS[5], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[5])
+redis.call('HSET', KEYS[8], ARGV[1], ARGV[6])
 return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or ''}
 """
 
@@ -202,24 +208,38 @@ class Ledger:
 
     # --- jobs ------------------------------------------------------------------------
     def create_job(self, job: JobSpec, episodes: Sequence[EpisodeSpec], chunk: int = 5000) -> None:
-        """Record the job and every episode as queued, before any task is sent."""
+        """Record the job and every episode as queued, before any task is sent.
+
+        Everything is encoded before the first write, so a value that cannot travel (an
+        integer past 64 bits, a lone surrogate) fails the call with nothing written."""
         k = self.k
-        for i in range(0, len(episodes), chunk):
-            part = episodes[i : i + chunk]
+        specs = [(e.episode_id, e.pack()) for e in episodes]
+        announcements = [
+            EpisodesEnqueued(job.job_id, [[e.episode_id, e.env_name, e.group_id, orjson.dumps(e.env_params)]
+                                          for e in episodes[i : i + ANNOUNCE_CHUNK]],
+                             created_at=job.created_at).pack()
+            for i in range(0, len(episodes), ANNOUNCE_CHUNK)
+        ]
+        job_packed = job.pack()
+        for i in range(0, len(specs), chunk):
+            part = specs[i : i + chunk]
             pipe = self.r.pipeline(transaction=False)
-            pipe.hset(k.job_episodes(job.job_id), mapping={e.episode_id: e.pack() for e in part})
-            pipe.hset(k.job_state(job.job_id), mapping={e.episode_id: QUEUED for e in part})
+            pipe.hset(k.job_episodes(job.job_id), mapping=dict(part))
+            pipe.hset(k.job_state(job.job_id), mapping={episode_id: QUEUED for episode_id, _ in part})
             pipe.execute()
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(k.job_counts(job.job_id), mapping={s: 0 for s in LEDGER_STATES})
         pipe.hset(k.job_counts(job.job_id), QUEUED, len(episodes))
-        pipe.set(k.job_spec(job.job_id), job.pack())
+        pipe.set(k.job_spec(job.job_id), job_packed)
         queues = {e.queue for e in episodes if e.queue}
         if queues:
             pipe.sadd(k.job_queues(job.job_id), *queues)
         pipe.zadd(k.jobs, {job.job_id: job.created_at})
-        # The job is announced in the results stream too, so the database knows what to expect.
-        pipe.xadd(k.results, {"r": job.pack()})
+        # The job and its episodes are announced in the results stream too, so the database
+        # knows what to expect (and lists every episode before it runs: job_environments).
+        pipe.xadd(k.results, {"r": job_packed})
+        for raw in announcements:
+            pipe.xadd(k.results, {"r": raw})
         pipe.execute()
 
     def job_ids(self) -> list[str]:
@@ -250,6 +270,11 @@ class Ledger:
     def attempts(self, job_id: str, episode_id: str) -> int:
         return int(self.r.hget(self.k.job_attempts(job_id), episode_id) or 0)
 
+    def attempt_id(self, job_id: str, episode_id: str) -> str:
+        """The attempt_id of the episode's latest start ("" if it never started)."""
+        v = self.r.hget(self.k.job_attempt_ids(job_id), episode_id)
+        return v.decode() if v else ""
+
     def attempt_limit(self, job_id: str, episode_id: str, default: int) -> int:
         """The last attempt number allowed; re-drives and hand-backs raise it."""
         v = self.r.hget(self.k.job_attempt_limit(job_id), episode_id)
@@ -266,8 +291,9 @@ class Ledger:
         attempt_id = new_attempt_id()
         out = self._start(
             keys=[k.job_state(job_id), k.job_attempts(job_id), k.job_counts(job_id), k.lease(episode_id), k.running,
-                  k.reserved, k.job_episodes(job_id)],
-            args=[episode_id, f"{worker}:{attempt_id}", self.lease_ttl_ms, _now_ms(), member(job_id, episode_id)],
+                  k.reserved, k.job_episodes(job_id), k.job_attempt_ids(job_id)],
+            args=[episode_id, f"{worker}:{attempt_id}", self.lease_ttl_ms, _now_ms(), member(job_id, episode_id),
+                  attempt_id],
         )
         status = out[0].decode()
         if status != "ok":

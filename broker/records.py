@@ -57,6 +57,20 @@ _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
+_SHAPES: dict[type, tuple[tuple[str, ...], frozenset[str]]] = {}
+
+
+def _shape(cls: type) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(field names, required field names) of a record class, computed once: the consumer
+    decodes tens of thousands of records a second and ``dataclasses.fields`` is slow."""
+    shape = _SHAPES.get(cls)
+    if shape is None:
+        fs = fields(cls)
+        shape = _SHAPES[cls] = (tuple(f.name for f in fs), frozenset(
+            f.name for f in fs if f.default is MISSING and f.default_factory is MISSING))
+    return shape
+
+
 def new_attempt_id() -> str:
     """A token that no other attempt of any episode will ever carry (96 random bits)."""
     return os.urandom(12).hex()
@@ -84,14 +98,17 @@ class _Record:
         v = d.get("v")
         if v not in SUPPORTED_VERSIONS:
             raise RecordError(f"{cls.KIND}: unsupported schema version {v!r} (known: {sorted(SUPPORTED_VERSIONS)})")
-        d = cls._upgrade(d)
-        kwargs = {}
-        for f in fields(cls):
-            if f.name in d:
-                kwargs[f.name] = d[f.name]
-            elif f.default is MISSING and f.default_factory is MISSING:
-                raise RecordError(f"{cls.KIND}: missing field {f.name!r}")
-        return cls(**kwargs)
+        if v != SCHEMA_VERSION:
+            d = cls._upgrade(d)
+        names, required = _shape(cls)
+        kwargs = {k: d[k] for k in names if k in d}
+        if len(kwargs) < len(required) and not required.issubset(kwargs):
+            missing = sorted(required - set(kwargs))
+            raise RecordError(f"{cls.KIND}: missing field {missing[0]!r}")
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:  # pragma: no cover - shape checked above
+            raise RecordError(f"{cls.KIND}: {exc}") from None
 
     @classmethod
     def _upgrade(cls, d: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +227,20 @@ class AttemptRecord(_Record):
         return max(0.0, self.finished_at - self.started_at)
 
 
-_KINDS = {cls.KIND: cls for cls in (JobSpec, EpisodeSpec, StepRecord, AttemptRecord)}
+@dataclass
+class EpisodesEnqueued(_Record):
+    """Announces episodes of a job as they are enqueued (a chunk per record), so that the
+    database lists every episode from the start (the original ``job_environments`` table),
+    not only those that have run. ``episodes``: ``[env_id, env_name, group_id, params]`` each,
+    ``params`` the JSON text (bytes) of the ``env_param`` the env will get."""
+
+    KIND: ClassVar[str] = "episodes_enqueued"
+    job_id: str
+    episodes: list[list[Any]]
+    created_at: float = field(default_factory=time.time)
+
+
+_KINDS = {cls.KIND: cls for cls in (JobSpec, EpisodeSpec, StepRecord, AttemptRecord, EpisodesEnqueued)}
 
 
 def unpack(data: bytes) -> _Record:

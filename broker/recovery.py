@@ -99,7 +99,8 @@ class Sweeper:
             exhausted = attempt >= limit
             base = dict(job_id=job_id, episode_id=episode_id, attempt=attempt, group_id=spec.group_id,
                         group_size=spec.group_size, env_name=spec.env_name, llm_model=job.model,
-                        reason=errors.WORKER_LOST, error_class="LeaseExpired")
+                        reason=errors.WORKER_LOST, error_class="LeaseExpired",
+                        attempt_id=self.ledger.attempt_id(job_id, episode_id))
             if exhausted:
                 message = f"worker lost (lease expired) on attempt {attempt} of {limit}"
                 record = AttemptRecord(**base, status=ATTEMPT_FAILED, error=message)

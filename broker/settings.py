@@ -55,7 +55,8 @@ class Settings:
     queue: str = "episodes"  # Celery queue that episode tasks go to by default
     queues: str = ""  # comma-separated queues a worker serves ("" = the default queue)
     run_dir: str = "runs"  # embedded Redis data, results database, exports
-    db_path: str = ""  # results database; default <run_dir>/results.sqlite
+    db_path: str = ""  # SQLite results file; default <run_dir>/results.sqlite
+    store_url: str = ""  # results store: postgresql://... (or a SQLite path); default the SQLite file
 
     # --- policy (model endpoint); the key never leaves the worker ----------------------
     llm_base_url: str = "http://127.0.0.1:8000/v1"
@@ -216,6 +217,15 @@ class Settings:
     @property
     def results_db(self) -> str:
         return self.db_path or os.path.join(self.run_dir, "results.sqlite")
+
+    @property
+    def results_store(self) -> str:
+        """Where results are stored and read: ``store_url``, else the SQLite file."""
+        return self.store_url or self.results_db
+
+    @property
+    def results_store_shown(self) -> str:
+        return redact_url(self.results_store)
 
     @property
     def served_queues(self) -> list[str]:

@@ -1,7 +1,7 @@
 """Export a job's trajectories for training: JSONL or Parquet, one row per step.
 
-Each row is one trainable (by default), non-superseded step of an episode (completed episodes by
-default). ``messages`` is the chat shape TRL / verl read: the prompt actually sent plus the
+Each row is one trainable (by default) step of an episode's trajectory (its ``session_steps``
+rows; completed episodes by default). ``messages`` is the chat shape TRL / verl read: the prompt actually sent plus the
 assistant response as the last message; ``prompt`` is the prompt alone and ``completion`` the
 response as a one-message list (TRL's conversational prompt-completion shape).
 
@@ -20,9 +20,9 @@ Staleness: a weight version is read as a number (``"12"``, or the last integer o
 the newest one in the job. With the filter on, episodes without a readable version are dropped.
 With ``complete_groups_only``, a group that lost a member to the staleness filter is dropped too.
 
-Rows come out ordered by group, episode, step. The database is read episode by episode through
-the ``(env_id, attempt, step_id)`` index, so memory stays flat for large jobs (the episode list,
-one small tuple per episode, is held).
+Rows come out ordered by group, episode, step. The store is read episode by episode (through
+its reader, any backend), so memory stays flat for large jobs (the episode list, one small
+tuple per episode, is held).
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
-from consumer.store import EP_COMPLETED, Store
+import orjson
+
+from consumer.storage import EP_COMPLETED, ResultStore, open_store
 
 COLUMNS = (
     "job_id", "episode_id", "group_id", "env_name", "step_id", "attempt", "messages", "prompt",
     "response", "reward", "episode_reward", "weight_version", "is_trainable", "terminated",
     "truncated", "group_complete", "episode_status", "completion", "group_size", "group_reward_mean",
-    "group_reward_std", "advantage", "group_rewards_equal",
+    "group_reward_std", "advantage", "group_rewards_equal", "prompt_tokens", "completion_tokens", "ended_by",
 )
 ADVANTAGE_EPS = 1e-6
 
@@ -74,6 +76,9 @@ def parquet_schema():
             pa.field("group_reward_std", pa.float64()),
             pa.field("advantage", pa.float64()),
             pa.field("group_rewards_equal", pa.bool_()),
+            pa.field("prompt_tokens", pa.int64()),
+            pa.field("completion_tokens", pa.int64()),
+            pa.field("ended_by", pa.string()),
         ]
     )
 
@@ -120,7 +125,7 @@ def group_stats(rewards: Sequence[float], eps: float = ADVANTAGE_EPS) -> tuple[f
 
 
 def _select_episodes(
-    store: Store,
+    store: ResultStore,
     job_id: str,
     *,
     complete_groups_only: bool,
@@ -132,35 +137,15 @@ def _select_episodes(
     summary: ExportSummary,
 ) -> list[tuple]:
     """The exported episodes, in order, each with its group's statistics:
-    ``(episode_id, attempt, status, total, group_complete, group_size, mean, std, advantage, equal)``."""
-    conn = store.connection()
-    where = ["e.job_id = ?"]
-    args: list[Any] = [job_id]
-    if episode_statuses is not None:
-        where.append(f"e.status IN ({','.join('?' * len(episode_statuses))})")
-        args.extend(episode_statuses)
-    if env_names:
-        where.append(f"e.env_name IN ({','.join('?' * len(env_names))})")
-        args.extend(env_names)
-    if complete_groups_only:
-        where.append("g.complete = 1")
-    with store.lock:
-        episodes = conn.execute(
-            "SELECT e.episode_id, e.attempt, e.status, e.total_reward, COALESCE(g.complete, 0), e.group_id, "
-            "COALESCE(g.size, 0) FROM episodes e LEFT JOIN groups g ON g.group_id = e.group_id "
-            f"WHERE {' AND '.join(where)} ORDER BY e.group_id, e.episode_id",
-            args,
-        ).fetchall()
+    ``(episode_id, status, total, group_complete, group_size, mean, std, advantage, equal)``."""
+    episodes = store.export_episodes(job_id, statuses=episode_statuses, env_names=env_names,
+                                     complete_groups_only=complete_groups_only)
+    # (episode_id, attempt_id, status, total, group complete, group id, group size)
 
     if max_staleness is not None:
         oldest: dict[str, float] = {}
         newest: float | None = None
-        with store.lock:
-            versions = conn.execute(
-                "SELECT env_id, weight_version FROM session_steps WHERE job_id = ? AND superseded = 0 "
-                "AND weight_version IS NOT NULL GROUP BY env_id, weight_version", (job_id,),
-            ).fetchall()
-        for env_id, wv in versions:
+        for env_id, wv in store.weight_versions(job_id):
             v = version_number(wv)
             if v is None:
                 continue
@@ -199,32 +184,23 @@ def _select_episodes(
         summary.groups += 1
         summary.groups_rewards_equal += 1 if equal else 0
         for m, a in zip(members, adv):
-            out.append((m[0], m[1], m[2], m[3], m[4], len(members), mean, std, a, equal))
+            out.append((m[0], m[2], m[3], m[4], len(members), mean, std, a, equal))
         i = j
     summary.episodes = len(out)
     return out
 
 
 def _iter_rows(
-    store: Store,
+    store: ResultStore,
     episodes: list[tuple],
     *,
     trainable_only: bool,
     summary: ExportSummary,
 ) -> Iterator[dict[str, Any]]:
-    conn = store.connection()
-    step_sql = (
-        "SELECT job_id, env_id, group_id, env_name, step_id, attempt, messages, response, step_reward, "
-        "weight_version, is_trainable, terminated, truncated FROM session_steps "
-        "WHERE env_id = ? AND attempt = ? AND superseded = 0"
-        + (" AND is_trainable = 1" if trainable_only else "")
-        + " ORDER BY step_id"
-    )
-    for ep_id, attempt, status, total, gcomplete, gsize, gmean, gstd, adv, equal in episodes:
-        with store.lock:
-            steps = conn.execute(step_sql, (ep_id, attempt)).fetchall()
-        for (s_job, env_id, gid, env_name, step_id, att, messages, response, reward, wv, trainable, term, trunc) in steps:
-            prompt = json.loads(messages) if messages else []
+    for ep_id, status, total, gcomplete, gsize, gmean, gstd, adv, equal in episodes:
+        for (s_job, env_id, gid, env_name, step_id, att, messages, response, reward, wv, trainable, term, trunc,
+             p_tokens, c_tokens, ended_by) in store.export_steps(ep_id, trainable_only=trainable_only):
+            prompt = orjson.loads(messages) if messages else []
             completion = [{"role": "assistant", "content": response}]
             summary.by_env[env_name] = summary.by_env.get(env_name, 0) + 1
             yield {
@@ -251,6 +227,9 @@ def _iter_rows(
                 "group_reward_std": gstd,
                 "advantage": adv,
                 "group_rewards_equal": equal,
+                "prompt_tokens": p_tokens,
+                "completion_tokens": c_tokens,
+                "ended_by": ended_by,
             }
 
 
@@ -269,14 +248,14 @@ def _flat_messages(msgs: Iterable[Any]) -> list[dict[str, str | None]]:
     return out
 
 
-def export_job(store_path_or_store: str | os.PathLike | Store, job_id: str, out_path: str | os.PathLike,
+def export_job(store_path_or_store: str | os.PathLike | ResultStore, job_id: str, out_path: str | os.PathLike,
                fmt: str = "jsonl", **filters: Any) -> int:
     """:func:`export_training` (same filters), returning only the number of rows written."""
     return export_training(store_path_or_store, job_id, out_path, fmt, **filters).rows
 
 
 def export_training(
-    store_path_or_store: str | os.PathLike | Store,
+    store_path_or_store: str | os.PathLike | ResultStore,
     job_id: str,
     out_path: str | os.PathLike,
     fmt: str = "jsonl",
@@ -300,13 +279,8 @@ def export_training(
         raise ValueError(f"fmt must be 'jsonl' or 'parquet', got {fmt!r}")
     if max_staleness is not None and max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
-    own = not isinstance(store_path_or_store, Store)
-    if own:
-        if not os.path.exists(store_path_or_store):
-            raise FileNotFoundError(f"no results database at {store_path_or_store}")
-        store = Store(str(store_path_or_store))
-    else:
-        store = store_path_or_store
+    own = not isinstance(store_path_or_store, ResultStore)
+    store = open_store(store_path_or_store, readonly=True) if own else store_path_or_store
     out_path = str(out_path)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = out_path + ".tmp"

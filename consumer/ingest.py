@@ -1,14 +1,19 @@
 """Reading the results stream into the store: batch, commit, then acknowledge.
 
-* A consumer group gives each record to one consumer; XACK happens only after the SQLite
+* A consumer group gives each record to one consumer; XACK happens only after the store's
   commit, so a consumer killed mid-batch leaves its records pending, and another consumer (or
-  the same one restarted under a new name) claims them with XAUTOCLAIM once they idle.
+  the same one restarted under its name) claims them with XAUTOCLAIM once they idle.
 * The store ignores a record it already has, so a claimed batch that was in fact committed
   is stored once.
 * The stream is trimmed only below the oldest entry not yet acknowledged by every group
   (XTRIM MINID): trimming by length would delete records nobody has read.
-* A record that cannot be decoded is moved to ``<prefix>:results:poison`` with its error
-  and acknowledged, so one bad record never blocks the stream and nothing is silently lost.
+* Bad records never block the stream: one that cannot be decoded, or that the store rejects
+  (it fails alone while the rest of its batch is stored), is moved to ``<prefix>:results:poison``
+  with the error and acknowledged. A store that is unavailable (disk full, read-only, database
+  down) is waited for with backoff, its records left pending: the consumer never crash-loops.
+* Lost steps: a completion whose steps are not all stored once every record before its close
+  has been committed can never get them (a Redis failover lost them). The episode is set back
+  to retrying in the store and re-queued in the ledger (``reopen_lost_completions``).
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ import time
 import redis
 
 from broker.keys import Keys
-from broker.records import RecordError, unpack
-from broker.recovery import Sweeper
+from broker.ledger import Ledger
+from broker.queueing import push_episodes
+from broker.records import DONE, QUEUED, RecordError, unpack
+from broker.recovery import SweepDuty, Sweeper
 from broker.settings import Settings
+from consumer.storage import ResultStore, StoreError
+from consumer.storage.errors import StoreUnavailable, classify
 
 log = logging.getLogger("interactor.consumer")
 
@@ -31,29 +40,35 @@ GROUP = "consumers"
 # While the consumer keeps up, it reads at most every GATHER_S: batches of tens of records
 # instead of ones and twos, for at most this much more record latency.
 GATHER_S = 0.05
+LOST_STEPS_CHECK_S = 2.0
+_MAX_WAIT_S = 30.0
 
 
 class Ingestor:
-    def __init__(self, client: redis.Redis, settings: Settings, store, *, name: str | None = None,
-                 observers: list | None = None):
+    def __init__(self, client: redis.Redis, settings: Settings, store: ResultStore, *, name: str | None = None,
+                 observers: list | None = None, sweep: bool = False):
         self.r = client
         self.settings = settings
         self.store = store
         self.keys = Keys(settings.key_prefix)
         self.stream = self.keys.results
+        self.ledger = Ledger(client, self.keys, settings.lease_ttl_s)
         # Stable per host: a restarted consumer re-reads its own pending entries at once instead
         # of waiting for them to idle long enough for XAUTOCLAIM.
         self.name = name or f"consumer@{socket.gethostname()}"
         self._own_pending_done = False
-        self.sweeper = Sweeper(client, settings)
+        # The consumer process sweeps too (dead workers' episodes are re-queued even when no
+        # worker is up), on its own thread so that a long sweep never stalls ingestion.
+        self.sweeper = SweepDuty(Sweeper(client, settings), settings.sweep_interval_s) if sweep else None
         # Called with each committed batch of records (metrics); their errors never stop ingest.
         self.observers = list(observers or [])
-        self.stats = {"records": 0, "batches": 0, "poison": 0, "claimed": 0}
+        self.stats = {"records": 0, "batches": 0, "poison": 0, "claimed": 0, "store_waits": 0, "reopened": 0}
         self._last_claim = 0.0
         self._last_read = 0.0
         self._last_partial = False
-        self._last_sweep = 0.0
         self._last_trim = 0.0
+        self._last_lost_check = 0.0
+        self._wait_s = 0.0  # current backoff while the store is unavailable
         self.ensure_group()
 
     def ensure_group(self) -> None:
@@ -83,16 +98,14 @@ class Ingestor:
         if now - self._last_trim > 1.0:
             self._last_trim = now
             self.trim()
-        if now - self._last_sweep > self.settings.sweep_interval_s:
-            self._last_sweep = now
-            try:
-                self.sweeper.tick()
-            except redis.RedisError as exc:
-                log.warning("sweep failed: %s", exc)
+        if now - self._last_lost_check > LOST_STEPS_CHECK_S:
+            self._last_lost_check = now
+            self.reopen_lost_completions()
         return n
 
     def _own_pending(self) -> list:
-        """Entries delivered to this consumer name before a restart and never acknowledged."""
+        """Entries delivered to this consumer name before a restart and never acknowledged
+        (also those left pending while the store was unavailable)."""
         if self._own_pending_done:
             return []
         resp = self.r.xreadgroup(GROUP, self.name, {self.stream: "0"}, count=self.settings.consumer_batch)
@@ -131,22 +144,22 @@ class Ingestor:
     def _ingest(self, entries: list) -> int:
         records, ids, poison = [], [], []
         for entry_id, fields in entries:
-            ids.append(entry_id)
             raw = fields.get(b"r")
             try:
                 records.append(unpack(raw))
+                ids.append(entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
             except RecordError as exc:
-                poison.append((entry_id, raw, str(exc)))
+                poison.append((entry_id, raw, f"undecodable: {exc}"))
+        try:
+            if records:
+                self._store(records, ids, poison)
+        except StoreUnavailable as exc:
+            self._wait_for_store(exc)
+            return 0  # nothing acknowledged: the same entries come back as our own pending
+        self._wait_s = 0.0
         if poison:
-            pipe = self.r.pipeline(transaction=False)
-            for entry_id, raw, why in poison:
-                pipe.xadd(f"{self.stream}:poison", {"id": entry_id, "r": raw or b"", "error": why})
-                log.error("undecodable record %s moved to %s:poison: %s", entry_id, self.stream, why)
-            pipe.execute()
-            self.stats["poison"] += len(poison)
-        if records:
-            self.store.write_batch(records)  # commits before we acknowledge
-        self.r.xack(self.stream, GROUP, *ids)
+            self._park(poison)
+        self.r.xack(self.stream, GROUP, *(e[0] for e in entries))
         for observe in self.observers:
             try:
                 observe(records)
@@ -156,6 +169,81 @@ class Ingestor:
         self.stats["batches"] += 1
         return len(records)
 
+    def _store(self, records: list, ids: list[str], poison: list) -> None:
+        """Commit the batch; if the store rejects it, find the record(s) at fault one by one and
+        park them, storing the rest. Raises StoreUnavailable when nothing can be stored now."""
+        try:
+            self.store.write_batch(records, ids)
+            return
+        except Exception as exc:  # noqa: BLE001 - classified below
+            err = classify(exc)
+            if isinstance(err, StoreUnavailable):
+                raise err from exc
+            log.error("the store rejected a batch of %d records (%s); storing them one by one", len(records), err)
+        kept = []
+        for rec, entry_id in zip(records, ids):
+            try:
+                self.store.write_batch([rec], [entry_id])
+                kept.append(rec)
+            except Exception as exc:  # noqa: BLE001
+                err = classify(exc)
+                if isinstance(err, StoreUnavailable):
+                    raise err from exc
+                poison.append((entry_id, rec.pack(), f"rejected by the store: {err}"))
+        if not kept and len(records) > 1:
+            # Every record failing alone is not a bad record: the store (or our code) is at
+            # fault. Park nothing; wait and try again.
+            poison[:] = [p for p in poison if not p[2].startswith("rejected by the store")]
+            raise StoreUnavailable(f"every record of a batch of {len(records)} was rejected")
+        records[:] = kept
+
+    def _park(self, poison: list) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id, raw, why in poison:
+            pipe.xadd(f"{self.stream}:poison", {"id": entry_id, "r": raw or b"", "error": why})
+            log.error("record %s moved to %s:poison: %s", entry_id, self.stream, why)
+        pipe.execute()
+        self.stats["poison"] += len(poison)
+
+    def _wait_for_store(self, exc: Exception) -> None:
+        self._wait_s = min(_MAX_WAIT_S, max(0.5, self._wait_s * 2))
+        self.stats["store_waits"] += 1
+        log.error("results store unavailable (%s); records stay pending, retrying in %.1fs", exc, self._wait_s)
+        self._own_pending_done = False  # re-read what we hold, in order, once the store is back
+        time.sleep(self._wait_s)
+
+    # --- lost steps -----------------------------------------------------------------------
+    def reopen_lost_completions(self) -> list[str]:
+        """Completions whose missing steps can no longer arrive: every entry before the close
+        was committed (none is pending in the group), yet the store lacks steps. Re-run them."""
+        try:
+            waiting = self.store.completing()
+        except Exception as exc:  # noqa: BLE001 - a store hiccup: next round
+            log.warning("checking completions for lost steps failed: %s", exc)
+            return []
+        if not waiting:
+            return []
+        try:
+            oldest = self.r.xpending_range(self.stream, GROUP, min="-", max="+", count=1)
+        except redis.ResponseError:
+            oldest = []
+        floor = _id_tuple(oldest[0]["message_id"]) if oldest else None
+        reopened = []
+        for episode_id, job_id, attempt_id, entry in waiting:
+            if not entry or (floor is not None and floor < _id_tuple(entry)):
+                continue  # a record before the close is still pending somewhere: may yet arrive
+            if not self.store.reopen_lost_completion(episode_id, attempt_id):
+                continue
+            spec = self.ledger.episode_spec(job_id, episode_id)
+            if self.ledger.move(job_id, episode_id, QUEUED, [DONE]):
+                push_episodes(self.r, [(job_id, episode_id, (spec.queue if spec else "") or self.settings.queue)])
+            reopened.append(episode_id)
+            log.error("episode %s: attempt %s completed but some of its steps were lost in Redis; re-queued",
+                      episode_id, attempt_id)
+        self.stats["reopened"] += len(reopened)
+        return reopened
+
+    # --- stream upkeep ----------------------------------------------------------------------
     def trim(self) -> None:
         """Drop entries every group has acknowledged, never one still pending or unread."""
         try:
@@ -178,13 +266,26 @@ class Ingestor:
 
     # --- the process loop ---------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        log.info("consumer %s reading %s into %s", self.name, self.stream, getattr(self.store, "path", "?"))
-        while not stop.is_set():
-            try:
-                self.poll_once()
-            except redis.ConnectionError as exc:
-                log.warning("Redis unavailable (%s); retrying", exc)
-                stop.wait(1.0)
+        log.info("consumer %s reading %s into %s", self.name, self.stream, getattr(self.store, "url", "?"))
+        if self.sweeper is not None:
+            self.sweeper.start()
+        delay = 0.0
+        try:
+            while not stop.is_set():
+                try:
+                    self.poll_once()
+                    delay = 0.0
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+                    delay = min(_MAX_WAIT_S, max(1.0, delay * 2))
+                    log.warning("Redis unavailable (%s); retrying in %.0fs", exc, delay)
+                    stop.wait(delay)
+                except (StoreError, redis.RedisError) as exc:
+                    delay = min(_MAX_WAIT_S, max(1.0, delay * 2))
+                    log.error("consumer round failed (%s: %s); retrying in %.0fs", type(exc).__name__, exc, delay)
+                    stop.wait(delay)
+        finally:
+            if self.sweeper is not None:
+                self.sweeper.stop()
         log.info("consumer %s stopped: %s", self.name, self.stats)
 
 

@@ -30,7 +30,8 @@ log = logging.getLogger("interactor")
 
 # flag -> settings field; every flag is optional and overrides INTERACTOR_* variables.
 SETTING_FLAGS = {
-    "--redis-url": "redis_url", "--run-dir": "run_dir", "--db": "db_path", "--queue": "queue",
+    "--redis-url": "redis_url", "--run-dir": "run_dir", "--db": "db_path", "--store": "store_url",
+    "--queue": "queue",
     "--queues": "queues", "--llm-base-url": "llm_base_url", "--model": "model",
     "--temperature": "temperature", "--env-base-url": "env_base_url", "--max-steps": "max_steps",
     "--message-cut": "message_cut", "--episode-budget": "episode_budget_s", "--max-attempts": "max_attempts",
@@ -137,14 +138,13 @@ def _die_with_parent() -> None:
 
 def cmd_consumer(args) -> int:
     from consumer.ingest import Ingestor
-    from consumer.store import Store
+    from consumer.storage import open_store
 
     settings = _settings(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    os.makedirs(os.path.dirname(os.path.abspath(settings.results_db)), exist_ok=True)
-    store = Store(settings.results_db)
+    store = open_store(settings.results_store)
     client = _redis(settings)
     from interactor.metrics import StatsRecorder
 
@@ -154,7 +154,8 @@ def cmd_consumer(args) -> int:
         serve(registry(FleetReader(client, settings)), args.metrics_host, args.metrics_port)
         log.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     try:
-        Ingestor(client, settings, store, name=args.name, observers=[StatsRecorder(client, settings)]).run(stop)
+        Ingestor(client, settings, store, name=args.name, observers=[StatsRecorder(client, settings)],
+                 sweep=True).run(stop)
     finally:
         store.close()
     return 0
@@ -186,14 +187,14 @@ def cmd_demo(args) -> int:
 
 # --- reading results ----------------------------------------------------------------------
 def cmd_results(args) -> int:
-    from consumer.store import Store
+    from consumer.storage import open_store
     from interactor.report import print_groups, print_results
 
     settings = _settings(args)
-    store = Store(settings.results_db)
+    store = open_store(settings.results_store, readonly=True)
     try:
         if args.job not in store.job_ids():
-            print(f"no job {args.job!r} in {settings.results_db}", file=sys.stderr)
+            print(f"no job {args.job!r} in {settings.results_store_shown}", file=sys.stderr)
             return 2
         res = store.results(args.job)
         if args.groups:
@@ -203,7 +204,7 @@ def cmd_results(args) -> int:
     if args.json:
         print(json.dumps(res, indent=2, default=str))
     else:
-        print_results(args.job, res, settings.results_db)
+        print_results(args.job, res, settings.results_store_shown)
         if args.groups:
             print_groups(res["group_rows"])
     return 0
@@ -217,7 +218,7 @@ def cmd_export(args) -> int:
     env_names = [n.strip() for item in (args.env_name or []) for n in item.split(",") if n.strip()]
     if args.max_staleness is not None and args.max_staleness < 0:
         raise SettingsError("--max-staleness must be >= 0")
-    res = export_training(settings.results_db, args.job, out, fmt=args.format, trainable_only=not args.all_steps,
+    res = export_training(settings.results_store, args.job, out, fmt=args.format, trainable_only=not args.all_steps,
                           complete_groups_only=args.complete_groups, env_names=env_names or None,
                           max_staleness=args.max_staleness, current_version=args.current_version, eps=args.eps)
     print(f"wrote {res.rows} rows ({res.episodes} episodes, {res.groups} groups) to {out}")
@@ -389,11 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = list(argv) if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from consumer.storage import StoreError
     from producer.taskfile import TaskFileError
 
     try:
         return args.fn(args)
-    except (SettingsError, TaskFileError) as exc:
+    except (SettingsError, TaskFileError, StoreError) as exc:
         print(f"interactor: {exc}", file=sys.stderr)
         return 2
 

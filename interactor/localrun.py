@@ -77,7 +77,7 @@ class LocalFleet:
 
 def run_local(settings: Settings, tasks: list[str], *, workers: int = 2, job_id: str | None = None,
               resume: str | None = None) -> int:
-    from consumer.store import Store
+    from consumer.storage import open_store
     from producer.enqueue import new_job_id, plan, submit_plan
 
     run_dir = Path(settings.run_dir)
@@ -113,7 +113,7 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int = 2, job_id:
 
             print(f"resuming job {job_id}: re-enqueued {len(reconcile(client, settings, job_id))} lost episodes")
         fleet.start()
-        store = Store(settings.results_db)
+        store = open_store(settings.results_store)
         try:
             _wait(job_id, total, ledger, store, fleet, t0)
         except KeyboardInterrupt:
@@ -127,7 +127,7 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int = 2, job_id:
         results = store.results(job_id)
         store.close()
         print()
-        print_results(job_id, results, settings.results_db)
+        print_results(job_id, results, settings.results_store_shown)
         if interrupted:
             print_left(ledger.counts(job_id), job_id, run_dir)
             return 130

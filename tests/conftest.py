@@ -70,6 +70,27 @@ def settings(redis_server, tmp_path) -> Settings:
     )
 
 
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory):
+    """A real PostgreSQL (pgserver's binaries, else the machine's) on a free port."""
+    from tests.embedded_postgres import EmbeddedPostgres, binaries
+
+    if binaries() is None:
+        pytest.skip("no PostgreSQL server binaries here (pip install pgserver, or the postgresql package)")
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("postgres"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_url(request, tmp_path) -> str:
+    """A fresh results store of each backend: a SQLite file, or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "results.sqlite")
+    return request.getfixturevalue("pg_server").create_database()
+
+
 @pytest.fixture
 def env_server():
     from examples.envserver import start_in_thread

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -256,8 +255,9 @@ def write_job(tmp_path, env_url: str) -> str:
 @pytest.mark.integration
 def test_adapter_job_end_to_end_rewards_match_the_libraries(rg, ta, settings, procs, model_server, redis_client,
                                                             tmp_path):
-    from consumer.store import Store
+    from consumer.storage import open_store
     from interactor.envs.server import start_in_thread
+    from tests.storecheck import db_rows
 
     env, env_url = start_in_thread()
     model, model_url = model_server
@@ -268,7 +268,7 @@ def test_adapter_job_end_to_end_rewards_match_the_libraries(rg, ta, settings, pr
         total = 3 * 3 + 2 * 2
         procs.worker("w1")
         procs.consumer()
-        store = Store(settings.results_db)
+        store = open_store(settings.results_store)
         try:
             res = wait_for(lambda: (lambda r: r if r["completed"] + r["failed"] >= total else None)(
                 store.results(sub.job.job_id)["job"]), 120, what="adapter job stored")
@@ -278,11 +278,9 @@ def test_adapter_job_end_to_end_rewards_match_the_libraries(rg, ta, settings, pr
     finally:
         env.shutdown()
 
-    con = sqlite3.connect(settings.results_db)
-    rows = con.execute("SELECT env_id, group_id, env_name, step_id, messages, response, step_reward, terminated "
-                       "FROM session_steps WHERE job_id = ? AND superseded = 0 ORDER BY env_id, step_id",
-                       (sub.job.job_id,)).fetchall()
-    con.close()
+    rows = db_rows(settings.results_store,
+                   "SELECT session_id, group_id, env_name, step_id, messages, response, step_reward, is_terminal "
+                   "FROM session_steps WHERE job_id = ? ORDER BY session_id, step_id", (sub.job.job_id,))
     episodes: dict[str, list] = {}
     for r in rows:
         episodes.setdefault(r[0], []).append(r)

@@ -21,7 +21,8 @@ from broker.ledger import Ledger
 from interactor.autoscale import Decider, LocalScaler, Policy, WorkerProc, descendants, leases_by_pid
 from producer.enqueue import submit
 from tests.conftest import wait_for
-from tests.test_integration import assert_trajectories_sound, db_rows, wait_job_stored
+from tests.storecheck import assert_trajectories_sound, db_rows
+from tests.test_integration import wait_job_stored
 
 
 # --- the policy ----------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def test_burst_scales_to_max_and_back_to_min_without_losing_or_repeating(setting
         assert all(e == ("completed", 1, 1) for e in eps), eps
         attempts = db_rows(db, "SELECT status, COUNT(*) FROM attempts WHERE job_id = ? GROUP BY status", (job,))
         assert attempts == [("completed", total)]
-        assert db_rows(db, "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND superseded = 1", (job,)) == [(0,)]
+        assert db_rows(db, "SELECT COUNT(*) FROM superseded_steps WHERE job_id = ?", (job,)) == [(0,)]
         assert_trajectories_sound(db, job)
         ledger = Ledger(redis_client, Keys(settings.key_prefix))
         assert ledger.counts(job)["done"] == total

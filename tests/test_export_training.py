@@ -18,7 +18,7 @@ import pytest
 
 from broker.records import AttemptRecord, JobSpec, StepRecord
 from consumer.export import export_job, export_training, group_stats, parquet_schema, version_number
-from consumer.store import Store
+from consumer.storage import open_store
 from tests.conftest import ROOT
 
 JOB = "train-1"
@@ -43,8 +43,8 @@ def episode(ep, reward, *, group, size, env="alpha", wvs=("7", "7"), status="com
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = Store(str(tmp_path / "results.sqlite"))
+def store(tmp_path, store_url):
+    s = open_store(store_url)
     recs = [JobSpec(job_id=JOB, llm_base_url="http://llm", model="m", episodes=11, groups=5)]
     recs += episode("a1", 1.0, group="ga", size=3) + episode("a2", 0.0, group="ga", size=3) \
         + episode("a3", 0.5, group="ga", size=3, trainable_first=False)                    # complete, spread

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,8 @@ from broker.redisconn import connect
 from consumer.export import export_job
 from producer.enqueue import submit
 from tests.conftest import Procs
+from consumer.storage import open_store
+from tests.storecheck import assert_trajectories_sound
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -83,7 +84,7 @@ class Figures:
 
 class Scenario:
     def __init__(self, name, tmp_path, settings, *, env_knobs=None, model_knobs=None, workers=2,
-                 model_latency_ms=40, **overrides):
+                 model_latency_ms=40, consumers=1, **overrides):
         from examples.envserver import start_in_thread as start_env
         from examples.model_standin import start_in_thread as start_model
 
@@ -97,6 +98,7 @@ class Scenario:
         self.client = connect(self.settings)
         self.procs = Procs(self.settings, tmp_path / "logs")
         self.n_workers = workers
+        self.n_consumers = consumers
         self.t0 = time.monotonic()
         self.faults: dict[str, int] = {}
 
@@ -106,7 +108,8 @@ class Scenario:
         self.job_id = sub.job.job_id
         for i in range(self.n_workers):
             self.procs.worker(f"w{i + 1}")
-        self.procs.consumer()
+        for i in range(self.n_consumers):
+            self.procs.consumer("consumer" if i == 0 else f"consumer{i + 1}")
         return self.job_id
 
     def counts(self) -> dict:
@@ -119,11 +122,11 @@ class Scenario:
     def db_settled(self) -> bool:
         """Every episode final in the database, no record left pending, no trajectory short."""
         from consumer.ingest import GROUP
-        from consumer.store import Store
+        from consumer.storage import open_store
 
         if self.client.xpending(Keys(self.settings.key_prefix).results, GROUP)["pending"]:
             return False
-        store = Store(self.settings.results_db)
+        store = open_store(self.settings.results_store)
         try:
             job = store.results(self.job_id)["job"]
         finally:
@@ -148,8 +151,8 @@ class Scenario:
         f.seconds = time.monotonic() - self.t0
         c = self.counts()
         assert c["queued"] == c["running"] == c["retrying"] == 0, c
-        con = sqlite3.connect(self.settings.results_db)
-        q = lambda sql: con.execute(sql, (self.job_id,)).fetchall()  # noqa: E731
+        store = open_store(self.settings.results_store, readonly=True)
+        q = lambda sql: [tuple(r) for r in store.sql(sql, (self.job_id,))]  # noqa: E731
         try:
             rows = dict(q("SELECT status, COUNT(*) FROM episodes WHERE job_id = ? GROUP BY status"))
             f.episodes = sum(rows.values())
@@ -157,40 +160,34 @@ class Scenario:
             assert f.episodes == EPISODES and f.completed + f.dead_lettered == EPISODES, rows
             assert f.completed == c["done"] and f.dead_lettered == c["failed"]
             (f.attempts,) = q("SELECT COUNT(*) FROM attempts WHERE job_id = ?")[0]
-            (f.steps,) = q("SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND superseded = 0")[0]
-            (f.superseded_steps,) = q("SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND superseded = 1")[0]
-            # Exactly one trajectory per episode: non-superseded steps are one attempt's, 1..n.
-            f.duplicate_steps = len(q("SELECT env_id, step_id FROM session_steps WHERE job_id = ? AND superseded = 0 "
-                                      "GROUP BY env_id, step_id HAVING COUNT(*) > 1"))
+            (f.steps,) = q("SELECT COUNT(*) FROM session_steps WHERE job_id = ?")[0]
+            (f.superseded_steps,) = q("SELECT COUNT(*) FROM superseded_steps WHERE job_id = ?")[0]
+            # Exactly one trajectory per episode: its session_steps rows are one attempt's, 1..n.
+            f.duplicate_steps = len(q("SELECT session_id, step_id FROM session_steps WHERE job_id = ? "
+                                      "GROUP BY session_id, step_id HAVING COUNT(*) > 1"))
             assert f.duplicate_steps == 0
-            mixed = q("SELECT env_id FROM session_steps WHERE job_id = ? AND superseded = 0 "
-                      "GROUP BY env_id HAVING COUNT(DISTINCT attempt) > 1")
+            mixed = q("SELECT session_id FROM session_steps WHERE job_id = ? "
+                      "GROUP BY session_id HAVING COUNT(DISTINCT attempt_id) > 1")
             assert mixed == []
-            for episode_id, attempt, steps, total in q(
-                    "SELECT episode_id, attempt, steps, total_reward FROM episodes WHERE job_id = ? "
-                    "AND status = 'completed'"):
-                ids = [r[0] for r in con.execute("SELECT step_id FROM session_steps WHERE env_id = ? AND superseded = 0"
-                                                 " ORDER BY step_id", (episode_id,))]
-                assert ids == list(range(1, steps + 1)), (episode_id, ids)
-                (s,) = con.execute("SELECT COALESCE(SUM(step_reward), 0) FROM session_steps WHERE env_id = ? "
-                                   "AND superseded = 0", (episode_id,)).fetchone()
-                assert s == pytest.approx(total)
+            # Every episode listed from enqueue on, finished exactly when completed.
+            assert q("SELECT COUNT(*), SUM(finished) FROM job_environments WHERE job_id = ?")[0] == (EPISODES,
+                                                                                                   f.completed)
             # Every group accounted for: complete, or incomplete with the reason.
             groups = q("SELECT complete, incomplete_reason FROM groups WHERE job_id = ?")
             assert len(groups) == GROUPS
             f.groups_complete = sum(1 for complete, _ in groups if complete)
             f.groups_incomplete = len(groups) - f.groups_complete
             assert all(complete or reason for complete, reason in groups)
-            superseded = {(e, a) for e, a in q("SELECT DISTINCT env_id, attempt FROM session_steps "
-                                               "WHERE job_id = ? AND superseded = 1")}
+            trajectory = {(e, s) for e, s in q("SELECT session_id, step_id FROM session_steps WHERE job_id = ?")}
         finally:
-            con.close()
+            store.close()
+        assert_trajectories_sound(self.settings.results_store, self.job_id)
         # Exports never carry a superseded step.
         out = self.tmp_path / "export.jsonl"
-        export_job(self.settings.results_db, self.job_id, str(out), fmt="jsonl")
+        export_job(self.settings.results_store, self.job_id, str(out), fmt="jsonl")
         exported = [json.loads(line) for line in out.read_text().splitlines()]
-        f.superseded_in_export = sum(1 for r in exported if (r["episode_id"], r["attempt"]) in superseded)
-        assert f.superseded_in_export == 0
+        f.superseded_in_export = sum(1 for r in exported if (r["episode_id"], r["step_id"]) not in trajectory)
+        assert f.superseded_in_export == 0 and len(exported) == f.steps
         # Every dead-lettered episode is in the dead-letter queue with a reason.
         letters = DeadLetterQueue(self.client, self.settings).list(job_id=self.job_id)
         assert len(letters) == f.dead_lettered and all(d.reason for d in letters)
@@ -207,11 +204,12 @@ class Scenario:
 
 
 @pytest.fixture
-def scenario(request, settings, tmp_path):
+def scenario(request, settings, tmp_path, store_url):
+    """Each scenario runs on both results backends (a SQLite file, a real PostgreSQL)."""
     made = []
 
     def make(name, **kw):
-        s = Scenario(name, tmp_path, settings, **kw)
+        s = Scenario(name, tmp_path, settings.replace(store_url=store_url), **kw)
         made.append(s)
         return s
 
@@ -268,6 +266,26 @@ def test_consumer_sigkilled(scenario):
     s.wait(kill_consumer)
     f = s.check()
     assert f.completed == EPISODES
+
+
+def test_one_of_two_consumers_sigkilled_mid_batch(scenario):
+    """Two consumers in one group write the same store; one is killed again and again while it
+    holds a batch: its records are claimed by the other or re-read on restart, stored once."""
+    s = scenario("two-consumers-one-killed", consumers=2, model_latency_ms=100)
+    s.start()
+
+    @every(1.5)
+    def kill_one(s: Scenario):
+        if s.faults.get("consumer_kills", 0) >= 4:
+            return
+        s.procs.kill("consumer2")
+        s.faults["consumer_kills"] = s.faults.get("consumer_kills", 0) + 1
+        s.procs.consumer("consumer2")
+
+    s.wait(kill_one)
+    f = s.check()
+    assert s.faults["consumer_kills"] >= 3
+    assert f.completed == EPISODES and f.duplicate_steps == 0
 
 
 def test_redis_restarted_mid_run(scenario):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -15,9 +14,10 @@ import pytest
 
 from broker.keys import Keys
 from broker.ledger import Ledger
-from consumer.store import Store
+from consumer.storage import open_store
 from producer.enqueue import submit
 from tests.conftest import ROOT, interruptible, wait_for
+from tests.storecheck import assert_trajectories_sound, db_rows, store_text
 
 pytestmark = pytest.mark.integration
 
@@ -42,16 +42,8 @@ def write_tasks(tmp_path, env_url: str, *, guess: int = 3, rows: int = 5, arith_
     return str(path)
 
 
-def db_rows(db: str, sql: str, args=()) -> list[tuple]:
-    con = sqlite3.connect(db)
-    try:
-        return con.execute(sql, args).fetchall()
-    finally:
-        con.close()
-
-
 def wait_job_stored(settings, job_id: str, total: int, timeout: float = 90):
-    store = Store(settings.results_db)
+    store = open_store(settings.results_store)
     try:
         def finished():
             res = store.results(job_id)["job"]
@@ -62,31 +54,11 @@ def wait_job_stored(settings, job_id: str, total: int, timeout: float = 90):
         store.close()
 
 
-def assert_trajectories_sound(db: str, job_id: str) -> None:
-    """Every completed episode: steps 1..n in order, rewards add up, one trajectory, no duplicates."""
-    episodes = db_rows(db, "SELECT episode_id, attempt, total_reward, steps FROM episodes "
-                           "WHERE job_id = ? AND status = 'completed'", (job_id,))
-    assert episodes
-    for episode_id, attempt, total, steps in episodes:
-        rows = db_rows(db, "SELECT step_id, step_reward, cumulative_reward, attempt FROM session_steps "
-                           "WHERE env_id = ? AND superseded = 0 ORDER BY step_id", (episode_id,))
-        assert [r[0] for r in rows] == list(range(1, len(rows) + 1)), episode_id
-        assert len(rows) == steps
-        assert {r[3] for r in rows} == {attempt}, "one attempt's steps per trajectory"
-        running = 0.0
-        for _, reward, cumulative, _ in rows:
-            running += reward
-            assert cumulative == pytest.approx(running)
-        assert total == pytest.approx(running)
-    dup = db_rows(db, "SELECT env_id, attempt, step_id, COUNT(*) FROM session_steps WHERE job_id = ? "
-                      "GROUP BY env_id, attempt, step_id HAVING COUNT(*) > 1", (job_id,))
-    assert dup == []
-
-
-def test_batch_end_to_end(settings, procs, env_server, model_server, redis_client, tmp_path):
+def test_batch_end_to_end(settings, procs, env_server, model_server, redis_client, tmp_path, store_url):
     env, env_url = env_server
     model, model_url = model_server
-    settings = settings.replace(llm_base_url=model_url + "/v1", llm_api_key="sk-test-planted-secret-123")
+    settings = settings.replace(llm_base_url=model_url + "/v1", llm_api_key="sk-test-planted-secret-123",
+                                store_url=store_url)
     procs.settings = settings
     tasks = write_tasks(tmp_path, env_url)
     sub = submit(redis_client, settings, [tasks])
@@ -99,7 +71,7 @@ def test_batch_end_to_end(settings, procs, env_server, model_server, redis_clien
     res = wait_job_stored(settings, sub.job.job_id, total)
     assert res["completed"] == total, procs.log("w1")[-3000:]
 
-    db = settings.results_db
+    db = settings.results_store
     assert_trajectories_sound(db, sub.job.job_id)
     groups = db_rows(db, "SELECT size, completed, complete FROM groups WHERE job_id = ?", (sub.job.job_id,))
     assert len(groups) == 6 and all(size == done and complete == 1 for size, done, complete in groups)
@@ -115,7 +87,7 @@ def test_batch_end_to_end(settings, procs, env_server, model_server, redis_clien
     assert model.stats()["auth_headers_seen"] > 0
     for key in redis_client.scan_iter(f"{settings.key_prefix}:*"):
         assert b"planted-secret" not in redis_client.dump(key)
-    assert b"planted-secret" not in open(db, "rb").read()
+    assert "planted-secret" not in store_text(db)
     logs = procs.log("w1") + procs.log("w2") + procs.log("consumer")
     assert "planted-secret" not in logs
     # The Redis password (in every process's REDIS_URL) is redacted wherever the URL is logged.
@@ -208,5 +180,5 @@ def _running(run_dir) -> bool:
         return False
     try:
         return bool(db_rows(str(db), "SELECT COUNT(*) FROM session_steps")[0][0])
-    except sqlite3.OperationalError:
+    except Exception:  # noqa: BLE001 - the file is being created
         return False

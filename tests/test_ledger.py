@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import time
 
 import pytest
@@ -111,15 +113,34 @@ def test_create_job_sets_every_episode_queued(ledger, job, redis_client, keys):
     assert ledger.episode_spec(JOB, "nope") is None
     assert ledger.job_spec("nope") is None
     recs = stream_records(redis_client, keys)
-    assert len(recs) == 1 and isinstance(recs[0], JobSpec) and recs[0].job_id == JOB
+    # The job is announced, then its episodes (so the database lists them before they run).
+    assert isinstance(recs[0], JobSpec) and recs[0].job_id == JOB
+    assert [type(r).__name__ for r in recs[1:]] == ["EpisodesEnqueued"]
+    assert [e[0] for e in recs[1].episodes] == [e.episode_id for e in eps]
+    assert [json.loads(e[3]) for e in recs[1].episodes] == [e.env_params for e in eps]
 
 
-def test_create_job_in_chunks(redis_client, keys):
+def test_create_job_in_chunks(redis_client, keys, monkeypatch):
+    import broker.ledger as bl
+
+    monkeypatch.setattr(bl, "ANNOUNCE_CHUNK", 2)
     ledger = Ledger(redis_client, keys)
     spec, eps = make_job(7)
     ledger.create_job(spec, eps, chunk=3)
     assert ledger.states(JOB) == {e.episode_id: QUEUED for e in eps}
     assert ledger.counts(JOB)[QUEUED] == 7
+    announced = [r for r in stream_records(redis_client, keys) if type(r).__name__ == "EpisodesEnqueued"]
+    assert [len(r.episodes) for r in announced] == [2, 2, 2, 1]
+
+
+def test_create_job_writes_nothing_when_a_value_cannot_travel(redis_client, keys):
+    """An integer past 64 bits in a dataset row: refused before the first write, no orphans."""
+    ledger = Ledger(redis_client, keys)
+    spec, eps = make_job(3)
+    eps[2].env_params = {"dataset": {"n": 2**70}}
+    with pytest.raises((OverflowError, TypeError)):
+        ledger.create_job(spec, eps)
+    assert list(redis_client.scan_iter(f"{keys.prefix}:*")) == []
 
 
 # --- start -------------------------------------------------------------------------------

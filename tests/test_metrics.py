@@ -29,7 +29,8 @@ from interactor.metrics import (
 )
 from producer.enqueue import submit
 from tests.conftest import ROOT, interruptible, wait_for
-from tests.test_integration import db_rows, wait_job_stored, write_tasks
+from tests.storecheck import db_rows
+from tests.test_integration import wait_job_stored, write_tasks
 
 pytestmark = pytest.mark.integration
 

@@ -22,10 +22,11 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.records import AttemptRecord, StepRecord, unpack
 from consumer.ingest import GROUP, Ingestor
-from consumer.store import Store
+from consumer.storage import open_store
 from producer.enqueue import submit
 from tests.conftest import ROOT, wait_for
-from tests.test_integration import assert_trajectories_sound, wait_job_stored, write_tasks
+from tests.storecheck import assert_trajectories_sound
+from tests.test_integration import wait_job_stored, write_tasks
 from tests.test_runner import make_job, stream_records
 from workers.runner import WorkerRuntime
 
@@ -89,7 +90,7 @@ def test_dlq_commands(settings, redis_client, env_server, model_server):
 
 def test_trim_keeps_everything_not_acknowledged(settings, redis_client, tmp_path):
     keys = Keys(settings.key_prefix)
-    store = Store(str(tmp_path / "trim.sqlite"))
+    store = open_store(str(tmp_path / "trim.sqlite"))
     ing = Ingestor(redis_client, settings.replace(consumer_batch=10), store, name="c1")
     rec = StepRecord("j", "e", 1, 1, "env", "m", "g", b"[]", "x", 0.0, 0.0, False, False, False, True)
     for i in range(30):
@@ -129,7 +130,7 @@ def test_backpressure_holds_workers_until_the_consumer_catches_up(settings, redi
         # that crossed the bound may have had a companion).
         assert t.is_alive(), result
         assert redis_client.xlen(keys.results) == held <= bound + 2
-        store = Store(str(tmp_path / "bp.sqlite"))
+        store = open_store(str(tmp_path / "bp.sqlite"))
         ing = Ingestor(redis_client, tight, store, name="bp-consumer")
         deadline = time.monotonic() + 30
         while t.is_alive() and time.monotonic() < deadline:
@@ -190,7 +191,7 @@ def test_consumer_sigterm_commits_and_acks(settings, procs, redis_client):
     os.kill(c.pid, signal.SIGTERM)
     assert c.wait(30) == 0
     assert redis_client.xpending(keys.results, GROUP)["pending"] == 0
-    store = Store(settings.results_db)
+    store = open_store(settings.results_store)
     try:
         assert store.results("jt")["job"]["completed"] == 200
     finally:

@@ -19,7 +19,8 @@ from broker.ledger import Ledger
 from interactor.autoscale import LocalScaler, Policy
 from interactor.metrics import FleetReader
 from tests.conftest import ROOT, wait_for
-from tests.test_integration import assert_trajectories_sound, db_rows, wait_job_stored
+from tests.storecheck import assert_trajectories_sound, db_rows
+from tests.test_integration import wait_job_stored
 
 pytestmark = pytest.mark.integration
 

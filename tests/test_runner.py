@@ -77,7 +77,7 @@ def test_duplicate_delivery_of_running_episode_is_dropped(runtime, settings, red
     assert first.status == "ok"
     assert runtime.run(job.job_id, ep.episode_id) == "busy"
     assert ledger.attempts(job.job_id, ep.episode_id) == 1  # no second attempt started
-    assert stream_records(redis_client, settings)[1:] == []  # only the job announcement
+    assert stream_records(redis_client, settings)[2:] == []  # only the announcements of the job and its episode
 
 
 def test_finished_episode_redelivered_is_not_rerun(runtime, settings, redis_client, env_server, model_server):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -81,18 +80,17 @@ def test_session_routing_and_params_end_to_end(settings, procs, env_server, mode
 
     procs.worker("w1")
     procs.consumer()
-    from consumer.store import Store
+    from consumer.storage import open_store
+    from tests.storecheck import db_rows
 
-    store = Store(settings.results_db)
+    store = open_store(settings.results_store)
     try:
         wait_for(lambda: store.results("routed")["job"]["completed"] == 7, 90, what="7 episodes stored")
     finally:
         store.close()
 
-    con = sqlite3.connect(settings.results_db)
-    steps = dict(con.execute("SELECT env_id, COUNT(*) FROM session_steps WHERE job_id = 'routed' "
-                             "AND superseded = 0 GROUP BY env_id").fetchall())
-    con.close()
+    steps = dict(db_rows(settings.results_store, "SELECT session_id, COUNT(*) FROM session_steps "
+                                                 "WHERE job_id = 'routed' GROUP BY session_id"))
     stats = model.stats()
     assert set(stats["by_session"]) == set(steps) and len(steps) == 7, "one session per episode id"
     assert stats["by_session"] == steps, "every model call of an episode went to its own session"

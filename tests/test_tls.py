@@ -15,7 +15,8 @@ import redis
 
 from broker.embedded import free_port
 from producer.enqueue import submit
-from tests.test_integration import assert_trajectories_sound, wait_job_stored, write_tasks
+from tests.storecheck import assert_trajectories_sound
+from tests.test_integration import wait_job_stored, write_tasks
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,51 @@
+"""Where results live: ``open_store(target)`` picks the backend from the target.
+
+* ``postgresql://user@host:5432/db`` (or ``postgres://``): PostgreSQL (:mod:`.postgres`), for
+  fleets whose consumers, exports and readers share one database server;
+* anything else, a path or ``sqlite:///path``: one SQLite file (:mod:`.sqlite`), the default
+  (``<run_dir>/results.sqlite``).
+
+``INTERACTOR_STORE_URL`` (or ``--store``) names it; every role that reads or writes results
+opens it through here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from consumer.storage.backend import ResultStore, StoreError, WriteResult
+from consumer.storage.plan import (
+    EP_COMPLETED,
+    EP_COMPLETING,
+    EP_FAILED,
+    EP_RETRYING,
+    EP_RUNNING,
+    EPISODE_STATUSES,
+)
+
+__all__ = ["open_store", "is_postgres", "ResultStore", "StoreError", "WriteResult", "EP_COMPLETED",
+           "EP_COMPLETING", "EP_FAILED", "EP_RETRYING", "EP_RUNNING", "EPISODE_STATUSES"]
+
+
+def is_postgres(target: str) -> bool:
+    return target.startswith(("postgresql://", "postgres://"))
+
+
+def open_store(target: str | os.PathLike, *, readonly: bool = False) -> ResultStore:
+    """Open (and create or migrate, unless ``readonly``) the results store at ``target``."""
+    target = os.fspath(target)
+    if not target:
+        raise StoreError("no results store given")
+    if is_postgres(target):
+        from consumer.storage.postgres import PostgresStore
+
+        return PostgresStore(target, readonly=readonly)
+    if target.startswith("sqlite://"):
+        target = target[len("sqlite://"):]
+        if target.startswith("/") and target[1:2] == "/":
+            target = target[1:]  # sqlite:///abs/path -> /abs/path
+    if "://" in target:
+        raise StoreError(f"unknown results store {target!r}: give a file path, sqlite:///path or postgresql://...")
+    from consumer.storage.sqlite import SQLiteStore
+
+    return SQLiteStore(target, readonly=readonly)

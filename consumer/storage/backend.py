@@ -1,0 +1,594 @@
+"""The results store: a small base class, one module per backend (``sqlite``, ``postgres``).
+
+Shaped like dramatiq's result backends: :class:`ResultStore` implements what callers use, in
+terms of a few primitives each backend provides (a transaction, queries, its DDL). The same
+SQL runs on both backends: written with ``?`` placeholders (PostgreSQL's module swaps them),
+booleans stored as 0/1 integers (so the original system's ``WHERE is_session_completed = 1``
+works on both), timestamps written by the database from epoch seconds.
+
+Writer: :meth:`ResultStore.write_batch` (the consumer, one transaction per batch; the
+rules are in :mod:`consumer.storage.plan`). Reader: every other public method (``interactor
+results``, ``export``, ``status``, the results browser). No caller outside this package
+touches a connection or writes SQL.
+
+Tables (docs/protocol.md, "What is stored"):
+
+* ``job_environments``, ``session_steps``: the original system's, column for column (plus
+  extra columns of ours on ``session_steps``: attempt, attempt_id, weight_version, finish_reason,
+  ended_by, latencies, token counts, created_ts).
+* ``superseded_steps``: step rows that are not an episode's trajectory, with the reason.
+* ``episodes``, ``attempts``, ``groups``, ``jobs``: our bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence
+
+import orjson
+
+from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord
+from consumer.storage.plan import (
+    EP_COMPLETED,
+    EP_COMPLETING,
+    EP_FAILED,
+    EP_RETRYING,
+    EP_RUNNING,
+    STEPS_LOST,
+    Batch,
+    EpisodeState,
+    Plan,
+    plan_batch,
+    settle,
+)
+
+SCHEMA_VERSION = 2
+
+STEP_COLUMNS = (
+    "session_id", "step_id", "env_name", "llm_model", "group_id", "job_id", "messages", "response",
+    "step_reward", "reward", "env_state", "is_terminal", "is_truncated", "is_session_completed",
+    "is_trainable", "created_at", "attempt", "attempt_id", "weight_version", "finish_reason", "ended_by",
+    "env_latency_s", "model_latency_s", "prompt_tokens", "completion_tokens", "created_ts",
+)
+_STEP_COLS = ", ".join(STEP_COLUMNS)
+
+EPISODE_COLUMNS = EpisodeState.COLUMNS + ("duration_s", "updated_at")
+ATTEMPT_COLUMNS = ("episode_id", "attempt_id", "attempt", "job_id", "status", "reason", "error_class", "error",
+                   "total_reward", "steps", "ended_by", "prompt_tokens", "completion_tokens", "started_at",
+                   "finished_at", "worker")
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or used (bad URL, newer schema, missing driver)."""
+
+
+@dataclass
+class WriteResult:
+    records: int = 0
+    session_steps: int = 0  # rows offered to session_steps (duplicates are ignored by the database)
+    superseded_steps: int = 0
+    completing: list[tuple[str, str, str]] = field(default_factory=list)  # (episode, attempt_id, close entry)
+
+
+class ResultStore:
+    """Base class of the backends. Subclasses provide the primitives marked below."""
+
+    #: SQL expression turning an epoch-seconds parameter into the backend's timestamp type.
+    TS: str = "?"
+    url: str = ""
+
+    # --- primitives (each backend) -------------------------------------------------------
+    @contextmanager
+    def transaction(self) -> Iterator[None]:  # pragma: no cover - backend
+        raise NotImplementedError
+        yield
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> int:  # pragma: no cover - backend
+        """Run one statement; returns the rows it changed."""
+        raise NotImplementedError
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:  # pragma: no cover - backend
+        raise NotImplementedError
+
+    def query_dicts(self, sql: str, args: Sequence[Any] = ()) -> list[dict]:  # pragma: no cover
+        raise NotImplementedError
+
+    def lock_episodes(self, episode_ids: Sequence[str]) -> None:
+        """Hold the episodes' rows until the transaction ends (several writers at once).
+        SQLite has one writer at a time, so its version does nothing."""
+
+    def lock_groups(self, group_ids: Sequence[str]) -> None:
+        """As :meth:`lock_episodes`, for group rows."""
+
+    def close(self) -> None:  # pragma: no cover - backend
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ writing
+    def write_batch(self, records: Iterable[Any], entry_ids: Sequence[str] | None = None) -> WriteResult:
+        """Store a batch in one transaction (plan: :mod:`consumer.storage.plan`). Storing the
+        same batch again changes nothing. ``entry_ids``: the records' stream ids, kept with a
+        completion so that lost steps can be told from late ones."""
+        records = list(records)
+        batch = Batch.collect(records, entry_ids)
+        result = WriteResult(records=len(records))
+        with self.transaction():
+            if batch.jobs:
+                self._write_jobs(batch.jobs)
+            if batch.announced:
+                self._write_announced(batch.announced)
+            if batch.events:
+                plan = self._write_episodes(batch)
+                result.session_steps = len(plan.session_steps)
+                result.superseded_steps = len(plan.superseded_steps)
+                result.completing = [(st.episode_id, st.completed_attempt_id, st.close_entry)
+                                     for st in plan.states.values() if st.status == EP_COMPLETING]
+        return result
+
+    def _write_jobs(self, jobs: list[JobSpec]) -> None:
+        self.executemany(
+            "INSERT INTO jobs (job_id, created_at, episodes, groups, model, llm_base_url, sources, spec) "
+            "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (job_id) DO NOTHING",
+            [(j.job_id, j.created_at, j.episodes, j.groups, j.model, j.llm_base_url, _json(j.sources),
+              _json(j.to_dict())) for j in jobs],
+        )
+
+    def _write_announced(self, announced: list[EpisodesEnqueued]) -> None:
+        rows = []
+        for a in announced:
+            for env_id, env_name, group_id, params in a.episodes:
+                text = params.decode() if isinstance(params, (bytes, bytearray)) else _json(params)
+                rows.append((a.job_id, env_id, env_name, text, group_id, a.created_at))
+        self.executemany(
+            "INSERT INTO job_environments (job_id, env_id, env_name, env_params, image, group_id, finished, "
+            f"is_deleted, created_at) VALUES (?, ?, ?, ?, NULL, ?, 0, 0, {self.TS}) ON CONFLICT (env_id) DO NOTHING",
+            rows,
+        )
+
+    def _write_episodes(self, batch: Batch) -> Plan:
+        ids = batch.episode_ids
+        self.lock_episodes(ids)
+        plan = plan_batch(batch, self._load_states(ids))
+        now = time.time()
+        for episode_id, attempt_id, reason in plan.moves:
+            self._move_steps(episode_id, attempt_id, reason, now)
+        if plan.session_steps:
+            self.executemany(
+                f"INSERT INTO session_steps ({_STEP_COLS}) VALUES ({self._step_values()}) "
+                "ON CONFLICT (session_id, step_id) DO NOTHING",
+                [_step_row(s) for s in plan.session_steps],
+            )
+        if plan.superseded_steps:
+            self.executemany(
+                f"INSERT INTO superseded_steps ({_STEP_COLS}, superseded_reason, superseded_at) "
+                f"VALUES ({self._step_values()}, ?, ?) ON CONFLICT (session_id, attempt_id, step_id) DO NOTHING",
+                [_step_row(s) + (reason, now) for s, reason in plan.superseded_steps],
+            )
+        if plan.closes:
+            self._write_closes(plan.closes)
+        stored = self._stored_steps(plan.episodes_to_count())
+        for st in plan.states.values():
+            settle(st, stored.get(st.episode_id))
+        self._save_states(plan, now)
+        return plan
+
+    def _step_values(self) -> str:
+        return ", ".join(self.TS if c == "created_at" else "?" for c in STEP_COLUMNS)
+
+    def _move_steps(self, episode_id: str, attempt_id: str, reason: str, now: float) -> None:
+        self.execute(
+            f"INSERT INTO superseded_steps ({_STEP_COLS}, superseded_reason, superseded_at) "
+            f"SELECT {_STEP_COLS}, CAST(? AS TEXT), CAST(? AS DOUBLE PRECISION) FROM session_steps "
+            "WHERE session_id = ? AND attempt_id = ? "
+            "ON CONFLICT (session_id, attempt_id, step_id) DO NOTHING",
+            (reason, now, episode_id, attempt_id),
+        )
+        self.execute("DELETE FROM session_steps WHERE session_id = ? AND attempt_id = ?", (episode_id, attempt_id))
+
+    def _write_closes(self, closes: list[AttemptRecord]) -> None:
+        cols = ", ".join(ATTEMPT_COLUMNS)
+        marks = ", ".join("?" for _ in ATTEMPT_COLUMNS)
+        # A 'completed' close wins over any other close of the same attempt; otherwise the
+        # first one stored is kept.
+        updates = ", ".join(f"{c} = excluded.{c}" for c in ATTEMPT_COLUMNS[2:])
+        self.executemany(
+            f"INSERT INTO attempts ({cols}) VALUES ({marks}) ON CONFLICT (episode_id, attempt_id) DO UPDATE SET "
+            f"{updates} WHERE excluded.status = 'completed' AND attempts.status <> 'completed'",
+            [(c.episode_id, c.attempt_id, c.attempt, c.job_id, c.status, c.reason, c.error_class, c.error,
+              float(c.total_reward or 0.0), c.steps, c.ended_by or None, c.prompt_tokens, c.completion_tokens,
+              c.started_at, c.finished_at, c.worker) for c in closes],
+        )
+
+    def _load_states(self, ids: Sequence[str]) -> dict[str, EpisodeState]:
+        out: dict[str, EpisodeState] = {}
+        cols = ", ".join(EpisodeState.COLUMNS)
+        for chunk in _chunks(ids, 500):
+            for row in self.query(f"SELECT {cols} FROM episodes WHERE episode_id IN ({_marks(chunk)})", chunk):
+                out[row[0]] = EpisodeState.from_row(row)
+        return out
+
+    def _stored_steps(self, ids: Sequence[str]) -> dict[str, tuple]:
+        out = {}
+        for chunk in _chunks(ids, 500):
+            for eid, n, r, p, c in self.query(
+                "SELECT session_id, COUNT(*), COALESCE(SUM(step_reward), 0), COALESCE(SUM(prompt_tokens), 0), "
+                f"COALESCE(SUM(completion_tokens), 0) FROM session_steps WHERE session_id IN ({_marks(chunk)}) "
+                "GROUP BY session_id", chunk,
+            ):
+                out[eid] = (int(n), float(r), int(p), int(c))
+        return out
+
+    def _save_states(self, plan: Plan, now: float) -> None:
+        cols = ", ".join(EPISODE_COLUMNS)
+        updates = ", ".join(f"{c} = excluded.{c}" for c in EPISODE_COLUMNS[1:])
+        self.executemany(
+            f"INSERT INTO episodes ({cols}) VALUES ({_marks(EPISODE_COLUMNS)}) "
+            f"ON CONFLICT (episode_id) DO UPDATE SET {updates}",
+            [st.row(now) for st in plan.states.values()],
+        )
+        flips = [(1 if st.status == EP_COMPLETED else 0, st.episode_id) for st in plan.states.values()
+                 if (st.status == EP_COMPLETED) != (st.loaded_status == EP_COMPLETED)]
+        if flips:
+            self.executemany("UPDATE job_environments SET finished = ? WHERE env_id = ?", flips)
+        groups = {}
+        for st in plan.states.values():
+            if (st.new or st.status != st.loaded_status or st.group_size
+                    or (st.status == EP_COMPLETED and st.total_reward != st.loaded_reward)):
+                g = groups.setdefault(st.group_id, [st.job_id, st.env_name, 0])
+                g[2] = max(g[2], st.group_size)
+        groups.pop(None, None)
+        if groups:
+            self._refresh_groups(groups)
+
+    def _refresh_groups(self, groups: dict[str, list]) -> None:
+        """Recompute each touched group from its members, once per batch."""
+        ids = sorted(groups)
+        self.lock_groups(ids)
+        for chunk in _chunks(ids, 500):
+            # A group's size: what its closes said, or how many episodes were enqueued in it.
+            for gid, size in self.query(f"SELECT group_id, size FROM groups WHERE group_id IN ({_marks(chunk)})", chunk):
+                if size and size > groups[gid][2]:
+                    groups[gid][2] = size
+            for gid, n in self.query(f"SELECT group_id, COUNT(*) FROM job_environments WHERE group_id IN "
+                                     f"({_marks(chunk)}) GROUP BY group_id", chunk):
+                if n > groups[gid][2]:
+                    groups[gid][2] = int(n)
+        members: dict[str, list] = {gid: [[], []] for gid in ids}  # completed rewards, failed (id, reason)
+        for chunk in _chunks(ids, 500):
+            for gid, ep_id, st, tr, reason in self.query(
+                "SELECT group_id, episode_id, status, total_reward, reason FROM episodes "
+                f"WHERE group_id IN ({_marks(chunk)}) ORDER BY group_id, episode_id", chunk,
+            ):
+                if st == EP_COMPLETED:
+                    members[gid][0].append(float(tr or 0.0))
+                elif st == EP_FAILED:
+                    members[gid][1].append((ep_id, reason))
+        rows = []
+        for gid in ids:
+            job_id, env_name, size = groups[gid]
+            done, failed = members[gid]
+            nc = len(done)
+            mean = sum(done) / nc if nc else None
+            std = math.sqrt(sum((x - mean) ** 2 for x in done) / nc) if nc else None
+            complete = 1 if size > 0 and nc >= size and not failed else 0
+            why = None
+            if failed:
+                why = f"episode {failed[0][0]} failed: {failed[0][1] or 'unknown'}"
+                if len(failed) > 1:
+                    why += f" (+{len(failed) - 1} more failed)"
+            rows.append((gid, job_id, env_name, size, nc, len(failed), mean, std, complete, why))
+        self.executemany(
+            "INSERT INTO groups (group_id, job_id, env_name, size, completed, failed, reward_mean, reward_std, "
+            "complete, incomplete_reason) VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT (group_id) DO UPDATE SET "
+            "job_id = excluded.job_id, env_name = excluded.env_name, size = excluded.size, "
+            "completed = excluded.completed, failed = excluded.failed, reward_mean = excluded.reward_mean, "
+            "reward_std = excluded.reward_std, complete = excluded.complete, "
+            "incomplete_reason = excluded.incomplete_reason",
+            rows,
+        )
+
+    def reopen_lost_completion(self, episode_id: str, attempt_id: str) -> bool:
+        """A completion whose steps never all arrived (lost in Redis): set its rows aside and
+        put the episode back to ``retrying`` (the consumer re-queues it). False when the episode
+        is no longer completing under that attempt."""
+        with self.transaction():
+            self.lock_episodes([episode_id])
+            st = self._load_states([episode_id]).get(episode_id)
+            if st is None or st.status != EP_COMPLETING or st.completed_attempt_id != attempt_id:
+                return False
+            self._move_steps(episode_id, attempt_id, STEPS_LOST, time.time())
+            st.status = EP_RETRYING
+            st.completed_attempt_id = ""
+            st.attempt_closed = "retrying"
+            st.reason, st.error_class = STEPS_LOST, "StepsLost"
+            st.error = (f"attempt {attempt_id} completed with {st.expected_steps} steps, "
+                        f"{st.steps} reached the database")
+            st.steps, st.total_reward, st.finished_at, st.close_entry = 0, 0.0, None, ""
+            self._save_states(Plan(states={episode_id: st}), time.time())
+        return True
+
+    # ------------------------------------------------------------------ reading
+    def job_ids(self) -> list[str]:
+        """Every job known to the store, oldest first."""
+        rows = self.query(
+            "SELECT job_id, MIN(t) FROM (SELECT job_id, created_at AS t FROM jobs "
+            "UNION ALL SELECT job_id, started_at AS t FROM episodes) u GROUP BY job_id ORDER BY MIN(t), job_id"
+        )
+        return [r[0] for r in rows]
+
+    def job(self, job_id: str) -> dict | None:
+        rows = self.query("SELECT spec FROM jobs WHERE job_id = ?", (job_id,))
+        return orjson.loads(rows[0][0]) if rows and rows[0][0] else None
+
+    def jobs(self, limit: int = 100) -> list[dict]:
+        """The most recent jobs with their counts: the results browser's first page."""
+        out = []
+        for job_id in self.job_ids()[-limit:][::-1]:
+            res = self.results(job_id)
+            out.append(res["job"] | {"groups": res["groups"]})
+        return out
+
+    def results(self, job_id: str) -> dict:
+        """One job's summary: episodes per status, steps, rewards per env_name, groups."""
+        spec = self.job(job_id) or {}
+        counts = dict(self.query("SELECT status, COUNT(*) FROM episodes WHERE job_id = ? GROUP BY status", (job_id,)))
+        (n_steps, n_attempts, p_tok, c_tok, first, last) = self.query(
+            "SELECT COALESCE(SUM(steps), 0), COALESCE(SUM(attempts), 0), COALESCE(SUM(prompt_tokens), 0), "
+            "COALESCE(SUM(completion_tokens), 0), MIN(started_at), MAX(finished_at) FROM episodes WHERE job_id = ?",
+            (job_id,))[0]
+        (mean_reward,) = self.query(
+            "SELECT AVG(total_reward) FROM episodes WHERE job_id = ? AND status = 'completed'", (job_id,))[0]
+        (announced,) = self.query("SELECT COUNT(*) FROM job_environments WHERE job_id = ?", (job_id,))[0]
+        by_env = {}
+        for env, n, comp, fail, mean, lo, hi, pt, ct in self.query(
+            "SELECT env_name, COUNT(*), SUM(CASE WHEN status = 'completed' THEN 1 ELSE 0 END), "
+            "SUM(CASE WHEN status = 'failed' THEN 1 ELSE 0 END), "
+            "AVG(CASE WHEN status = 'completed' THEN total_reward END), "
+            "MIN(CASE WHEN status = 'completed' THEN total_reward END), "
+            "MAX(CASE WHEN status = 'completed' THEN total_reward END), "
+            "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) "
+            "FROM episodes WHERE job_id = ? GROUP BY env_name ORDER BY env_name",
+            (job_id,),
+        ):
+            by_env[env] = {"episodes": n, "completed": int(comp or 0), "failed": int(fail or 0), "mean": mean,
+                           "min": lo, "max": hi, "prompt_tokens": int(pt), "completion_tokens": int(ct)}
+        total, complete, with_failure, mean_std, zero_std = self.query(
+            "SELECT COUNT(*), COALESCE(SUM(complete), 0), "
+            "SUM(CASE WHEN incomplete_reason IS NOT NULL THEN 1 ELSE 0 END), "
+            "AVG(CASE WHEN complete = 1 THEN reward_std END), "
+            "SUM(CASE WHEN complete = 1 AND reward_std = 0 THEN 1 ELSE 0 END) FROM groups WHERE job_id = ?",
+            (job_id,),
+        )[0]
+        started = sum(counts.values())
+        expected = spec.get("episodes")
+        tokens = int(p_tok) + int(c_tok)
+        span = (last - first) if first is not None and last is not None and last > first else None
+        return {
+            "job": {
+                "job_id": job_id,
+                "model": spec.get("model"),
+                "created_at": spec.get("created_at"),
+                "episodes_expected": expected,
+                "groups_expected": spec.get("groups"),
+                "episodes": started,
+                "announced": int(announced),
+                "queued": max(0, (expected or announced or 0) - started),
+                "completed": counts.get(EP_COMPLETED, 0),
+                "failed": counts.get(EP_FAILED, 0),
+                "running": counts.get(EP_RUNNING, 0),
+                "retrying": counts.get(EP_RETRYING, 0),
+                "completing": counts.get(EP_COMPLETING, 0),
+                "attempts": int(n_attempts),
+                "steps": int(n_steps),
+                "short_trajectories": counts.get(EP_COMPLETING, 0),
+                "mean_reward": mean_reward,
+                "prompt_tokens": int(p_tok),
+                "completion_tokens": int(c_tok),
+                "tokens_per_episode": tokens / started if started else None,
+                "tokens_per_s": tokens / span if span else None,
+            },
+            "by_env": by_env,
+            "groups": {
+                "total": int(total),
+                "complete": int(complete),
+                "incomplete": int(total) - int(complete),
+                "failed": int(with_failure or 0),
+                "mean_std": mean_std,
+                "zero_std": int(zero_std or 0),
+            },
+        }
+
+    def episode(self, episode_id: str) -> dict | None:
+        rows = self.query_dicts("SELECT * FROM episodes WHERE episode_id = ?", (episode_id,))
+        return rows[0] if rows else None
+
+    def group(self, group_id: str) -> dict | None:
+        rows = self.query_dicts("SELECT * FROM groups WHERE group_id = ?", (group_id,))
+        return rows[0] if rows else None
+
+    def groups(self, job_id: str) -> list[dict]:
+        """Every group of a job: size, completed, failed, reward mean and std, complete or why not."""
+        return self.query_dicts("SELECT * FROM groups WHERE job_id = ? ORDER BY group_id", (job_id,))
+
+    def group_members(self, group_id: str) -> list[dict]:
+        return self.query_dicts("SELECT * FROM episodes WHERE group_id = ? ORDER BY episode_id", (group_id,))
+
+    def attempts(self, episode_id: str) -> list[dict]:
+        return self.query_dicts("SELECT * FROM attempts WHERE episode_id = ? ORDER BY attempt, started_at",
+                                (episode_id,))
+
+    def episode_trajectory(self, episode_id: str) -> list[dict]:
+        """The episode's trajectory (its session_steps rows) in step order, JSON decoded."""
+        return [_decode_step(d) for d in self.query_dicts(
+            "SELECT * FROM session_steps WHERE session_id = ? ORDER BY step_id", (episode_id,))]
+
+    def superseded_steps(self, episode_id: str) -> list[dict]:
+        """Rows of the episode's other attempts, with why they are not its trajectory."""
+        return [_decode_step(d) for d in self.query_dicts(
+            "SELECT * FROM superseded_steps WHERE session_id = ? ORDER BY attempt, attempt_id, step_id",
+            (episode_id,))]
+
+    def job_environments(self, job_id: str) -> list[dict]:
+        return self.query_dicts("SELECT * FROM job_environments WHERE job_id = ? ORDER BY id", (job_id,))
+
+    def completing(self, limit: int = 1000) -> list[tuple[str, str, str, str]]:
+        """Completions still waiting for steps: (episode, job, attempt_id, close entry id)."""
+        return [tuple(r) for r in self.query(
+            "SELECT episode_id, job_id, completed_attempt_id, close_entry FROM episodes WHERE status = 'completing' "
+            "ORDER BY updated_at LIMIT ?", (limit,))]
+
+    # episodes, filtered, sorted and paged (results browser, exports)
+    EPISODE_SORTS = {"episode_id": "episode_id", "reward": "total_reward", "steps": "steps", "status": "status",
+                     "attempts": "attempts", "started": "started_at", "duration": "duration_s",
+                     "env_name": "env_name", "group": "group_id"}
+
+    def _episode_filter(self, job_id: str, env_names=None, statuses=None, reward_min=None, reward_max=None,
+                        reason=None, attempts_min=None, group_id=None) -> tuple[str, list]:
+        where, args = ["job_id = ?"], [job_id]
+        if env_names:
+            where.append(f"env_name IN ({_marks(env_names)})")
+            args.extend(env_names)
+        if statuses:
+            where.append(f"status IN ({_marks(statuses)})")
+            args.extend(statuses)
+        if reward_min is not None:
+            where.append("total_reward >= ?")
+            args.append(float(reward_min))
+        if reward_max is not None:
+            where.append("total_reward <= ?")
+            args.append(float(reward_max))
+        if reason:
+            where.append("(reason = ? OR ended_by = ?)")
+            args.extend([reason, reason])
+        if attempts_min is not None:
+            where.append("attempts >= ?")
+            args.append(int(attempts_min))
+        if group_id:
+            where.append("group_id = ?")
+            args.append(group_id)
+        return " AND ".join(where), args
+
+    def list_episodes(self, job_id: str, *, sort: str = "episode_id", descending: bool = False, limit: int = 50,
+                      offset: int = 0, **filters: Any) -> list[dict]:
+        where, args = self._episode_filter(job_id, **filters)
+        col = self.EPISODE_SORTS.get(sort)
+        if col is None:
+            raise ValueError(f"unknown sort {sort!r}; one of {sorted(self.EPISODE_SORTS)}")
+        order = f"{col} {'DESC' if descending else 'ASC'}, episode_id"
+        return self.query_dicts(f"SELECT * FROM episodes WHERE {where} ORDER BY {order} LIMIT ? OFFSET ?",
+                                (*args, int(limit), int(offset)))
+
+    def count_episodes(self, job_id: str, **filters: Any) -> int:
+        where, args = self._episode_filter(job_id, **filters)
+        return int(self.query(f"SELECT COUNT(*) FROM episodes WHERE {where}", args)[0][0])
+
+    def env_names(self, job_id: str) -> list[str]:
+        return [r[0] for r in self.query("SELECT DISTINCT env_name FROM episodes WHERE job_id = ? ORDER BY env_name",
+                                         (job_id,))]
+
+    def reward_points(self, job_id: str) -> list[tuple[str, float, float | None]]:
+        """(env_name, total reward, finished at) of every completed episode: distributions, trends."""
+        return [(e, float(r or 0.0), f) for e, r, f in self.query(
+            "SELECT env_name, total_reward, finished_at FROM episodes WHERE job_id = ? AND status = 'completed' "
+            "ORDER BY finished_at", (job_id,))]
+
+    def export_episodes(self, job_id: str, *, statuses: Sequence[str] | None, env_names: Sequence[str] | None,
+                        complete_groups_only: bool) -> list[tuple]:
+        """(episode, attempt_id, status, total reward, group complete, group id, group size) in
+        group order: what an export walks."""
+        where, args = ["e.job_id = ?"], [job_id]
+        if statuses is not None:
+            where.append(f"e.status IN ({_marks(statuses)})")
+            args.extend(statuses)
+        if env_names:
+            where.append(f"e.env_name IN ({_marks(env_names)})")
+            args.extend(env_names)
+        if complete_groups_only:
+            where.append("g.complete = 1")
+        return self.query(
+            "SELECT e.episode_id, e.attempt_id, e.status, e.total_reward, COALESCE(g.complete, 0), e.group_id, "
+            "COALESCE(g.size, 0) FROM episodes e LEFT JOIN groups g ON g.group_id = e.group_id "
+            f"WHERE {' AND '.join(where)} ORDER BY e.group_id, e.episode_id", args)
+
+    def export_steps(self, episode_id: str, *, trainable_only: bool) -> list[tuple]:
+        """The episode's trajectory rows as an export needs them, in step order."""
+        return self.query(
+            "SELECT job_id, session_id, group_id, env_name, step_id, attempt, messages, response, step_reward, "
+            "weight_version, is_trainable, is_terminal, is_truncated, prompt_tokens, completion_tokens, ended_by "
+            "FROM session_steps WHERE session_id = ?" + (" AND is_trainable = 1" if trainable_only else "")
+            + " ORDER BY step_id", (episode_id,))
+
+    def weight_versions(self, job_id: str) -> list[tuple[str, Any]]:
+        """(episode, weight_version) pairs of the job's trajectories (staleness filters)."""
+        return self.query(
+            "SELECT session_id, weight_version FROM session_steps WHERE job_id = ? AND weight_version IS NOT NULL "
+            "GROUP BY session_id, weight_version", (job_id,))
+
+    def sql(self, text: str, args: Sequence[Any] = ()) -> list[tuple]:
+        """A read-only query for tests and tools that check the original tables' contract."""
+        return self.query(text, args)
+
+
+def _json(obj: Any) -> str:
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS, default=str).decode()
+
+
+def _marks(items: Sequence[Any]) -> str:
+    return ", ".join("?" for _ in items)
+
+
+def _chunks(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+_ENV_STATE: dict[Any, str] = {}
+
+
+def _env_state(wv: Any) -> str | None:
+    """``{"weight_version": ...}`` as the original system writes it, or None."""
+    if wv is None:
+        return None
+    text = _ENV_STATE.get(wv) if isinstance(wv, (str, int)) else None
+    if text is None:
+        text = orjson.dumps({"weight_version": wv}).decode()
+        if isinstance(wv, (str, int)) and len(_ENV_STATE) < 10_000:
+            _ENV_STATE[wv] = text
+    return text
+
+
+def _step_row(s: StepRecord) -> tuple:
+    wv = s.weight_version
+    mj = s.messages_json
+    return (
+        s.env_id, s.step_id, s.env_name, s.llm_model, s.group_id, s.job_id,
+        mj.decode() if isinstance(mj, (bytes, bytearray)) else mj, s.response,
+        float(s.step_reward or 0.0), float(s.cumulative_reward or 0.0), _env_state(wv),
+        1 if s.terminated else 0, 1 if s.truncated else 0, 1 if s.episode_finished else 0,
+        1 if s.is_trainable else 0, s.created_at,
+        s.attempt, s.attempt_id or f"n{s.attempt}", None if wv is None else str(wv), s.finish_reason,
+        s.ended_by or None, s.env_latency_s, s.model_latency_s, s.prompt_tokens, s.completion_tokens,
+        s.created_at,
+    )
+
+
+def _decode_step(d: dict) -> dict:
+    if d.get("messages") is not None:
+        d["messages"] = orjson.loads(d["messages"])
+    if d.get("env_state") is not None:
+        d["env_state"] = orjson.loads(d["env_state"])
+    for k in ("is_terminal", "is_truncated", "is_session_completed", "is_trainable"):
+        if k in d and d[k] is not None:
+            d[k] = bool(d[k])
+    return d

@@ -1,0 +1,309 @@
+"""What one batch of records does to the database, decided in plain Python (every backend
+applies the same plan, so the rules below hold on SQLite and PostgreSQL alike).
+
+The rules (docs/protocol.md, "What is stored"):
+
+* ``session_steps`` (the original table) holds, for each episode, the rows of exactly one
+  attempt: the one running now, or the one that completed the episode. Rows of any other
+  attempt live in ``superseded_steps`` with the reason they are not the trajectory.
+* An attempt is named by its number and its ``attempt_id`` (a random token). The episode's
+  *current* attempt is the newest one seen: the higher number, or, for the same number under two
+  ids (a Redis rollback issued one number twice), the run that started later. A step of an
+  older attempt is set aside; a step of a newer one moves the older one's rows aside.
+* The first completion wins: once an attempt's completion is stored, no other attempt's steps
+  enter ``session_steps``, whatever the ledger later says (a lost write in Redis can re-run an
+  episode that already completed; the database keeps the first trajectory).
+* An attempt that closes without completing (retrying, abandoned, failed) has its rows moved
+  aside; a failed episode keeps no rows in ``session_steps``.
+* A completed attempt whose steps are not all stored yet is ``completing``; it becomes
+  ``completed`` when the last step arrives (with several consumers, steps and the close may be
+  committed in any order). The consumer re-runs a completion whose steps were lost in Redis.
+
+Redelivery of a batch changes nothing: every insert is keyed and ignores a duplicate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from broker.records import (
+    ABANDONED,
+    ATTEMPT_FAILED,
+    ATTEMPT_RETRYING,
+    COMPLETED,
+    AttemptRecord,
+    EpisodesEnqueued,
+    EpisodeSpec,
+    JobSpec,
+    StepRecord,
+)
+
+# Episode statuses (episodes.status).
+EP_RUNNING, EP_COMPLETING, EP_COMPLETED, EP_RETRYING, EP_FAILED = (
+    "running", "completing", "completed", "retrying", "failed")
+EPISODE_STATUSES = (EP_RUNNING, EP_COMPLETING, EP_COMPLETED, EP_RETRYING, EP_FAILED)
+_CLOSED_STATUS = {ATTEMPT_FAILED: EP_FAILED, ATTEMPT_RETRYING: EP_RETRYING, ABANDONED: EP_RETRYING}
+
+# Why rows are in superseded_steps (superseded_steps.superseded_reason).
+SUPERSEDED = "superseded"  # a newer attempt took over
+STALE = "stale"  # a step of an attempt older than the current one, arriving late
+ROLLED_BACK = "rolled_back"  # the same attempt number ran twice (Redis lost writes); the earlier run
+COMPLETED_BY_OTHER = "completed_by_other"  # the episode was completed by another attempt first
+STEPS_LOST = "steps_lost"  # completed, but some of its steps never reached the stream
+
+
+def closed_reason(close: AttemptRecord) -> str:
+    """The superseded reason of an attempt that closed without completing: ``closed:<status>``
+    plus the failure reason when there is one, e.g. ``closed:retrying:env_unreachable``."""
+    return f"closed:{close.status}" + (f":{close.reason}" if close.reason else "")
+
+
+@dataclass
+class EpisodeState:
+    """One episodes row, as the planner reads and writes it."""
+
+    episode_id: str
+    job_id: str = ""
+    group_id: str = ""
+    env_name: str = ""
+    llm_model: str = ""
+    status: str = EP_RUNNING
+    attempt: int = 0  # the current attempt's number (0: none seen)
+    attempt_id: str = ""
+    attempt_started: float | None = None
+    attempt_closed: str = ""  # the current attempt's close status ("" while it runs)
+    completed_attempt_id: str = ""
+    attempts: int = 0  # the highest attempt number seen
+    total_reward: float = 0.0
+    steps: int = 0
+    expected_steps: int = 0  # steps the completed attempt reported
+    reason: str | None = None
+    error_class: str | None = None
+    error: str | None = None
+    ended_by: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None
+    group_size: int = 0
+    close_entry: str = ""  # stream id of the completed close (to tell lost steps from late ones)
+    new: bool = False  # not in the database yet
+    loaded_attempt_id: str = ""  # the current attempt when loaded (its rows may be stored)
+    loaded_status: str = ""
+    loaded_reward: float | None = None
+
+    COLUMNS = ("episode_id", "job_id", "group_id", "env_name", "llm_model", "status", "attempt", "attempt_id",
+               "attempt_started", "attempt_closed", "completed_attempt_id", "attempts", "total_reward", "steps",
+               "expected_steps", "reason", "error_class", "error", "ended_by", "prompt_tokens",
+               "completion_tokens", "started_at", "finished_at", "group_size", "close_entry")
+
+    @property
+    def placeholder(self) -> bool:
+        """A row made only to be locked (PostgreSQL, an episode's first batch), nothing in it."""
+        return not self.attempt_id and not self.attempts and not self.job_id
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> "EpisodeState":
+        st = cls(*row)
+        st.loaded_attempt_id = st.attempt_id
+        st.loaded_status = st.status
+        st.loaded_reward = st.total_reward
+        return st
+
+    def row(self, now: float) -> tuple:
+        duration = (self.finished_at - self.started_at
+                    if self.finished_at is not None and self.started_at is not None else None)
+        return tuple(getattr(self, c) for c in self.COLUMNS) + (max(0.0, duration) if duration is not None else None,
+                                                                 now)
+
+
+@dataclass
+class Batch:
+    """A batch of records sorted by kind, in stream order within each episode."""
+
+    jobs: list[JobSpec] = field(default_factory=list)
+    announced: list[EpisodesEnqueued] = field(default_factory=list)
+    events: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)  # episode -> [(record, entry id)]
+
+    @classmethod
+    def collect(cls, records: Iterable[Any], entry_ids: Sequence[str] | None = None) -> "Batch":
+        b = cls()
+        ids = entry_ids if entry_ids is not None else ()
+        for i, r in enumerate(records):
+            entry = ids[i] if i < len(ids) else ""
+            t = type(r)
+            if t is StepRecord:
+                b.events.setdefault(r.env_id, []).append((r, entry))
+            elif t is AttemptRecord:
+                b.events.setdefault(r.episode_id, []).append((r, entry))
+            elif t is JobSpec:
+                b.jobs.append(r)
+            elif t is EpisodesEnqueued:
+                b.announced.append(r)
+            elif t is EpisodeSpec:
+                pass  # the ledger owns specs
+            else:
+                raise TypeError(f"cannot store a {t.__name__}")
+        return b
+
+    @property
+    def episode_ids(self) -> list[str]:
+        return sorted(self.events)
+
+
+@dataclass
+class Plan:
+    """Row operations, applied in this order: moves, then inserts, then the rest."""
+
+    moves: list[tuple[str, str, str]] = field(default_factory=list)  # (episode, attempt_id, reason)
+    session_steps: list[StepRecord] = field(default_factory=list)
+    superseded_steps: list[tuple[StepRecord, str]] = field(default_factory=list)  # (step, reason)
+    closes: list[AttemptRecord] = field(default_factory=list)
+    states: dict[str, EpisodeState] = field(default_factory=dict)
+
+    def episodes_to_count(self) -> list[str]:
+        """Episodes whose stored steps must be counted after the inserts."""
+        return sorted(self.states)
+
+
+def attempt_key(rec: Any) -> str:
+    """A record's attempt_id; for records written before attempt ids (v1), ``n<attempt>``."""
+    return rec.attempt_id or f"n{rec.attempt}"
+
+
+class _Planner:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.pending: dict[str, list[StepRecord]] = {}  # episode -> rows queued for session_steps
+
+    # --- attempts -----------------------------------------------------------------------
+    def _newer(self, st: EpisodeState, number: int, started: float | None) -> int:
+        """+1 when an attempt (number, started) is newer than the current one, -1 older."""
+        if number != st.attempt:
+            return 1 if number > st.attempt else -1
+        if st.attempt_started is None or started is None:
+            return 1
+        return 1 if started >= st.attempt_started else -1
+
+    def _set_aside_current(self, st: EpisodeState, reason: str) -> None:
+        """The current attempt's rows leave session_steps: those queued in this batch go to
+        superseded_steps directly, those already stored are moved."""
+        for s in self.pending.pop(st.episode_id, ()):
+            self.plan.superseded_steps.append((s, reason))
+        if st.attempt_id and st.attempt_id == st.loaded_attempt_id:
+            self.plan.moves.append((st.episode_id, st.attempt_id, reason))
+
+    def _switch(self, st: EpisodeState, number: int, attempt_id: str, started: float | None, same_number: bool) -> None:
+        if st.attempt_id:
+            self._set_aside_current(st, ROLLED_BACK if same_number else SUPERSEDED)
+        st.attempt, st.attempt_id, st.attempt_started = number, attempt_id, started
+        st.attempt_closed = ""
+        st.status = EP_RUNNING
+        st.reason = st.error_class = st.error = st.ended_by = None
+        st.finished_at = None
+        st.attempts = max(st.attempts, number)
+
+    def _route(self, st: EpisodeState, number: int, attempt_id: str, started: float | None) -> str | None:
+        """None when the attempt is (now) the current one; else why its rows are set aside."""
+        if st.completed_attempt_id:
+            return None if attempt_id == st.completed_attempt_id else COMPLETED_BY_OTHER
+        if attempt_id == st.attempt_id:
+            return None
+        order = self._newer(st, number, started)
+        if order < 0:
+            return ROLLED_BACK if number == st.attempt else STALE
+        self._switch(st, number, attempt_id, started, same_number=(number == st.attempt))
+        return None
+
+    # --- records ------------------------------------------------------------------------
+    def step(self, st: EpisodeState, s: StepRecord) -> None:
+        attempt_id = attempt_key(s)
+        st.attempts = max(st.attempts, s.attempt)
+        if st.started_at is None or (s.created_at and s.created_at < st.started_at):
+            st.started_at = s.created_at
+        why = self._route(st, s.attempt, attempt_id, s.created_at)
+        if why is None and st.attempt_closed and st.attempt_closed != COMPLETED:
+            why = f"closed:{st.attempt_closed}"
+        if why is not None:
+            self.plan.superseded_steps.append((s, why))
+            return
+        if st.attempt_started is None or s.created_at < st.attempt_started:
+            st.attempt_started = s.created_at
+        self.pending.setdefault(st.episode_id, []).append(s)
+
+    def close(self, st: EpisodeState, c: AttemptRecord, entry: str) -> None:
+        attempt_id = attempt_key(c)
+        if not c.attempt_id:
+            c.attempt_id = attempt_id
+        self.plan.closes.append(c)
+        st.attempts = max(st.attempts, c.attempt)
+        if c.group_size and c.group_size > st.group_size:
+            st.group_size = c.group_size
+        if c.started_at and c.started_at > 0 and (st.started_at is None or c.started_at < st.started_at):
+            st.started_at = c.started_at
+        if self._route(st, c.attempt, attempt_id, c.started_at or None) is not None:
+            return  # an older attempt's close, or a completion after another's: recorded, no effect
+        if st.completed_attempt_id:
+            return  # the completing attempt's close, again
+        if c.started_at and c.started_at > 0:
+            st.attempt_started = c.started_at
+        st.attempt_closed = c.status
+        if c.status == COMPLETED:
+            st.completed_attempt_id = attempt_id
+            st.expected_steps = c.steps
+            st.total_reward = float(c.total_reward or 0.0)
+            st.ended_by = c.ended_by or None
+            st.finished_at = c.finished_at
+            st.close_entry = entry
+            st.reason = st.error_class = st.error = None
+            return
+        self._set_aside_current(st, closed_reason(c))
+        st.status = _CLOSED_STATUS.get(c.status, EP_RETRYING)
+        st.reason, st.error_class, st.error = c.reason or None, c.error_class or None, c.error or None
+        st.finished_at = c.finished_at if st.status == EP_FAILED else None
+
+
+def plan_batch(batch: Batch, loaded: dict[str, EpisodeState]) -> Plan:
+    """The row operations of ``batch``, given the stored state of its episodes (``loaded``;
+    missing ones are new). Mutates and returns the states in ``plan.states``."""
+    plan = Plan()
+    planner = _Planner(plan)
+    for episode_id in batch.episode_ids:
+        events = batch.events[episode_id]
+        st = loaded.get(episode_id)
+        if st is None or st.placeholder:
+            first = events[0][0]
+            st = EpisodeState(episode_id, job_id=first.job_id, group_id=first.group_id, env_name=first.env_name,
+                              llm_model=first.llm_model, new=True)
+        plan.states[episode_id] = st
+        for rec, entry in events:
+            if type(rec) is StepRecord:
+                planner.step(st, rec)
+            else:
+                planner.close(st, rec, entry)
+    for rows in planner.pending.values():
+        plan.session_steps.extend(rows)
+    return plan
+
+
+def settle(st: EpisodeState, stored: tuple[int, float, int, int] | None) -> None:
+    """Final status and totals of an episode from what session_steps holds for it now
+    (``(rows, reward sum, prompt tokens, completion tokens)``)."""
+    n, reward, p_tokens, c_tokens = stored or (0, 0.0, 0, 0)
+    if st.completed_attempt_id:
+        st.steps = n
+        st.prompt_tokens, st.completion_tokens = p_tokens, c_tokens
+        st.status = EP_COMPLETED if n >= st.expected_steps else EP_COMPLETING
+        return
+    if st.attempt_closed and st.attempt_closed != COMPLETED:
+        st.steps, st.total_reward = 0, 0.0
+        return
+    st.status = EP_RUNNING
+    st.steps, st.total_reward = n, reward
+    st.prompt_tokens, st.completion_tokens = p_tokens, c_tokens
+
+
+def now() -> float:
+    return time.time()
