@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class LoadSpec:
     concurrency: int
-    pool: str = "threads"
+    pool: str = "gevent"
     workers: int = 4  # worker processes; concurrency is split between them
     model_latency_ms: float = 1000.0
     env_latency_ms: float = 20.0

@@ -18,7 +18,7 @@ ROOT = harness.ROOT
 @dataclass
 class BenchConfig:
     levels: list[int] = field(default_factory=lambda: [64, 256, 1000])
-    pool: str = "threads"
+    pool: str = "gevent"
     pools: list[str] = field(default_factory=lambda: ["threads", "gevent", "prefork"])
     pool_level: int = 256
     workers: int = 4

@@ -57,17 +57,22 @@ _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
-_SHAPES: dict[type, tuple[tuple[str, ...], frozenset[str]]] = {}
+_SHAPES: dict[type, tuple] = {}
 
 
-def _shape(cls: type) -> tuple[tuple[str, ...], frozenset[str]]:
-    """(field names, required field names) of a record class, computed once: the consumer
-    decodes tens of thousands of records a second and ``dataclasses.fields`` is slow."""
+def _shape(cls: type) -> tuple:
+    """(field names, required names, plain defaults, default factories) of a record class,
+    computed once: the consumer decodes tens of thousands of records a second and
+    ``dataclasses.fields`` is slow."""
     shape = _SHAPES.get(cls)
     if shape is None:
         fs = fields(cls)
-        shape = _SHAPES[cls] = (tuple(f.name for f in fs), frozenset(
-            f.name for f in fs if f.default is MISSING and f.default_factory is MISSING))
+        shape = _SHAPES[cls] = (
+            tuple(f.name for f in fs),
+            frozenset(f.name for f in fs if f.default is MISSING and f.default_factory is MISSING),
+            {f.name: f.default for f in fs if f.default is not MISSING},
+            tuple((f.name, f.default_factory) for f in fs if f.default_factory is not MISSING),
+        )
     return shape
 
 
@@ -100,15 +105,22 @@ class _Record:
             raise RecordError(f"{cls.KIND}: unsupported schema version {v!r} (known: {sorted(SUPPORTED_VERSIONS)})")
         if v != SCHEMA_VERSION:
             d = cls._upgrade(d)
-        names, required = _shape(cls)
-        kwargs = {k: d[k] for k in names if k in d}
-        if len(kwargs) < len(required) and not required.issubset(kwargs):
-            missing = sorted(required - set(kwargs))
+        names, required, defaults, factories = _shape(cls)
+        values = {k: d[k] for k in names if k in d}
+        if len(values) < len(required) and not required.issubset(values):
+            missing = sorted(required - set(values))
             raise RecordError(f"{cls.KIND}: missing field {missing[0]!r}")
-        try:
-            return cls(**kwargs)
-        except TypeError as exc:  # pragma: no cover - shape checked above
-            raise RecordError(f"{cls.KIND}: {exc}") from None
+        # The fields as __init__ would set them, without calling it: the consumer decodes tens
+        # of thousands of records a second, and a generated __init__ of 25 fields is the
+        # larger part of that.
+        obj = cls.__new__(cls)
+        fill = obj.__dict__
+        fill.update(defaults)
+        for name, factory in factories:
+            if name not in values:
+                fill[name] = factory()
+        fill.update(values)
+        return obj
 
     @classmethod
     def _upgrade(cls, d: dict[str, Any]) -> dict[str, Any]:

@@ -106,11 +106,14 @@ class Settings:
 
     # --- workers -----------------------------------------------------------------------
     concurrency: int = 16  # episodes at once per worker process
-    pool: str = "threads"
+    # gevent: an episode is a greenlet; at hundreds of episodes per process it costs about half
+    # the CPU per step of OS threads (no GIL hand-offs, fewer syscalls: docs/benchmarks.md).
+    # threads remains available (e.g. for C extensions that block without releasing the GIL).
+    pool: str = "gevent"
 
     # --- results stream and consumer ---------------------------------------------------
     stream_backlog_max: int = 100_000  # unacked records above which workers slow down
-    consumer_batch: int = 500
+    consumer_batch: int = 2000  # records per transaction at most (a commit's fixed cost is shared)
     consumer_block_ms: int = 1000
     consumer_claim_idle_ms: int = 30_000
 

@@ -314,10 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("run", cmd_run, "run task files end to end on this machine")
     sp.add_argument("tasks", nargs="*")
     sp.add_argument("--resume", metavar="JOB", help="finish a job already in Redis (same --run-dir)")
-    sp.add_argument("--workers", type=int, default=2, help="local worker processes")
+    sp.add_argument("--workers", type=int, default=None,
+                    help="local worker processes (default: one per core; --concurrency is split between them)")
     sp.add_argument("--job-id")
     sp = add("demo", cmd_demo, "run the bundled example batch against the stand-in servers")
-    sp.add_argument("--workers", type=int, default=2)
+    sp.add_argument("--workers", type=int, default=None)
     sp = add("submit", cmd_submit, "validate and enqueue task files")
     sp.add_argument("tasks", nargs="+")
     sp.add_argument("--job-id")

@@ -23,12 +23,18 @@ from broker.settings import Settings, redact_url
 from interactor.report import print_left, print_results, progress_line
 
 
+def default_workers(concurrency: int) -> int:
+    """Local worker processes for ``concurrency`` episodes: one per core (the benchmark's best on
+    two cores, docs/benchmarks.md), never more than there are episodes to run at once."""
+    return max(1, min(os.cpu_count() or 1, concurrency))
+
+
 class LocalFleet:
     """Worker and consumer child processes, restarted if one dies unexpectedly."""
 
-    def __init__(self, settings: Settings, workers: int, log_dir: Path):
+    def __init__(self, settings: Settings, workers: int | None, log_dir: Path):
         self.settings = settings
-        self.n_workers = max(1, workers)
+        self.n_workers = max(1, workers or default_workers(settings.concurrency))
         self.log_dir = log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         per_worker = max(1, -(-settings.concurrency // self.n_workers))
@@ -75,7 +81,7 @@ class LocalFleet:
                 p.wait(5)
 
 
-def run_local(settings: Settings, tasks: list[str], *, workers: int = 2, job_id: str | None = None,
+def run_local(settings: Settings, tasks: list[str], *, workers: int | None = None, job_id: str | None = None,
               resume: str | None = None) -> int:
     from consumer.storage import open_store
     from producer.enqueue import new_job_id, plan, submit_plan
@@ -181,7 +187,7 @@ def _persistent_password(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def run_demo(settings: Settings, *, workers: int = 2) -> int:
+def run_demo(settings: Settings, *, workers: int | None = None) -> int:
     """Start the bundled env server and model stand-in, then run examples/tasks.yaml."""
     import examples
 

@@ -51,6 +51,8 @@ COUNTERS = {
     "steps": ("env_name",),
     "episodes_finished": ("env_name", "status"),
     "attempt_failures": ("reason", "outcome"),
+    "prompt_tokens": ("model",),
+    "completion_tokens": ("model",),
 }
 HISTOGRAMS = {
     "step_latency_seconds": (("part", "env_name"), LATENCY_BUCKETS),
@@ -84,6 +86,8 @@ METRIC_NAMES = {
     "interactor_steps": "counter",
     "interactor_episodes_finished": "counter",
     "interactor_attempt_failures": "counter",
+    "interactor_prompt_tokens": "counter",
+    "interactor_completion_tokens": "counter",
     "interactor_step_latency_seconds": "histogram",
     "interactor_episode_duration_seconds": "histogram",
 }
@@ -112,43 +116,60 @@ class StatsRecorder:
         self._last_sample = 0.0
 
     def __call__(self, records: list) -> None:
-        ints: dict[str, int] = {}
-        floats: dict[str, float] = {}
+        # Tallied per label set first, then one field name per distinct label set: a batch of
+        # hundreds of steps costs a few dict updates each (field names are built once).
         steps = 0
-
-        def count(name: str, labels: tuple, n: int = 1) -> None:
-            f = f"c|{name}|{_labels_field(labels)}"
-            ints[f] = ints.get(f, 0) + n
+        per_env: dict[str, int] = {}
+        hist: dict[tuple, list] = {}  # (name, labels) -> [bucket counts..., sum]
+        counts: dict[tuple, int] = {}  # (name, labels) -> n
+        tokens: dict[tuple, int] = {}  # (name, model) -> n
 
         def observe(name: str, labels: tuple, value: float) -> None:
-            buckets = HISTOGRAMS[name][1]
-            base = f"h|{name}|{_labels_field(labels)}|"
-            b = base + str(bisect.bisect_left(buckets, value))  # index len(buckets) is +Inf
-            ints[b] = ints.get(b, 0) + 1
-            floats[base + "sum"] = floats.get(base + "sum", 0.0) + value
+            h = hist.get((name, labels))
+            if h is None:
+                h = hist[(name, labels)] = [0] * (len(HISTOGRAMS[name][1]) + 1) + [0.0]
+            h[bisect.bisect_left(HISTOGRAMS[name][1], value)] += 1  # index len(buckets) is +Inf
+            h[-1] += value
 
         for rec in records:
-            if isinstance(rec, StepRecord):
+            t = type(rec)
+            if t is StepRecord:
                 steps += 1
                 env = rec.env_name or ""
-                count("steps", (env,))
+                per_env[env] = per_env.get(env, 0) + 1
                 observe("step_latency_seconds", ("env", env), max(0.0, float(rec.env_latency_s or 0.0)))
                 observe("step_latency_seconds", ("model", env), max(0.0, float(rec.model_latency_s or 0.0)))
-            elif isinstance(rec, AttemptRecord):
+                if rec.prompt_tokens:
+                    key = ("prompt_tokens", rec.llm_model or "")
+                    tokens[key] = tokens.get(key, 0) + int(rec.prompt_tokens)
+                if rec.completion_tokens:
+                    key = ("completion_tokens", rec.llm_model or "")
+                    tokens[key] = tokens.get(key, 0) + int(rec.completion_tokens)
+            elif t is AttemptRecord:
                 env = rec.env_name or ""
                 if rec.status in ("completed", "failed"):
-                    count("episodes_finished", (env, rec.status))
+                    key = ("episodes_finished", (env, rec.status))
+                    counts[key] = counts.get(key, 0) + 1
                     if rec.started_at > 0 and rec.finished_at >= rec.started_at:
                         observe("episode_duration_seconds", (env, rec.status), rec.finished_at - rec.started_at)
                 if rec.status != "completed":
-                    count("attempt_failures", (rec.reason or "unknown", rec.status))
-        if not ints and not floats:
+                    key = ("attempt_failures", (rec.reason or "unknown", rec.status))
+                    counts[key] = counts.get(key, 0) + 1
+        for env, n in per_env.items():
+            counts[("steps", (env,))] = n
+        for (name, model), n in tokens.items():
+            counts[(name, (model,))] = n
+        if not counts and not hist:
             return
         pipe = self.r.pipeline(transaction=False)
-        for f, n in ints.items():
-            pipe.hincrby(self.keys.stats, f, n)
-        for f, x in floats.items():
-            pipe.hincrbyfloat(self.keys.stats, f, x)
+        for (name, labels), n in counts.items():
+            pipe.hincrby(self.keys.stats, f"c|{name}|{_labels_field(labels)}", n)
+        for (name, labels), h in hist.items():
+            base = f"h|{name}|{_labels_field(labels)}|"
+            for i, n in enumerate(h[:-1]):
+                if n:
+                    pipe.hincrby(self.keys.stats, base + str(i), n)
+            pipe.hincrbyfloat(self.keys.stats, base + "sum", h[-1])
         pipe.hincrby(self.keys.stats, _STEPS_FIELD, steps)
         total = int(pipe.execute()[-1])
         self._sample(total, steps)
@@ -571,6 +592,8 @@ class FleetCollector:
             "episodes_finished": "Episodes finished for good (completed, or failed and dead-lettered)",
             "attempt_failures": "Attempts that did not complete, by reason and outcome "
                                 "(retrying, failed, abandoned)",
+            "prompt_tokens": "Prompt tokens the model server reported (usage), per model",
+            "completion_tokens": "Completion tokens the model server reported (usage), per model",
             "step_latency_seconds": "Time per step in env calls (get_task_prompt + step) and in the model call",
             "episode_duration_seconds": "Wall clock of the attempt that finished an episode",
         }

@@ -22,7 +22,9 @@ the same rules as the HTTP transport (:mod:`workers.envclient`):
   ``CLOSE_MIN_BUDGET_S`` past the deadline).
 
 One thread per instance keeps each environment's calls on one thread, in order (some libraries
-keep thread-local state).
+keep thread-local state). Under the gevent pool that thread is a real OS thread (gevent's
+thread pool), not a greenlet: an env that computes for seconds neither stalls every other
+episode of the worker nor escapes its timeout.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -87,10 +90,16 @@ class _CallThread:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 fut.set_exception(exc)
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def call(self, fn: Callable[[], Any], timeout: float) -> tuple[bool, bool, Any, BaseException | None]:
+        """Run ``fn`` on the thread and wait at most ``timeout``: (done, stuck, result, exception);
+        not done and not stuck means it never started (cancelled, the thread is free)."""
         fut: Future = Future()
         self._q.put((fn, fut))
-        return fut
+        done, _ = wait_futures([fut], timeout=timeout)
+        if not done:
+            return False, not fut.cancel(), None, None
+        exc = fut.exception()
+        return True, False, (None if exc else fut.result()), exc
 
     def stop(self) -> None:
         self._q.put(None)
@@ -98,6 +107,36 @@ class _CallThread:
     @property
     def thread(self) -> threading.Thread:
         return self._thread
+
+
+class _OSThread:
+    """The same, under gevent: a real OS thread from a one-thread gevent pool, waited for
+    cooperatively, so the hub keeps running every other episode meanwhile."""
+
+    def __init__(self, name: str):
+        from gevent.threadpool import ThreadPool
+
+        self._pool = ThreadPool(1)
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> tuple[bool, bool, Any, BaseException | None]:
+        result = self._pool.spawn(fn)
+        if not result.wait(timeout):
+            return False, True, None, None  # started or queued behind a stuck call: treat as stuck
+        if result.successful():
+            return True, False, result.value, None
+        return True, False, None, result.exception
+
+    def stop(self) -> None:
+        self._pool.kill()
+
+
+def _new_call_thread(name: str):
+    if "gevent" in sys.modules:
+        from gevent import monkey
+
+        if monkey.is_module_patched("threading"):
+            return _OSThread(name)
+    return _CallThread(name)
 
 
 def _short(exc: BaseException) -> str:
@@ -164,12 +203,11 @@ class InprocEnv:
             elif env is not None and hasattr(env, "close"):
                 now = time.monotonic()
                 budget = min(CLOSE_BUDGET_S, max(self.deadline - now, CLOSE_MIN_BUDGET_S))
-                fut = runner.submit(env.close)
-                done, _ = wait_futures([fut], timeout=budget)
+                done, _, _, exc = runner.call(env.close, budget)
                 if not done:
                     log.warning("%s: no answer within %.1fs; instance abandoned", what, budget)
-                elif fut.exception() is not None:
-                    log.warning("%s failed: %s", what, _short(fut.exception()))
+                elif exc is not None:
+                    log.warning("%s failed: %s", what, _short(exc))
         except Exception as exc:  # never raise from close
             log.warning("%s failed unexpectedly: %s", what, type(exc).__name__, exc_info=True)
         finally:
@@ -190,18 +228,16 @@ class InprocEnv:
         if self._stuck:
             raise EpisodeError(ENV_UNREACHABLE, f"{what}: an earlier call of this instance never returned")
         if self._runner is None:
-            self._runner = _CallThread(f"inproc:{self.spec.episode_id}")
+            self._runner = _new_call_thread(f"inproc:{self.spec.episode_id}")
         timeout = min(s.env_read_timeout_s, left)
-        fut = self._runner.submit(fn)
-        done, _ = wait_futures([fut], timeout=timeout)
+        done, stuck, result, exc = self._runner.call(fn, timeout)
         if not done:
-            self._stuck = not fut.cancel()  # cancelled before it started: the thread is free
+            self._stuck = stuck  # cancelled before it started: the thread is free
             if deadline_passed(self.deadline):
                 raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out waiting for the env")
             raise EpisodeError(ENV_UNREACHABLE, f"{what}: no answer within {timeout:.1f}s (env_read_timeout_s)")
-        exc = fut.exception()
         if exc is None:
-            return fut.result()
+            return result
         if isinstance(exc, (ValueError, ImportError)):
             raise with_cause(EpisodeError(ENV_BAD_REQUEST, f"{what}: {_short(exc)}"), exc)
         if isinstance(exc, EpisodeError):

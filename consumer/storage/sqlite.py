@@ -240,7 +240,7 @@ class SQLiteStore(ResultStore):
         c = self._conn
         # page_size only takes effect before the first table is created: 8 KiB pages hold a
         # few-KB step row without overflow pages.
-        c.execute("PRAGMA page_size = 8192")
+        c.execute("PRAGMA page_size = 16384")
         c.execute("PRAGMA journal_mode = WAL")
         c.execute("PRAGMA synchronous = FULL")
         c.execute("PRAGMA busy_timeout = 30000")
