@@ -72,6 +72,7 @@ def cmd_worker(args) -> int:
     os.environ.update(settings.as_environ())  # workers.tasks reads its settings at import
     if os.environ.get(_WORKER_CHILD) != "1":
         return _supervise_worker(sys.argv[1:] if args.argv is None else args.argv)
+    _raise_open_files_limit()
     if settings.pool == "gevent":
         # What `celery -P gevent` does first thing; app.worker_main does not, and an unpatched
         # gevent pool blocks its hub on the first socket read: no episode ever starts.
@@ -125,6 +126,20 @@ def _supervise_worker(argv: list[str]) -> int:
         restarts += 1
         log.error("worker process exited with %s without being asked to; restarting (%d)", code, restarts)
         time.sleep(min(10.0, 0.5 * restarts))
+
+
+def _raise_open_files_limit() -> None:
+    """A worker holds a connection per running episode to its env server and to the model (and
+    Redis): at a thousand episodes per process that is past the common soft limit of 1024 open
+    files. Raise the soft limit to the hard one."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def _die_with_parent() -> None:
