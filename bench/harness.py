@@ -35,7 +35,7 @@ import uuid
 from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import redis
@@ -503,71 +503,113 @@ def realistic_records(n: int, *, concurrency: int = 256, steps: int = 20, job_id
 
 
 @dataclass
-class IngestResult:
+class FleetIngestResult:
+    backend: str = "sqlite"
+    consumers: int = 1
     records: int = 0
-    bytes_per_record: float = 0.0
     seconds: float = 0.0
     rate: float = 0.0
-    cpu_consumer_s: float = 0.0
+    cpu_consumers_s: float = 0.0
     cpu_redis_s: float = 0.0
-    batch: int = 0
+    cpu_database_s: float = 0.0  # the PostgreSQL server's processes (0 for SQLite)
     errors: list[str] = field(default_factory=list)
 
 
-def run_ingest(n: int, work: Path, *, base: Settings | None = None, store_factory: Callable | None = None) -> IngestResult:
-    """Records/s from a pre-filled stream into SQLite, through the consumer's own loop."""
-    from consumer.ingest import Ingestor
-    from consumer.storage import open_store
+def run_fleet_ingest(n: int, work: Path, *, backend: str, consumers: int,
+                     base: Settings | None = None) -> FleetIngestResult:
+    """Records/s through ``consumers`` real ``interactor consumer`` processes (one consumer
+    group) into one store: they start idle on an empty stream, then ``n`` step records are
+    added as fast as a pipeline can; the clock runs until every record is acknowledged and in
+    the database."""
+    folder = Path(tempfile.mkdtemp(prefix=f"ingest-{backend}-{consumers}-", dir=work)).resolve()
+    res = FleetIngestResult(backend=backend, consumers=consumers, records=n)
+    log(f"ingest: {n} records through {consumers} consumer process(es) into {backend}")
+    pg = None
+    procs: list[subprocess.Popen] = []
+    try:
+        with EmbeddedRedis(folder / "redis") as srv:
+            store_url = str(folder / "results.sqlite")
+            if backend == "postgres":
+                from tests.embedded_postgres import EmbeddedPostgres
 
-    folder = Path(tempfile.mkdtemp(prefix="ingest-", dir=work))
-    res = IngestResult(records=n)
-    log(f"ingest: {n} records from a pre-filled stream into SQLite")
-    with EmbeddedRedis(folder / "redis") as srv:
-        settings = (base or Settings.from_env({})).replace(redis_url=srv.url, db_path=str(folder / "results.sqlite"),
-                                                           run_dir=str(folder))
-        res.batch = settings.consumer_batch
-        client = redis.Redis.from_url(srv.url)
-        keys = Keys(settings.key_prefix)
-        recs = realistic_records(n)
-        total_bytes = 0
-        pipe = client.pipeline(transaction=False)
-        for i, r in enumerate(recs):
-            b = r.pack()
-            total_bytes += len(b)
-            pipe.xadd(keys.results, {"r": b})
-            if i % 2000 == 1999:
-                pipe.execute()
-        pipe.execute()
-        del recs
-        res.bytes_per_record = total_bytes / n
-        store = (store_factory or open_store)(settings.results_db)
-        observers = []
-        try:  # what `interactor consumer` adds to every Ingestor
-            from interactor.metrics import StatsRecorder
+                pg = EmbeddedPostgres(folder / "pg").start()
+                store_url = pg.create_database("bench")
+            settings = (base or Settings.from_env({})).replace(redis_url=srv.url, store_url=store_url,
+                                                               run_dir=str(folder))
+            client = redis.Redis.from_url(srv.url)
+            keys = Keys(settings.key_prefix)
+            from consumer.ingest import GROUP
+            from consumer.storage import open_store
 
-            observers.append(StatsRecorder(client, settings))
-        except ImportError:
-            pass
-        ing = Ingestor(client, settings, store, name="bench-ingest", observers=observers)
-        me, rp = psutil.Process(), psutil.Process(srv.proc.pid)
-        c0, r0 = me.cpu_times(), rp.cpu_times()
-        t0 = time.perf_counter()
-        idle = 0
-        while ing.stats["records"] < n and idle < 5:
-            got = ing.poll_once(block_ms=100)
-            idle = idle + 1 if got == 0 else 0
-        res.seconds = time.perf_counter() - t0
-        c1, r1 = me.cpu_times(), rp.cpu_times()
-        res.cpu_consumer_s = (c1.user + c1.system) - (c0.user + c0.system)
-        res.cpu_redis_s = (r1.user + r1.system) - (r0.user + r0.system)
-        if ing.stats["records"] < n:
-            res.errors.append(f"only {ing.stats['records']} of {n} records ingested")
-        res.rate = ing.stats["records"] / res.seconds
-        store.close()
-        client.close()
+            open_store(store_url).close()  # schema made once, before the clock
+            client.xgroup_create(keys.results, GROUP, id="0", mkstream=True)
+            env = _child_env(settings, None)
+            for i in range(consumers):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "interactor.cli", "consumer", "--name", f"bench-c{i + 1}"], env=env,
+                    cwd=str(ROOT), stdout=open(folder / f"consumer{i + 1}.log", "ab"), stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True))
+            deadline = time.monotonic() + 60
+            while sum(1 for i in range(consumers) if "reading" in (folder / f"consumer{i + 1}.log").read_text(
+                    errors="replace")) < consumers:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError("consumers did not start; see " + str(folder))
+                time.sleep(0.1)
+            time.sleep(0.5)
+            packed = [r.pack() for r in realistic_records(n)]
+            roles = {"consumers": [pr for p in procs for pr in _procs(p)],
+                     "redis": _procs(srv.proc),
+                     "database": _pg_procs(pg.proc) if pg else []}
+            cpu0 = {r: _cpu_snapshot(p) for r, p in roles.items()}
+            t0 = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for i, raw in enumerate(packed):
+                pipe.xadd(keys.results, {"r": raw})
+                if i % 2000 == 1999:
+                    pipe.execute()
+            pipe.execute()
+            deadline = time.monotonic() + max(120.0, n / 1000)
+            while True:
+                info = client.xinfo_groups(keys.results)[0]
+                last = _s(info["last-delivered-id"])
+                tail = _s(client.xinfo_stream(keys.results)["last-generated-id"])
+                if int(info["pending"]) == 0 and last == tail:
+                    break
+                if time.monotonic() > deadline:
+                    res.errors.append(f"not drained after {deadline:.0f}s")
+                    break
+                time.sleep(0.02)
+            res.seconds = time.perf_counter() - t0
+            cpu1 = {r: _cpu_snapshot(p) for r, p in roles.items()}
+            res.cpu_consumers_s = _cpu_delta(cpu0["consumers"], cpu1["consumers"])
+            res.cpu_redis_s = _cpu_delta(cpu0["redis"], cpu1["redis"])
+            res.cpu_database_s = _cpu_delta(cpu0["database"], cpu1["database"])
+            store = open_store(store_url, readonly=True)
+            stored = store.sql("SELECT COUNT(*) FROM session_steps")[0][0] + store.sql(
+                "SELECT COUNT(*) FROM attempts")[0][0]
+            store.close()
+            if stored != n:
+                res.errors.append(f"{stored} of {n} records in the database")
+            res.rate = n / res.seconds
+            client.close()
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        res.errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        for p in procs:
+            _stop(p, signal.SIGTERM, 30)
+        if pg is not None:
+            pg.stop()
     shutil.rmtree(folder, ignore_errors=True)
-    log(f"  {res.rate:.0f} records/s ({res.bytes_per_record / 1024:.1f} KB each)")
+    log(f"  {res.rate:.0f} records/s" + (f"; problems: {res.errors}" if res.errors else ""))
     return res
+
+
+def _pg_procs(p: subprocess.Popen | None) -> list[psutil.Process]:
+    return _procs(p)
+
+
+def _s(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 # --------------------------------------------------------------------------- enqueue

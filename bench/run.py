@@ -1,4 +1,5 @@
-"""One benchmark run: load levels, pool comparison, ingest, enqueue; then the report."""
+"""One benchmark run: load levels, worker-process and pool comparisons, ingest, enqueue; then
+the report."""
 
 from __future__ import annotations
 
@@ -17,11 +18,15 @@ ROOT = harness.ROOT
 
 @dataclass
 class BenchConfig:
-    levels: list[int] = field(default_factory=lambda: [64, 256, 1000])
+    levels: list[int] = field(default_factory=lambda: [256, 1000, 2000])
     pool: str = "gevent"
-    pools: list[str] = field(default_factory=lambda: ["threads", "gevent", "prefork"])
-    pool_level: int = 256
-    workers: int = 4
+    pools: list[str] = field(default_factory=lambda: ["gevent", "threads"])
+    pool_level: int = 1000
+    workers: int = 2  # worker processes of the load runs (one per core: the comparison shows why)
+    process_counts: list[int] = field(default_factory=lambda: [2, 4])  # compared at pool_level
+    # (backend, consumer processes) of the ingest measurements; the first is the headline
+    ingest_runs: list[tuple[str, int]] = field(default_factory=lambda: [
+        ("sqlite", 1), ("sqlite", 2), ("postgres", 1), ("postgres", 2)])
     model_latency_ms: float = 1000.0
     env_latency_ms: float = 20.0
     steps: int = 20
@@ -29,7 +34,7 @@ class BenchConfig:
     warmup_s: float = 3.0
     ingest_records: int = 50_000
     enqueue_episodes: int = 100_000
-    skip: list[str] = field(default_factory=list)  # load, pools, ingest, enqueue
+    skip: list[str] = field(default_factory=list)  # load, processes, pools, ingest, enqueue
     out: str = str(ROOT / "docs" / "benchmarks.md")
     png: str = str(ROOT / "docs" / "benchmarks.png")
     work: str = str(ROOT / "runs" / "bench")
@@ -37,14 +42,15 @@ class BenchConfig:
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
-        base = dict(levels=[16], pools=[], pool_level=16, model_latency_ms=200.0, steps=5, window_s=5.0,
-                    warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000,
+        base = dict(levels=[16], pools=[], pool_level=16, process_counts=[], model_latency_ms=200.0, steps=5,
+                    window_s=5.0, warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000,
+                    ingest_runs=[("sqlite", 1)],
                     out=str(ROOT / "runs" / "bench" / "benchmarks.md"), png=str(ROOT / "runs" / "bench" / "benchmarks.png"))
         base.update(kw)
         return cls(**base)
 
-    def spec(self, concurrency: int, pool: str) -> harness.LoadSpec:
-        return harness.LoadSpec(concurrency=concurrency, pool=pool, workers=self.workers,
+    def spec(self, concurrency: int, pool: str, workers: int | None = None) -> harness.LoadSpec:
+        return harness.LoadSpec(concurrency=concurrency, pool=pool, workers=workers or self.workers,
                                 model_latency_ms=self.model_latency_ms, env_latency_ms=self.env_latency_ms,
                                 steps=self.steps, window_s=self.window_s, warmup_s=self.warmup_s)
 
@@ -72,8 +78,8 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
         "config": {"workers": cfg.workers, "model_latency_ms": cfg.model_latency_ms,
                    "env_latency_ms": cfg.env_latency_ms, "steps": cfg.steps, "window_s": cfg.window_s,
                    "warmup_s": cfg.warmup_s, "levels": cfg.levels, "pool": cfg.pool, "pools": cfg.pools,
-                   "pool_level": cfg.pool_level, "src": cfg.src},
-        "load": [], "pools": [],
+                   "pool_level": cfg.pool_level, "process_counts": cfg.process_counts, "src": cfg.src},
+        "load": [], "pools": [], "processes": [], "ingest_runs": [],
     }
     load_by_c: dict[int, dict] = {}
     if "load" not in cfg.skip:
@@ -81,6 +87,13 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
             r = harness.to_json(harness.run_load(cfg.spec(c, cfg.pool), work, src=cfg.src, base=base))
             res["load"].append(r)
             load_by_c[c] = r
+    if "processes" not in cfg.skip:
+        for n in cfg.process_counts:
+            if n == cfg.workers and cfg.pool_level in load_by_c:
+                res["processes"].append(load_by_c[cfg.pool_level])  # the same load, already measured
+                continue
+            res["processes"].append(harness.to_json(harness.run_load(cfg.spec(cfg.pool_level, cfg.pool, n), work,
+                                                                     src=cfg.src, base=base)))
     if "pools" not in cfg.skip:
         for pool in cfg.pools:
             if pool == cfg.pool and cfg.pool_level in load_by_c:
@@ -89,7 +102,12 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
             res["pools"].append(harness.to_json(harness.run_load(cfg.spec(cfg.pool_level, pool), work, src=cfg.src,
                                                                  base=base)))
     if "ingest" not in cfg.skip:
-        res["ingest"] = harness.to_json(harness.run_ingest(cfg.ingest_records, work, base=base))
+        for backend, consumers in cfg.ingest_runs:
+            r = harness.to_json(harness.run_fleet_ingest(cfg.ingest_records, work, backend=backend,
+                                                         consumers=consumers, base=base))
+            res["ingest_runs"].append(r)
+        if res["ingest_runs"]:
+            res["ingest"] = res["ingest_runs"][0]
     if "enqueue" not in cfg.skip:
         res["enqueue"] = harness.to_json(harness.run_enqueue(cfg.enqueue_episodes, work, base=base))
     res["finished"] = report.now_text()

@@ -32,7 +32,7 @@ def test_bench_quick_produces_the_table(tmp_path):
                     "## Consumer ingest", "## Enqueue"):
         assert heading in text, heading
     for row in ("| Efficiency at concurrency 4 |", "| Orchestration CPU per step, concurrency 4 |",
-                "| Worker memory per concurrent episode, concurrency 4 |", "| Consumer ingest (records/s into SQLite) |",
+                "| Worker memory per concurrent episode, concurrency 4 |", "| Consumer ingest (records/s into SQLite, one consumer) |",
                 "| Enqueue (1,000-episode job, episodes/s) |", "| Record latency p99, concurrency 4 |"):
         assert row in text, row
     assert "**Chosen default: `threads`**" in text
@@ -44,5 +44,5 @@ def test_bench_quick_produces_the_table(tmp_path):
     assert run["steps"] > 0 and run["running_reached"] == 4
     assert run["latency_n"] > 0 and run["latency_ms"]["p99"] > 0
     assert set(run["cpu_s"]) == {"workers", "consumer", "redis", "env", "model"}
-    assert res["ingest"]["records"] == 600 and not res["ingest"]["errors"]
+    assert res["ingest"]["records"] == 600 and not res["ingest"]["errors"] and res["ingest"]["backend"] == "sqlite"
     assert res["enqueue"]["episodes"] == 1000 and not res["enqueue"]["errors"]
