@@ -228,10 +228,14 @@ class Cluster:
             [py, "-m", "bench.standins", "model", "--port", "0", "--latency-ms", str(spec.model_latency_ms)],
             plain, self.logs / "model.log", self.cwd)
         per_worker = max(1, -(-spec.concurrency // spec.workers))
+        # The first wave spread over one model latency (llm_startup_jitter_s, what a fleet
+        # starting at once should use): with identical latencies, episodes started together
+        # would otherwise step in lockstep for the whole run, and a window would count 19 or 20
+        # bursts of C steps depending on where it falls (+-5% at 20 s).
         s = self.base.replace(
             redis_url=self.redis.url, run_dir=str(self.folder), db_path=str(self.folder / "results.sqlite"),
             env_base_url=env_url, llm_base_url=model_url + "/v1", model="stand-in", pool=spec.pool,
-            concurrency=per_worker, max_steps=max(spec.steps, 1),
+            concurrency=per_worker, max_steps=max(spec.steps, 1), llm_startup_jitter_s=spec.model_latency_ms / 1000,
         )
         self.settings = s
         self.env_url, self.model_url = env_url, model_url
@@ -374,16 +378,19 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
         roles = cluster.roles()
         res.worker_pss_idle_mb = _pss_mb(roles["workers"])
 
-        factor = spec.episodes_factor or 1.5 * (1 + (spec.window_s + spec.warmup_s + 15) / (spec.steps * spec.step_latency_s))
+        ramp_limit = max(30.0, spec.concurrency * 0.02)
+        factor = spec.episodes_factor or 1.5 * (1 + (ramp_limit + spec.window_s + spec.warmup_s + 15)
+                                               / (spec.steps * spec.step_latency_s))
         episodes = max(spec.concurrency, int(spec.concurrency * factor))
         tasks = _write_countdown_tasks(folder, cluster.env_url, episodes, spec.steps)
         sub = submit_plan(client, settings, plan(settings, [tasks], f"bench-{uuid.uuid4().hex[:6]}"))
         job_id = sub.job.job_id
         ledger = Ledger(client, keys, settings.lease_ttl_s)
 
-        # Ramp: until every slot runs an episode.
+        # Ramp: until every slot runs an episode (or the machine shows it cannot: then the window
+        # is measured all the same, and the table says how many ran).
         t_ramp = time.monotonic()
-        deadline = t_ramp + max(60.0, spec.concurrency * 0.1)
+        deadline = t_ramp + ramp_limit
         best = 0
         while time.monotonic() < deadline:
             running = ledger.counts(job_id)["running"]
