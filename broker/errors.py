@@ -11,29 +11,49 @@ MODEL_UNAVAILABLE = "model_unavailable"  # 429/5xx/connection/timeouts, retries 
 LEASE_LOST = "lease_lost"  # another attempt owns the episode now
 WORKER_LOST = "worker_lost"  # lease expired: the worker died (set by the sweeper)
 WORKER_SHUTDOWN = "worker_shutdown"  # handed back at SIGTERM after the grace period
+STEPS_LOST = "steps_lost"  # completed, but some step records never reached the database (set by the consumer)
+
+# Outages: a server was down for longer than INTERACTOR_OUTAGE_BUDGET_S. While a server is down
+# its episodes wait (workers/breakers.py); only an outage past the budget ends an episode, and
+# the reason says which server it was.
+ENV_OUTAGE = "env_outage"
+MODEL_OUTAGE = "model_outage"
+BROKER_OUTAGE = "broker_outage"  # Redis
 
 # Permanent: the same request will fail the same way.
 ENV_BAD_REQUEST = "env_bad_request"  # 4xx on reset: unknown env_name or bad params
 ENV_MALFORMED = "env_malformed"  # not JSON, wrong types, missing fields, too large
-MODEL_BAD_REQUEST = "model_bad_request"  # 4xx other than 429 (context too long, ...)
+MODEL_BAD_REQUEST = "model_bad_request"  # 4xx other than 429 (a malformed request, a bad parameter)
 MODEL_MALFORMED = "model_malformed"  # not JSON, no choices, wrong types
 EPISODE_TIMEOUT = "episode_timeout"  # the attempt's wall-clock budget ran out
-BAD_TASK = "bad_task"  # the episode spec could not be read
+BAD_TASK = "bad_task"  # the episode spec could not be read, or names what this worker may not run
 INTERNAL_ERROR = "internal_error"  # a bug of ours; parked so that it can be re-driven
 ATTEMPTS_EXHAUSTED = "attempts_exhausted"  # prefix use: "attempts_exhausted:<last reason>"
 
 TRANSIENT_REASONS = frozenset(
-    {ENV_UNREACHABLE, ENV_SERVER_ERROR, ENV_INSTANCE_LOST, MODEL_UNAVAILABLE, LEASE_LOST, WORKER_LOST, WORKER_SHUTDOWN}
+    {ENV_UNREACHABLE, ENV_SERVER_ERROR, ENV_INSTANCE_LOST, MODEL_UNAVAILABLE, LEASE_LOST, WORKER_LOST, WORKER_SHUTDOWN,
+     STEPS_LOST}
 )
+OUTAGE_REASONS = frozenset({ENV_OUTAGE, MODEL_OUTAGE, BROKER_OUTAGE})
 
 
 class EpisodeError(Exception):
-    """An attempt cannot go on. ``reason`` is one of the codes above."""
+    """An attempt cannot go on. ``reason`` is one of the codes above.
 
-    def __init__(self, reason: str, message: str, *, transient: bool | None = None):
+    ``status``: the HTTP status that caused it, if any. ``maybe_applied``: False when the
+    request provably never reached the server (so repeating it cannot apply it twice).
+    ``outage``: the failure looks like the server being down (refused, reset, timed out,
+    502/503/504/429), not like a problem with this episode; the caller may wait for the server
+    instead of failing the episode (workers/breakers.py)."""
+
+    def __init__(self, reason: str, message: str, *, transient: bool | None = None, status: int | None = None,
+                 maybe_applied: bool = True, outage: bool = False):
         super().__init__(message)
         self.reason = reason
         self.transient = reason in TRANSIENT_REASONS if transient is None else transient
+        self.status = status
+        self.maybe_applied = maybe_applied
+        self.outage = outage
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.args[0]}"

@@ -218,11 +218,12 @@ def test_model_connection_refused_retried_then_unavailable(caplog):
 
 def test_model_400_is_permanent_and_not_retried(server):
     server.script("POST", "/v1/chat/completions",
-                  {"status": 400, "json": {"error": {"message": "context too long: " + "x" * 2000}}})
+                  {"status": 400, "json": {"error": {"message": "bad parameter: " + "x" * 2000 + " (the end)"}}})
     with pytest.raises(EpisodeError) as ei:
         complete(ModelClient(fast()), server)
     assert ei.value.reason == MODEL_BAD_REQUEST and not ei.value.transient
-    assert "context too long" in str(ei.value) and len(str(ei.value)) < 600
+    # Long texts keep their head and their tail, where a traceback says why.
+    assert "bad parameter" in str(ei.value) and "(the end)" in str(ei.value) and len(str(ei.value)) < 800
     assert server.count("POST", "/v1/chat/completions") == 1
 
 
@@ -519,7 +520,7 @@ def test_reset_4xx_is_permanent_with_truncated_server_text(server):
     with pytest.raises(EpisodeError) as ei:
         EnvClient(fast()).reset(server.url, ENV, EID, {}, None, deadline=far())
     assert ei.value.reason == ENV_BAD_REQUEST and not ei.value.transient
-    assert "Unknown env_name demo" in str(ei.value) and len(str(ei.value)) < 500
+    assert "Unknown env_name demo" in str(ei.value) and len(str(ei.value)) < 700
     assert server.count("POST", f"{P}/reset") == 1
 
 
@@ -533,13 +534,39 @@ def test_env_deadline_against_slow_server(server):
 
 
 def test_reset_backoff_stops_at_the_deadline(server):
-    server.script("POST", f"{P}/reset", default={"status": 500})
+    server.script("POST", f"{P}/reset", *[{"status": 500, "json": {"error": f"busy {i}"}} for i in range(100)])
     started = time.monotonic()
     with pytest.raises(EpisodeError) as ei:
         EnvClient(fast(env_retries=50, env_backoff_initial_s=0.1, env_backoff_max_s=0.2)).reset(
             server.url, ENV, EID, {}, None, deadline=time.monotonic() + 0.4)
     assert ei.value.reason == EPISODE_TIMEOUT
     assert time.monotonic() - started < 0.45
+
+
+def test_reset_failing_twice_with_the_same_error_is_the_tasks_fault(server):
+    """A reset the env answers with the same 500 twice is bad parameters, not a flaky server:
+    a permanent error at once, not a minute of retries."""
+    trace = "\x1b[31mTraceback (most recent call last):\x1b[0m\n" + "  File x, line 1\n" * 200 + "KeyError: 'difficulty'"
+    server.script("POST", f"{P}/reset", default={"status": 500, "raw": trace.encode()})
+    with pytest.raises(EpisodeError) as ei:
+        EnvClient(fast(env_retries=10)).reset(server.url, ENV, EID, {}, None, deadline=far())
+    assert ei.value.reason == ENV_BAD_REQUEST and not ei.value.transient
+    assert server.count("POST", f"{P}/reset") == 2
+    text = str(ei.value)
+    assert "Traceback" in text and text.endswith("KeyError: 'difficulty'"), "head and tail kept"
+    assert "\x1b" not in text, "terminal colour codes stripped"
+
+
+def test_env_503_is_an_outage_and_not_applied(server):
+    server.script("POST", f"{P}/step", {"status": 503, "json": {"error": "draining"}},
+                  {"status": 200, "json": OK_STEP})
+    out = EnvClient(fast()).step(server.url, ENV, EID, "a", deadline=far())  # 503: not processed, retried
+    assert out.reward == 1.5 and server.count("POST", f"{P}/step") == 2
+    server.script("POST", f"{P}/step", default={"status": 502, "json": {"error": "bad gateway"}})
+    with pytest.raises(EpisodeError) as ei:
+        EnvClient(fast()).step(server.url, ENV, EID, "a", deadline=far())
+    assert ei.value.outage and ei.value.maybe_applied and ei.value.status == 502  # a gateway: maybe applied
+    assert server.count("POST", f"{P}/step") == 3
 
 
 def test_close_deletes(server):
@@ -639,3 +666,70 @@ def test_environment_proxy_still_applies_with_trust_env_off(monkeypatch):
         assert ec.proxies_for("http://bypassed.invalid:1/x") == {}
     finally:
         proxy.shutdown()
+
+
+class Trickler:
+    """A server that answers one byte at a time, each well within the read timeout: headers
+    (``phase="headers"``) or the body after complete headers (``phase="body"``)."""
+
+    def __init__(self, phase: str, gap_s: float = 0.15):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.phase, self.gap_s = phase, gap_s
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        try:
+            conn.recv(65536)
+            if self.phase == "body":
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n[")
+                drip = b" " * 100000
+            else:
+                conn.sendall(b"HTTP/1.1 200 OK\r\n")
+                drip = b"X-Slow: " + b"a" * 100000
+            for i in range(len(drip)):
+                if self.stop.is_set():
+                    return
+                conn.sendall(drip[i:i + 1])
+                time.sleep(self.gap_s)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_a_trickling_server_cannot_hold_a_call_past_the_budget(phase):
+    """Each byte arrives within the read timeout, so only the attempt's deadline can end the
+    call (review M8): the call ends at the deadline, as the budget being spent."""
+    srv = Trickler(phase)
+    try:
+        started = time.monotonic()
+        with pytest.raises(EpisodeError) as ei:
+            EnvClient(fast(env_read_timeout_s=1.0)).get_task_prompt(srv.url, ENV, EID, deadline=started + 1.5)
+        took = time.monotonic() - started
+        assert ei.value.reason == EPISODE_TIMEOUT, ei.value
+        assert took < 3.0, f"held {took:.1f}s past a 1.5 s budget"
+        with pytest.raises(EpisodeError) as ei:
+            complete(ModelClient(fast(llm_read_timeout_s=1.0)), srv, deadline=time.monotonic() + 1.0)
+        assert ei.value.reason == EPISODE_TIMEOUT
+    finally:
+        srv.close()

@@ -280,6 +280,7 @@ class EnvClient:
     ) -> Reply:
         s = self.settings
         shown = redact_url(url)
+        app_errors: list[str] = []  # texts of the 5xx answers that came from the env itself
 
         def attempt() -> Reply:
             timeout = timeouts(deadline, s.env_connect_timeout_s, s.env_read_timeout_s, what=what)
@@ -293,25 +294,44 @@ class EnvClient:
                     ENV_MALFORMED, f"{what}: answer larger than max_response_bytes={s.max_response_bytes} ({exc})"
                 ) from None
             except requests.exceptions.RequestException as exc:
-                if is_timeout(exc) and deadline_passed(deadline):
+                if deadline_passed(deadline) and is_timeout(exc):
                     raise EpisodeError(
                         EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out waiting for {shown}"
                     ) from exc
-                error = with_cause(EpisodeError(ENV_UNREACHABLE, f"{what}: {describe(exc)} ({shown})"), exc)
-                if idempotent or never_reached_server(exc):
+                unsent = never_reached_server(exc)
+                error = with_cause(EpisodeError(ENV_UNREACHABLE, f"{what}: {describe(exc)} ({shown})",
+                                                maybe_applied=not unsent, outage=True), exc)
+                if idempotent or unsent:
                     raise Retryable(error) from exc
                 raise error
             if reply.ok:
                 return reply
-            if reply.status >= 500:
-                error = EpisodeError(ENV_SERVER_ERROR, f"{what}: HTTP {reply.status}: {error_text(reply)}")
+            status = reply.status
+            if status in _UNAVAILABLE:
+                # The server (or a proxy in front of it) says it is not serving now: an outage,
+                # and 429/503 mean the request was not processed.
+                error = EpisodeError(ENV_SERVER_ERROR, f"{what}: HTTP {status}: {error_text(reply)}", status=status,
+                                     maybe_applied=status not in _NOT_PROCESSED, outage=True)
+                if idempotent or status in _NOT_PROCESSED:
+                    raise Retryable(error)
+                raise error
+            if status >= 500:
+                text = error_text(reply)
+                if idempotent and method == "POST" and app_errors and app_errors[-1] == text:
+                    # reset failing twice with the same error from the env itself is the task's
+                    # parameters, not a flaky server: say so now instead of retrying for a minute.
+                    raise EpisodeError(ENV_BAD_REQUEST, f"{what}: HTTP {status} twice with the same error from the "
+                                                        f"env (bad parameters for this task?): {text}",
+                                       transient=False, status=status)
+                app_errors.append(text)
+                error = EpisodeError(ENV_SERVER_ERROR, f"{what}: HTTP {status}: {text}", status=status)
                 if idempotent:
                     raise Retryable(error)
                 raise error
             if not raise_4xx:
                 return reply
-            reason = not_found if reply.status == 404 else ENV_BAD_REQUEST
-            raise EpisodeError(reason, f"{what}: HTTP {reply.status}: {error_text(reply)}")
+            reason = not_found if status == 404 else ENV_BAD_REQUEST
+            raise EpisodeError(reason, f"{what}: HTTP {status}: {error_text(reply)}", status=status)
 
         return run_with_retries(
             attempt,
@@ -322,3 +342,7 @@ class EnvClient:
             what=what,
             log_target=shown,
         )
+
+
+_UNAVAILABLE = frozenset({429, 502, 503, 504})
+_NOT_PROCESSED = frozenset({429, 503})

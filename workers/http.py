@@ -12,18 +12,23 @@ so :func:`never_reached_server`, :func:`is_timeout` and the retry rules cannot t
 paths apart. An origin reached through a proxy takes the ``requests`` path.
 
 Every call takes ``deadline``, an absolute ``time.monotonic()``: no request starts without time
-left, and a body is read chunk by chunk with the socket's timeout cut to the time left, so a
-server that trickles bytes cannot hold a call past the attempt's budget.
+left, a body is read one receive at a time with the socket's timeout cut to the time left, and a
+per-process watchdog shuts the connection of a call still reading at its deadline, so a server
+that trickles bytes (headers or body) cannot hold a call past the attempt's budget.
 """
 
 from __future__ import annotations
 
 import email.utils
+import heapq
 import logging
 import math
 import os
+import re
 import select
+import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
@@ -59,7 +64,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ERROR_TEXT_CHARS = 300  # server error text quoted in messages, at most
+ERROR_TEXT_CHARS = 600  # server error text quoted in messages, at most: its head and its tail
+_ERROR_HEAD_CHARS = 200  # ... of which the head; the rest is the tail, where a traceback says why
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")  # terminal colour and cursor codes
 ERROR_BODY_READ_BYTES = 64 * 1024  # read at most this much of a non-2xx body
 READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a bigger chunk costs mmap + mremap + munmap per read
 _DEADLINE_SLACK_S = 0.005
@@ -164,6 +171,85 @@ class _QuickLivenessCheck:
         return not held[1].poll(0)
 
 
+class _Watch:
+    __slots__ = ("deadline", "sock", "fired", "cancelled")
+
+    def __init__(self, deadline: float, sock):
+        self.deadline, self.sock, self.fired, self.cancelled = deadline, sock, False, False
+
+
+class Watchdog:
+    """Cuts the connection of a call still waiting for its answer at its deadline.
+
+    Socket timeouts bound each receive, not a call: a server that sends a byte now and then
+    keeps every receive short and the call going forever (review M8). One thread per process
+    holds a heap of (deadline, socket) for the calls in flight and shuts down the socket of any
+    that passes its deadline; the blocked read then ends, and the call reports the budget as
+    spent. Arming and disarming cost a heap push and a flag; disarmed entries are dropped
+    lazily, and the heap is rebuilt when they pile up."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._cv = threading.Condition()
+        self._cancelled = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, deadline: float, sock) -> _Watch:
+        w = _Watch(deadline, sock)
+        with self._cv:
+            heapq.heappush(self._heap, (deadline, id(w), w))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="http-watchdog", daemon=True)
+                self._thread.start()
+            elif self._heap[0][2] is w:
+                self._cv.notify()
+        return w
+
+    def disarm(self, w: _Watch) -> None:
+        w.cancelled = True
+        with self._cv:
+            self._cancelled += 1
+            if self._cancelled > 1024 and self._cancelled * 2 > len(self._heap):
+                self._heap = [e for e in self._heap if not e[2].cancelled]
+                heapq.heapify(self._heap)
+                self._cancelled = 0
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                heap = self._heap
+                while heap and heap[0][2].cancelled:
+                    heapq.heappop(heap)
+                    self._cancelled = max(0, self._cancelled - 1)
+                if not heap:
+                    self._cv.wait()
+                    continue
+                wait = heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                w = heapq.heappop(heap)[2]
+            w.fired = True
+            try:
+                w.sock.shutdown(socket.SHUT_RDWR)
+            except (OSError, AttributeError):
+                pass
+
+
+_watchdog = Watchdog()
+_calls = threading.local()  # the deadline of the call this thread (or greenlet) is making
+
+
+class _Watched:
+    """Arms the watchdog once the request is out and the answer is awaited."""
+
+    def getresponse(self, *args, **kwargs):
+        deadline = getattr(_calls, "deadline", None)
+        if deadline is not None and self.sock is not None:
+            _calls.watch = _watchdog.arm(deadline, self.sock)
+        return super().getresponse(*args, **kwargs)
+
+
 class _OneWrite:
     """A request with a body goes out in one write instead of two.
 
@@ -201,11 +287,11 @@ class _OneWrite:
             view = view[sock.send(view):]
 
 
-class _Connection(_OneWrite, _QuickLivenessCheck, HTTPConnection):
+class _Connection(_Watched, _OneWrite, _QuickLivenessCheck, HTTPConnection):
     pass
 
 
-class _TLSConnection(_OneWrite, _QuickLivenessCheck, HTTPSConnection):
+class _TLSConnection(_Watched, _OneWrite, _QuickLivenessCheck, HTTPSConnection):
     pass
 
 
@@ -298,6 +384,25 @@ def send(
     if body is not None:
         hdrs.setdefault("Content-Type", "application/json")
     path = url[len(origin_of(url)):] or "/"
+    _calls.deadline, _calls.watch = deadline, None
+    try:
+        return _exchange(pool, method, path, hdrs, body, deadline=deadline, timeout=timeout, max_bytes=max_bytes,
+                         what=what, started=started)
+    except requests.exceptions.RequestException:
+        w = _calls.watch
+        if w is not None and w.fired:
+            raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while the server "
+                                                "was still answering") from None
+        raise
+    finally:
+        w = _calls.watch
+        _calls.deadline = _calls.watch = None
+        if w is not None:
+            _watchdog.disarm(w)
+
+
+def _exchange(pool, method: str, path: str, hdrs: dict, body: bytes | None, *, deadline: float,
+              timeout: tuple[float, float], max_bytes: int, what: str, started: float) -> Reply:
     try:
         resp = pool.urlopen(method, path, body=body, headers=hdrs, redirect=False, assert_same_host=False,
                             preload_content=False, decode_content=False, retries=_NO_RETRIES,
@@ -431,7 +536,9 @@ def dumps(obj: Any) -> bytes:
 
 
 def error_text(reply: Reply, *, scrub: str = "") -> str:
-    """The server's error message, short: JSON ``error``/``detail``/``message`` or raw text."""
+    """The server's error message, readable: JSON ``error``/``detail``/``message`` or the raw
+    text, terminal colour codes stripped, whitespace folded, and when long its head and its
+    tail (the cause of a Python traceback is at its end)."""
     text = reply.body.decode("utf-8", "replace")
     try:
         obj = orjson.loads(text)
@@ -445,12 +552,18 @@ def error_text(reply: Reply, *, scrub: str = "") -> str:
                     val = val["message"]
                 text = val if isinstance(val, str) else orjson.dumps(val, default=str).decode()
                 break
-    text = " ".join(text.split())
+    text = " ".join(_ANSI.sub("", text).split())
     if scrub:
         text = text.replace(scrub, "***")
-    if len(text) > ERROR_TEXT_CHARS:
-        text = text[:ERROR_TEXT_CHARS] + "..."
-    return text or "<empty body>"
+    return shorten(text) or "<empty body>"
+
+
+def shorten(text: str, limit: int = ERROR_TEXT_CHARS) -> str:
+    """``text`` if short enough, else its head and tail around `` ... ``."""
+    if len(text) <= limit:
+        return text
+    tail = limit - _ERROR_HEAD_CHARS
+    return f"{text[:_ERROR_HEAD_CHARS]} ... {text[-tail:]}"
 
 
 def never_reached_server(exc: BaseException) -> bool:

@@ -125,7 +125,9 @@ class ModelClient:
                     raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out") from None
                 # The request exception's text holds host/port/path only, but it is not chained
                 # (belt and braces: nothing of the request can leak through a traceback).
-                raise Retryable(EpisodeError(MODEL_UNAVAILABLE, f"{what}: {describe(exc)}")) from None
+                raise Retryable(EpisodeError(MODEL_UNAVAILABLE, f"{what}: {describe(exc)}", outage=True)) from None
+            except EpisodeError:
+                raise  # the budget ran out mid-answer (workers/http.py's watchdog)
             except Exception as exc:  # e.g. InvalidHeader/InvalidURL, whose text may quote values
                 raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request could not be sent ({type(exc).__name__})") from None
             if reply.ok:
@@ -133,10 +135,11 @@ class ModelClient:
             text = error_text(reply, scrub=key)
             if reply.status == 429 or reply.status >= 500:
                 raise Retryable(
-                    EpisodeError(MODEL_UNAVAILABLE, f"{what}: HTTP {reply.status}: {text}"),
+                    EpisodeError(MODEL_UNAVAILABLE, f"{what}: HTTP {reply.status}: {text}", status=reply.status,
+                                 outage=reply.status in (429, 502, 503, 504)),
                     retry_after=retry_after_s(reply.headers, s.llm_backoff_max_s),
                 )
-            raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: HTTP {reply.status}: {text}")
+            raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: HTTP {reply.status}: {text}", status=reply.status)
 
         reply = run_with_retries(
             attempt,
