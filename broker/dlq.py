@@ -43,10 +43,16 @@ class DeadLetterQueue:
         out.sort(key=lambda d: d.dead_at)
         return out
 
-    def get(self, episode_id: str) -> DeadLetter | None:
-        for letter in self.list():
-            if letter.episode_id == episode_id:
-                return letter
+    def get(self, episode_id: str, job_id: str | None = None) -> DeadLetter | None:
+        """One episode's letter, read by its key (episode ids start with their job id)."""
+        candidates = [job_id] if job_id else [episode_id[:i] for i, ch in enumerate(episode_id) if ch == "."]
+        for job in candidates:
+            raw = self.r.hget(self.keys.dlq, f"{job} {episode_id}")
+            if raw is not None:
+                return unpack(raw)
+        for key, raw in self.r.hscan_iter(self.keys.dlq, count=1000):  # an id of another shape
+            if key.decode().endswith(" " + episode_id):
+                return unpack(raw)
         return None
 
     def redrive(self, letters: Iterable[DeadLetter]) -> list[str]:
@@ -57,20 +63,35 @@ class DeadLetterQueue:
         """
         sent = []
         for letter in letters:
-            m = f"{letter.job_id} {letter.episode_id}"
-            job = self.ledger.job_spec(letter.job_id)
-            max_attempts = job.max_attempts if job else self.settings.max_attempts
-            if self.ledger.move(letter.job_id, letter.episode_id, QUEUED, [FAILED]):
-                # A fresh budget of attempts on top of those already used.
-                used = self.ledger.attempts(letter.job_id, letter.episode_id)
-                self.r.hset(self.keys.job_attempt_limit(letter.job_id), letter.episode_id, used + max_attempts)
-                queue = letter.spec.get("queue") or self.settings.queue
-                send_episodes(self.r, [(letter.job_id, letter.episode_id, queue)])
+            if self._redrive(letter.job_id, letter.episode_id, letter.spec.get("queue") or ""):
                 sent.append(letter.episode_id)
-            self._remove(m)
+            self._remove(f"{letter.job_id} {letter.episode_id}")
         if sent:
             log.info("re-drove %d dead episodes", len(sent))
         return sent
+
+    def redrive_failed(self, job_id: str) -> list[str]:
+        """Re-drive every episode of a job that the ledger holds as failed, whether or not its
+        letter is still there (a purged letter does not make an episode un-re-drivable)."""
+        failed = [e for e, st in self.ledger.states(job_id).items() if st == FAILED]
+        specs = self.ledger.episode_specs(job_id, failed)
+        sent = [e for e in failed if self._redrive(job_id, e, specs[e].queue if e in specs else "")]
+        for e in sent:
+            self._remove(f"{job_id} {e}")
+        if sent:
+            log.info("re-drove %d failed episodes of %s", len(sent), job_id)
+        return sent
+
+    def _redrive(self, job_id: str, episode_id: str, queue: str) -> bool:
+        job = self.ledger.job_spec(job_id)
+        max_attempts = job.max_attempts if job else self.settings.max_attempts
+        if not self.ledger.move(job_id, episode_id, QUEUED, [FAILED]):
+            return False
+        # A fresh budget of attempts on top of those already used.
+        used = self.ledger.attempts(job_id, episode_id)
+        self.r.hset(self.keys.job_attempt_limit(job_id), episode_id, used + max_attempts)
+        send_episodes(self.r, [(job_id, episode_id, queue or self.settings.queue)])
+        return True
 
     def purge(self, letters: Iterable[DeadLetter]) -> int:
         """Forget dead letters. The episodes stay failed in the ledger and the database."""
@@ -78,6 +99,10 @@ class DeadLetterQueue:
         for letter in letters:
             n += self._remove(f"{letter.job_id} {letter.episode_id}")
         return n
+
+    def withdraw(self, job_id: str, episode_id: str) -> int:
+        """Remove one letter (its episode completed after all)."""
+        return self._remove(f"{job_id} {episode_id}")
 
     def _remove(self, m: str) -> int:
         pipe = self.r.pipeline(transaction=True)

@@ -27,6 +27,7 @@ class Duty:
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> "Duty":
@@ -37,13 +38,22 @@ class Duty:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+
+    def nudge(self) -> None:
+        """Run the next round now instead of at the end of the interval."""
+        self._wake.set()
 
     @property
     def stopped(self) -> bool:
         return self._stop.is_set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.tick()
             except Exception as exc:  # noqa: BLE001 - logged; the next round tries again

@@ -63,11 +63,17 @@ class EmbeddedRedis:
             "--appendfsync", "everysec", "--save", "", "--maxmemory-policy", "noeviction",
             "--daemonize", "no", "--logfile", str((self.folder / "redis.log").resolve()),
             "--protected-mode", "no",
+            # Nobody who learns the password can turn it into file writes as this user
+            # (CONFIG SET dir + SAVE) or code execution (MODULE LOAD); DEBUG goes too.
+            "--rename-command", "CONFIG", "", "--rename-command", "MODULE", "",
+            "--rename-command", "DEBUG", "",
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        # Data files (the AOF holds every task and record) readable by this user only.
+        self.folder.chmod(0o700)
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, start_new_session=True, umask=0o077)
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         while True:

@@ -29,7 +29,7 @@ class Keys:
     def job_attempt_limit(self, job_id: str) -> str:  # hash episode_id -> last attempt allowed
         return f"{self.prefix}:job:{job_id}:attempt-limit"
 
-    def job_attempt_ids(self, job_id: str) -> str:  # hash episode_id -> attempt_id of its latest START
+    def job_attempt_ids(self, job_id: str) -> str:  # hash episode_id -> "<attempt>:<attempt_id>" of its latest START
         return f"{self.prefix}:job:{job_id}:attempt-ids"
 
     def job_queues(self, job_id: str) -> str:  # set of the queues the job's episodes use
@@ -37,6 +37,12 @@ class Keys:
 
     def job_counts(self, job_id: str) -> str:  # hash state -> number of episodes in it
         return f"{self.prefix}:job:{job_id}:counts"
+
+    def job_keys(self, job_id: str) -> list[str]:
+        """Every per-job key (what retention expires once the job is finished)."""
+        return [self.job_spec(job_id), self.job_episodes(job_id), self.job_state(job_id), self.job_attempts(job_id),
+                self.job_attempt_limit(job_id), self.job_attempt_ids(job_id), self.job_queues(job_id),
+                self.job_counts(job_id)]
 
     # --- leases and scheduling --------------------------------------------------------
     def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt>:<nonce>", with a TTL
@@ -57,6 +63,14 @@ class Keys:
     @property
     def sweep_lock(self) -> str:
         return f"{self.prefix}:sweep-lock"
+
+    @property
+    def orphans(self) -> str:  # list of msgpack [base_url, env_name, instance id]: env instances to close
+        return f"{self.prefix}:orphans"
+
+    @property
+    def breakers(self) -> str:  # hash "<kind> <server> <worker>" -> JSON: open circuit breakers
+        return f"{self.prefix}:breakers"
 
     # --- results and dead letters -----------------------------------------------------
     @property
@@ -91,3 +105,11 @@ def split_member(m: str | bytes) -> tuple[str, str]:
         m = m.decode()
     job_id, _, episode_id = m.partition(" ")
     return job_id, episode_id
+
+
+def env_instance_id(episode_id: str, attempt: int, attempt_id: str) -> str:
+    """The env instance id one attempt drives (``<episode>~<attempt>-<attempt_id[:8]>``): its
+    own, so that an attempt given up on can neither step nor close its successor's instance,
+    and unique even if a Redis rollback repeats an attempt number. Records, the database and
+    the model's session id keep the episode id."""
+    return f"{episode_id}~{attempt}-{attempt_id[:8]}" if attempt_id else f"{episode_id}~{attempt}"

@@ -44,6 +44,15 @@ from broker.records import (
 
 ANNOUNCE_CHUNK = 1000  # episodes per EpisodesEnqueued record
 
+# Time in the scripts is Redis' own clock (TIME), never a worker's: a worker whose clock runs
+# behind cannot make a live lease look expired to the sweeper, or a dead one look alive
+# (review L11). Effects replication keeps TIME usable before writes on Redis 6.
+_NOW = """
+redis.replicate_commands()
+local _t = redis.call('TIME')
+local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
+"""
+
 _COUNTS_FN = """
 local function move(counts, old, new)
   if old == new then return end
@@ -53,11 +62,13 @@ end
 """
 
 # KEYS: state, attempts, counts, lease, running, reserved, episodes, attempt_ids
-# ARGV: episode, token_prefix, ttl_ms, now_ms, member, attempt_id
-# Returns {'ok', attempt, token, episode spec} so that starting costs one round trip. The
-# attempt_id is kept so that the sweeper can name the attempt it reclaims.
-_START = _COUNTS_FN + """
-redis.call('ZREM', KEYS[6], ARGV[5])
+# ARGV: episode, token_prefix, ttl_ms, member, attempt_id
+# Returns {'ok', attempt, token, episode spec, previous attempt} so that starting costs one
+# round trip. "<attempt>:<attempt_id>" is kept per episode: the renewer checks it before
+# resuming a lease that lapsed during a Redis outage, the sweeper names the attempt it
+# reclaims, and the next attempt closes the previous one's env instance.
+_START = _NOW + _COUNTS_FN + """
+redis.call('ZREM', KEYS[6], ARGV[4])
 local st = redis.call('HGET', KEYS[1], ARGV[1])
 if not st then return {'unknown', ''} end
 if st == 'done' or st == 'failed' then return {'finished', st} end
@@ -68,17 +79,57 @@ local token = ARGV[2] .. ':' .. attempt
 redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
 redis.call('HSET', KEYS[1], ARGV[1], 'running')
 move(KEYS[3], st, 'running')
-redis.call('ZADD', KEYS[5], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[5])
-redis.call('HSET', KEYS[8], ARGV[1], ARGV[6])
-return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or ''}
+redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
+local previous = redis.call('HGET', KEYS[8], ARGV[1]) or ''
+redis.call('HSET', KEYS[8], ARGV[1], attempt .. ':' .. ARGV[5])
+return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', previous}
 """
 
-# KEYS: lease, running   ARGV: token, ttl_ms, now_ms, member
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('ZADD', KEYS[2], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[4])
+# KEYS: lease, running, state, attempt_ids   ARGV: token, ttl_ms, member, episode, "<attempt>:<attempt_id>"
+# Extends a lease whose token matches. A lease that lapsed while nobody took over (a Redis
+# outage longer than the TTL, a stalled worker the sweeper has not reached yet) is taken again:
+# the episode is still running under this very attempt, so the attempt goes on instead of a
+# new one being spent. 1: held, 0: lost (another attempt, or the sweeper, has the episode).
+_RENEW = _NOW + """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+elseif holder then
+  return 0
+else
+  if redis.call('HGET', KEYS[3], ARGV[4]) ~= 'running' then return 0 end
+  if redis.call('HGET', KEYS[4], ARGV[4]) ~= ARGV[5] then return 0 end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 return 1
+"""
+
+# KEYS: jobs, job spec   ARGV: job_id, created_at. 1: the id is ours now; 0: it exists.
+_CLAIM = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+return redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1])
+"""
+
+# KEYS: running   ARGV: grace_ms, limit. Members whose lease expiry passed grace_ms ago.
+_EXPIRED = _NOW + """
+return redis.call('ZRANGEBYSCORE', KEYS[1], 0, now - tonumber(ARGV[1]), 'LIMIT', 0, tonumber(ARGV[2]))
+"""
+
+# KEYS: reserved   ARGV: ttl_ms, xx, member...  (xx = '1': only extend those still there)
+_RESERVE = _NOW + """
+local gone = {}
+for i = 3, #ARGV do
+  if ARGV[2] == '1' then
+    if redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[1]), ARGV[i]) == 0
+       and not redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+      table.insert(gone, ARGV[i])
+    end
+  else
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
+  end
+end
+return gone
 """
 
 # KEYS: lease, stream   ARGV: token, record
@@ -141,10 +192,10 @@ end
 return 1
 """
 
-# KEYS: reserved, state   ARGV: member, episode, now_ms
-_RECLAIM_RESERVED = """
+# KEYS: reserved, state   ARGV: member, episode
+_RECLAIM_RESERVED = _NOW + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score or tonumber(score) > tonumber(ARGV[3]) then return 0 end
+if not score or tonumber(score) > now then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 if redis.call('HGET', KEYS[2], ARGV[2]) ~= 'queued' then return 0 end
 return 1
@@ -178,10 +229,43 @@ class Lease:
     token: str
     attempt_id: str = ""
     lost: threading.Event = field(default_factory=threading.Event)
+    ttl_s: float = 30.0
+    # Until when (time.monotonic()) the lease certainly still holds, by this process's own
+    # clock: its last successful renewal's send time plus the TTL, less a margin. An attempt
+    # past it stops calling anything until a renewal lands (fence by local time: a stalled or
+    # partitioned worker cannot act on a lease that may have passed to another attempt).
+    valid_until: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.valid_until:
+            self.renewed(time.monotonic())
 
     @property
     def member(self) -> str:
         return member(self.job_id, self.episode_id)
+
+    @property
+    def attempt_value(self) -> str:
+        """What the ledger keeps for this attempt: ``"<attempt>:<attempt_id>"``."""
+        return f"{self.attempt}:{self.attempt_id}"
+
+    def renewed(self, sent_at: float) -> None:
+        """A renewal sent at ``sent_at`` (monotonic) succeeded."""
+        margin = min(2.0, self.ttl_s / 4)
+        self.valid_until = max(self.valid_until, sent_at + self.ttl_s - margin)
+
+    def valid(self) -> bool:
+        return not self.lost.is_set() and time.monotonic() < self.valid_until
+
+
+class JobExists(ValueError):
+    """A job with this id was submitted before."""
+
+    def __init__(self, job_id: str):
+        super().__init__(f"job id {job_id!r} exists already: submitting it again would re-run its finished "
+                         f"episodes. Finish it with `interactor run --resume {job_id}`, re-drive its failures with "
+                         f"`interactor dlq redrive --job {job_id}`, or submit under a new id")
+        self.job_id = job_id
 
 
 @dataclass
@@ -190,6 +274,7 @@ class StartResult:
     lease: Lease | None = None
     detail: str = ""
     spec: EpisodeSpec | None = None  # with ok: the episode's spec (None if the ledger has none)
+    previous: tuple[int, str] | None = None  # with ok: the attempt before this one (number, attempt_id)
 
 
 class Ledger:
@@ -205,6 +290,9 @@ class Ledger:
         self._reclaim = client.register_script(_RECLAIM)
         self._move = client.register_script(_MOVE)
         self._reclaim_reserved = client.register_script(_RECLAIM_RESERVED)
+        self._expired = client.register_script(_EXPIRED)
+        self._claim = client.register_script(_CLAIM)
+        self._reserve = client.register_script(_RESERVE)
 
     # --- jobs ------------------------------------------------------------------------
     def create_job(self, job: JobSpec, episodes: Sequence[EpisodeSpec], chunk: int = 5000) -> None:
@@ -221,6 +309,11 @@ class Ledger:
             for i in range(0, len(episodes), ANNOUNCE_CHUNK)
         ]
         job_packed = job.pack()
+        # The id is claimed before anything else is written: a second submit of the same id
+        # (the natural retry after a producer crash) must not reset finished episodes and run
+        # them again (review M7). Resuming a job is its own command.
+        if not self._claim(keys=[k.jobs, k.job_spec(job.job_id)], args=[job.job_id, job.created_at]):
+            raise JobExists(job.job_id)
         for i in range(0, len(specs), chunk):
             part = specs[i : i + chunk]
             pipe = self.r.pipeline(transaction=False)
@@ -234,7 +327,6 @@ class Ledger:
         queues = {e.queue for e in episodes if e.queue}
         if queues:
             pipe.sadd(k.job_queues(job.job_id), *queues)
-        pipe.zadd(k.jobs, {job.job_id: job.created_at})
         # The job and its episodes are announced in the results stream too, so the database
         # knows what to expect (and lists every episode before it runs: job_environments).
         pipe.xadd(k.results, {"r": job_packed})
@@ -260,6 +352,13 @@ class Ledger:
         raw = self.r.hgetall(self.k.job_counts(job_id))
         return {s: int(raw.get(s.encode(), 0)) for s in LEDGER_STATES}
 
+    def counts_many(self, job_ids: Sequence[str]) -> list[dict[str, int]]:
+        """:meth:`counts` of several jobs in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.k.job_counts(job_id))
+        return [{s: int(raw.get(s.encode(), 0)) for s in LEDGER_STATES} for raw in pipe.execute()]
+
     def states(self, job_id: str) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.r.hgetall(self.k.job_state(job_id)).items()}
 
@@ -272,8 +371,11 @@ class Ledger:
 
     def attempt_id(self, job_id: str, episode_id: str) -> str:
         """The attempt_id of the episode's latest start ("" if it never started)."""
-        v = self.r.hget(self.k.job_attempt_ids(job_id), episode_id)
-        return v.decode() if v else ""
+        return self.latest_attempt(job_id, episode_id)[1]
+
+    def latest_attempt(self, job_id: str, episode_id: str) -> tuple[int, str]:
+        """(number, attempt_id) of the episode's latest start; (0, "") if it never started."""
+        return _parse_attempt_value(self.r.hget(self.k.job_attempt_ids(job_id), episode_id))
 
     def attempt_limit(self, job_id: str, episode_id: str, default: int) -> int:
         """The last attempt number allowed; re-drives and hand-backs raise it."""
@@ -289,13 +391,21 @@ class Ledger:
     def start(self, job_id: str, episode_id: str, worker: str) -> StartResult:
         k = self.k
         attempt_id = new_attempt_id()
-        out = self._start(
-            keys=[k.job_state(job_id), k.job_attempts(job_id), k.job_counts(job_id), k.lease(episode_id), k.running,
-                  k.reserved, k.job_episodes(job_id), k.job_attempt_ids(job_id)],
-            args=[episode_id, f"{worker}:{attempt_id}", self.lease_ttl_ms, _now_ms(), member(job_id, episode_id),
-                  attempt_id],
-        )
+        prefix = f"{worker}:{attempt_id}"
+        sent = time.monotonic()
+        keys = [k.job_state(job_id), k.job_attempts(job_id), k.job_counts(job_id), k.lease(episode_id), k.running,
+                k.reserved, k.job_episodes(job_id), k.job_attempt_ids(job_id)]
+        out = self._start(keys=keys, args=[episode_id, prefix, self.lease_ttl_ms, member(job_id, episode_id),
+                                           attempt_id])
         status = out[0].decode()
+        previous = None
+        if status == "busy" and len(out) > 1 and out[1].decode().startswith(prefix + ":"):
+            # Our own START succeeded but its reply was lost, and redis-py sent it again (review
+            # L4): the lease it found is ours. Carry on with it instead of dropping the delivery.
+            token = out[1].decode()
+            attempt = int(token.rsplit(":", 1)[1])
+            raw_spec = self.r.hget(k.job_episodes(job_id), episode_id) or b""
+            status, out = "ok", [b"ok", str(attempt).encode(), token.encode(), raw_spec, b""]
         if status != "ok":
             return StartResult(status, detail=out[1].decode() if len(out) > 1 else "")
         raw_spec = out[3] if len(out) > 3 else b""
@@ -305,23 +415,32 @@ class Ledger:
                 spec = unpack(raw_spec)
             except RecordError:
                 spec = None  # the runner dead-letters the episode as bad_task
-        return StartResult("ok", Lease(job_id, episode_id, int(out[1]), out[2].decode(), attempt_id), spec=spec)
+        if len(out) > 4 and out[4]:
+            previous = _parse_attempt_value(out[4])
+        lease = Lease(job_id, episode_id, int(out[1]), out[2].decode(), attempt_id, ttl_s=self.lease_ttl_ms / 1000,
+                      valid_until=0.0)
+        lease.renewed(sent)
+        return StartResult("ok", lease, spec=spec, previous=previous)
 
     def renew(self, leases: Iterable[Lease]) -> None:
-        """Extend every lease; a lease whose token no longer matches is flagged lost."""
+        """Extend every lease (or take back one that lapsed with nobody else taking over); a
+        lease another attempt holds now is flagged lost."""
         leases = list(leases)
         if not leases:
             return
-        now = _now_ms()
+        sent = time.monotonic()
         pipe = self.r.pipeline(transaction=False)
         for lease in leases:
             self._renew(
-                keys=[self.k.lease(lease.episode_id), self.k.running],
-                args=[lease.token, self.lease_ttl_ms, now, lease.member],
+                keys=[self.k.lease(lease.episode_id), self.k.running, self.k.job_state(lease.job_id),
+                      self.k.job_attempt_ids(lease.job_id)],
+                args=[lease.token, self.lease_ttl_ms, lease.member, lease.episode_id, lease.attempt_value],
                 client=pipe,
             )
         for lease, ok in zip(leases, pipe.execute()):
-            if not ok:
+            if ok:
+                lease.renewed(sent)
+            else:
                 lease.lost.set()
 
     # --- reservations: received by a worker, not started yet ----------------------------
@@ -330,29 +449,22 @@ class Ledger:
     # reservation lets the sweeper send such episodes again within the lease TTL.
     def reserve(self, members: Sequence[str]) -> None:
         if members:
-            expiry = _now_ms() + self.lease_ttl_ms
-            self.r.zadd(self.k.reserved, {m: expiry for m in members})
+            self._reserve(keys=[self.k.reserved], args=[self.lease_ttl_ms, "0", *members])
 
     def renew_reservations(self, members: Sequence[str]) -> set[str]:
         """Extend reservations still open; returns those gone (started, or reclaimed)."""
         if not members:
             return set()
-        expiry = _now_ms() + self.lease_ttl_ms
-        pipe = self.r.pipeline(transaction=False)
-        for m in members:
-            pipe.zscore(self.k.reserved, m)
-            pipe.zadd(self.k.reserved, {m: expiry}, xx=True)  # XX: never re-adds a started one
-        scores = pipe.execute()[0::2]
-        return {m for m, score in zip(members, scores) if score is None}
+        gone = self._reserve(keys=[self.k.reserved], args=[self.lease_ttl_ms, "1", *members])
+        return {m.decode() if isinstance(m, bytes) else m for m in gone}
 
     def expired_reservations(self, limit: int = 1000) -> list[str]:
-        return [m.decode() for m in self.r.zrangebyscore(self.k.reserved, 0, _now_ms(), start=0, num=limit)]
+        return [m.decode() for m in self._expired(keys=[self.k.reserved], args=[0, limit])]
 
     def reclaim_reservation(self, m: str) -> bool:
         """True once (atomically) for an expired reservation whose episode never started."""
         job_id, _, episode_id = m.partition(" ")
-        return bool(self._reclaim_reserved(keys=[self.k.reserved, self.k.job_state(job_id)],
-                                           args=[m, episode_id, _now_ms()]))
+        return bool(self._reclaim_reserved(keys=[self.k.reserved, self.k.job_state(job_id)], args=[m, episode_id]))
 
     def publish(self, lease: Lease, payload: bytes) -> int:
         """XADD under the lease. Returns the stream length, or -1 if the lease is gone."""
@@ -397,8 +509,8 @@ class Ledger:
 
     # --- recovery --------------------------------------------------------------------
     def expired_running(self, grace_ms: int = 0, limit: int = 1000) -> list[str]:
-        """Members of the running set whose lease expiry passed (grace_ms ago)."""
-        return [m.decode() for m in self.r.zrangebyscore(self.k.running, 0, _now_ms() - grace_ms, start=0, num=limit)]
+        """Members of the running set whose lease expiry passed (grace_ms ago, by Redis' clock)."""
+        return [m.decode() for m in self._expired(keys=[self.k.running], args=[int(grace_ms), limit])]
 
     def reclaim(self, job_id: str, episode_id: str, new_state: str, record: AttemptRecord | None,
                 dead_letter: DeadLetter | None = None) -> bool:
@@ -447,6 +559,18 @@ class Ledger:
     def take_retry(self, m: str) -> bool:
         """Claim a due retry; only one sweeper gets 1 for a given member."""
         return bool(self.r.zrem(self.k.retry, m))
+
+
+def _parse_attempt_value(raw: bytes | str | None) -> tuple[int, str]:
+    """``"<attempt>:<attempt_id>"`` -> (attempt, attempt_id). A bare attempt_id (written by an
+    older version) gives number 0."""
+    if not raw:
+        return 0, ""
+    value = raw.decode() if isinstance(raw, bytes) else raw
+    number, sep, attempt_id = value.partition(":")
+    if sep and number.isdigit():
+        return int(number), attempt_id
+    return 0, value
 
 
 def _now_ms() -> int:

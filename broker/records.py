@@ -32,6 +32,8 @@ from typing import Any, ClassVar
 import msgpack
 import orjson
 
+from broker.settings import redact_url
+
 SCHEMA_VERSION = 2
 SUPPORTED_VERSIONS = frozenset({1, 2})
 
@@ -168,6 +170,10 @@ class EpisodeSpec(_Record):
     transport: str = "http"  # "http" (base_url) or "inproc" (env_class run inside the worker)
     env_class: str = ""  # "module:Class" for the inproc transport
 
+    def shown(self) -> dict[str, Any]:
+        """The spec as a map for dead letters and displays: any password in base_url starred."""
+        return self.to_dict() | {"base_url": redact_url(self.base_url)}
+
 
 @dataclass
 class StepRecord(_Record):
@@ -288,3 +294,17 @@ class DeadLetter(_Record):
 
 
 _KINDS[DeadLetter.KIND] = DeadLetter
+
+
+@dataclass
+class OrphanInstance(_Record):
+    """An env instance no attempt will close (its attempt's worker died): the sweeper queues it
+    in ``<prefix>:orphans`` and a worker closes it (workers/orphans.py)."""
+
+    KIND: ClassVar[str] = "orphan_instance"
+    base_url: str
+    env_name: str
+    instance_id: str
+
+
+_KINDS[OrphanInstance.KIND] = OrphanInstance

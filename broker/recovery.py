@@ -22,7 +22,7 @@ import redis
 
 from broker import errors
 from broker.duty import Duty
-from broker.keys import Keys, member, split_member
+from broker.keys import Keys, env_instance_id, member, split_member
 from broker.ledger import Ledger
 from broker.queueing import decode_task_args, push_episodes, send_episodes, task_args
 from broker.records import (
@@ -31,8 +31,10 @@ from broker.records import (
     FAILED,
     QUEUED,
     RETRYING,
+    RUNNING,
     AttemptRecord,
     DeadLetter,
+    OrphanInstance,
 )
 from broker.settings import Settings
 
@@ -64,21 +66,29 @@ class Sweeper:
         self.keys = Keys(settings.key_prefix)
         self.ledger = Ledger(client, self.keys, settings.lease_ttl_s)
         self._last_reconcile = time.monotonic()
+        self._last_housekeeping = 0.0
+        self._reconcile_rounds = 0
 
-    def tick(self) -> SweepReport:
+    def tick(self, *, reclaim: bool = True) -> SweepReport:
         """One sweep, by whichever process takes the sweep lock first. The lock is released
         only by its holder (token-checked) and outlives any sweep but a pathological one; a
-        second sweeper entering then only repeats guarded moves, which are no-ops."""
+        second sweeper entering then only repeats guarded moves, which are no-ops.
+
+        ``reclaim=False`` skips re-queuing expired leases: right after Redis was unreachable
+        the workers' renewers need a round to take back leases that lapsed meanwhile (their
+        attempts are alive and waiting, see Ledger.renew)."""
         report = SweepReport()
         token = os.urandom(8).hex()
         lock_ms = int(max(self.settings.sweep_interval_s * 4, 60) * 1000)
         if not self.r.set(self.keys.sweep_lock, token, nx=True, px=lock_ms):
             return report
         try:
-            self._reclaim_lost(report)
+            if reclaim:
+                self._reclaim_lost(report)
             self._resend_unstarted(report)
             self._enqueue_due(report)
-            self._reconcile_quiet_jobs(report)
+            self._reconcile_jobs(report)
+            self._housekeeping()
         finally:
             self._release(token)
         return report
@@ -87,35 +97,48 @@ class Sweeper:
         self.r.eval(_RELEASE_LOCK, 1, self.keys.sweep_lock, token)
 
     def _reclaim_lost(self, report: SweepReport) -> None:
-        for m in self.ledger.expired_running():
+        # Grace past the lease's expiry: a live worker's attempts stop calling anything before
+        # its lease can expire (they fence themselves by their own clock), and its renewer gets
+        # a last chance to take the lease back (Ledger.renew) before the episode moves on.
+        grace_ms = int(self.settings.lease_ttl_s * 1000 / 3)
+        for m in self.ledger.expired_running(grace_ms=grace_ms):
             job_id, episode_id = split_member(m)
             job = self.ledger.job_spec(job_id)
             spec = self.ledger.episode_spec(job_id, episode_id)
             if job is None or spec is None:
                 self.r.zrem(self.keys.running, m)
                 continue
-            attempt = self.ledger.attempts(job_id, episode_id)
+            attempt, attempt_id = self.ledger.latest_attempt(job_id, episode_id)
+            attempt = attempt or self.ledger.attempts(job_id, episode_id)
             limit = self.ledger.attempt_limit(job_id, episode_id, job.max_attempts)
             exhausted = attempt >= limit
             base = dict(job_id=job_id, episode_id=episode_id, attempt=attempt, group_id=spec.group_id,
                         group_size=spec.group_size, env_name=spec.env_name, llm_model=job.model,
-                        reason=errors.WORKER_LOST, error_class="LeaseExpired",
-                        attempt_id=self.ledger.attempt_id(job_id, episode_id))
+                        reason=errors.WORKER_LOST, error_class="LeaseExpired", attempt_id=attempt_id)
             if exhausted:
                 message = f"worker lost (lease expired) on attempt {attempt} of {limit}"
                 record = AttemptRecord(**base, status=ATTEMPT_FAILED, error=message)
                 letter = DeadLetter(job_id=job_id, episode_id=episode_id, group_id=spec.group_id,
                                     env_name=spec.env_name, reason=errors.WORKER_LOST, error_class="LeaseExpired",
-                                    error=message, attempts=attempt, spec=spec.to_dict())
+                                    error=message, attempts=attempt, spec=spec.shown())
                 if self.ledger.reclaim(job_id, episode_id, FAILED, record, letter):
                     report.dead.append(m)
+                    self._orphaned(spec, attempt, attempt_id)
                     log.error("episode %s dead-lettered: %s", episode_id, message)
             else:
                 record = AttemptRecord(**base, status=ABANDONED, error="worker lost (lease expired)")
                 if self.ledger.reclaim(job_id, episode_id, QUEUED, record):
                     send_episodes(self.r, [(job_id, episode_id, spec.queue or self.settings.queue)])
                     report.reclaimed.append(m)
+                    self._orphaned(spec, attempt, attempt_id)
                     log.warning("episode %s: worker lost on attempt %d; re-queued", episode_id, attempt)
+
+    def _orphaned(self, spec, attempt: int, attempt_id: str) -> None:
+        """The lost attempt's env instance: a worker closes it (workers/orphans.py)."""
+        if spec.transport != "inproc" and spec.base_url and attempt:
+            orphan = OrphanInstance(base_url=spec.base_url, env_name=spec.env_name,
+                                    instance_id=env_instance_id(spec.episode_id, attempt, attempt_id))
+            self.r.rpush(self.keys.orphans, orphan.pack())
 
     def _resend_unstarted(self, report: SweepReport) -> None:
         """Episodes a dead worker had received but not started: send them again."""
@@ -128,24 +151,71 @@ class Sweeper:
             report.resent.append(m)
             log.warning("episode %s: received by a worker that died before starting it; sent again", episode_id)
 
-    def _reconcile_quiet_jobs(self, report: SweepReport, recent_jobs: int = 50, max_queue: int = 10_000) -> None:
-        """Reconcile jobs with queued episodes while their queues are short.
-
-        Cheap where it matters: a job whose last episodes were lost has an empty queue and
-        would otherwise wait forever; a long queue is scanned later, once it drains.
-        """
+    def _reconcile_jobs(self, report: SweepReport, max_queue: int = 10_000, big_every: int = 10) -> None:
+        """Reconcile every job with queued or retrying episodes (review L2: not only the most
+        recent ones). A job whose queues hold more than ``max_queue`` messages costs a scan of
+        them, so it is reconciled every ``big_every``-th round only, never postponed forever."""
         now = time.monotonic()
         if now - self._last_reconcile < self.settings.reconcile_interval_s:
             return
         self._last_reconcile = now
-        for job_id in self.ledger.job_ids()[-recent_jobs:]:
-            counts = self.ledger.counts(job_id)
+        self._reconcile_rounds += 1
+        job_ids = self.ledger.job_ids()
+        for job_id, counts in zip(job_ids, self.ledger.counts_many(job_ids)):
             if not (counts[QUEUED] or counts[RETRYING]):
                 continue
             queues = set(self.settings.served_queues) | self.ledger.job_queues(job_id)
-            if sum(self.r.llen(q) for q in queues) > max_queue:
+            if sum(self.r.llen(q) for q in queues) > max_queue and self._reconcile_rounds % big_every:
                 continue
             report.reconciled.extend(reconcile(self.r, self.settings, job_id))
+
+    def _housekeeping(self) -> None:
+        """Retention (review L1): a finished job's keys expire ``job_retention_s`` after it
+        finished (a re-drive makes it active again and takes the expiry back); the jobs index
+        and the dead-letter queue forget jobs whose keys are gone; the poison stream is capped."""
+        now = time.monotonic()
+        if now - self._last_housekeeping < max(self.settings.reconcile_interval_s, 10.0):
+            return
+        self._last_housekeeping = now
+        job_ids = self.ledger.job_ids()
+        if not job_ids:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(self.keys.job_spec(job_id))
+            pipe.ttl(self.keys.job_spec(job_id))
+        answers = pipe.execute()
+        counts = self.ledger.counts_many(job_ids)
+        retention = int(self.settings.job_retention_s)
+        gone = []
+        pipe = self.r.pipeline(transaction=False)
+        for job_id, exists, ttl, c in zip(job_ids, answers[0::2], answers[1::2], counts):
+            if not exists:
+                gone.append(job_id)
+                continue
+            active = c[QUEUED] or c[RUNNING] or c[RETRYING]
+            if not active and ttl == -1:
+                for key in self.keys.job_keys(job_id):
+                    pipe.expire(key, retention)
+            elif active and ttl >= 0:
+                for key in self.keys.job_keys(job_id):
+                    pipe.persist(key)
+        pipe.execute()
+        if gone:
+            self._forget_jobs(gone)
+        self.r.xtrim(self.keys.results + ":poison", maxlen=10_000, approximate=True)
+
+    def _forget_jobs(self, job_ids: list[str]) -> None:
+        self.r.zrem(self.keys.jobs, *job_ids)
+        prefixes = tuple(f"{j} " for j in job_ids)
+        stale = [k for k, _ in self.r.zscan_iter(self.keys.dlq_index) if k.decode().startswith(prefixes)]
+        for i in range(0, len(stale), 1000):
+            chunk = stale[i:i + 1000]
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hdel(self.keys.dlq, *chunk)
+            pipe.zrem(self.keys.dlq_index, *chunk)
+            pipe.execute()
+        log.info("retention: forgot %d expired jobs (%d dead letters)", len(job_ids), len(stale))
 
     def _enqueue_due(self, report: SweepReport) -> None:
         for m in self.ledger.due_retries():
@@ -161,7 +231,11 @@ class Sweeper:
 
 class SweepDuty(Duty):
     """Runs :meth:`Sweeper.tick` on its own thread (workers and the consumer), so that a long
-    reconcile holds up neither lease renewal nor ingestion."""
+    reconcile holds up neither lease renewal nor ingestion.
+
+    After its own Redis errors it leaves expired leases alone for one lease TTL: if Redis was
+    away, leases lapsed on every live worker too, and their renewers take them back on their
+    next round; re-queuing them first would restart every running episode of the fleet."""
 
     name = "sweeper"
 
@@ -169,9 +243,14 @@ class SweepDuty(Duty):
         super().__init__(interval_s)
         self.sweeper = sweeper
         self.last_report: SweepReport | None = None
+        self._hold_reclaim_until = 0.0
 
     def tick(self) -> None:
-        self.last_report = self.sweeper.tick()
+        try:
+            self.last_report = self.sweeper.tick(reclaim=time.monotonic() >= self._hold_reclaim_until)
+        except redis.RedisError:
+            self._hold_reclaim_until = time.monotonic() + self.sweeper.settings.lease_ttl_s
+            raise
 
 
 KOMBU_UNACKED, KOMBU_UNACKED_INDEX = "unacked", "unacked_index"  # kombu's Redis transport keys

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
@@ -27,19 +28,36 @@ class Secret(str):
         return str.__str__(self)
 
 
+_SECRET_QUERY_RE = re.compile(r"(?i)((?:^|&)[^=&]*(?:password|passwd|pwd|token|secret|key|auth)[^=&]*=)[^&]*")
+
+
 def redact_url(url: str) -> str:
-    """``redis://:pw@host/0`` -> ``redis://:***@host/0``: URLs are logged, passwords are not."""
-    if "@" not in url:  # no userinfo, nothing to hide (the common case, on every request)
+    """``redis://:pw@host/0`` -> ``redis://:***@host/0``, ``...?password=pw`` ->
+    ``...?password=***``: URLs are logged and stored, passwords are not."""
+    if "@" not in url and "?" not in url:  # nothing to hide (the common case, on every request)
         return url
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable url>"
-    if parts.password is None:
+    netloc = parts.netloc
+    if "@" in netloc and parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
+    query = _SECRET_QUERY_RE.sub(r"\1***", parts.query) if parts.query else parts.query
+    if netloc == parts.netloc and query == parts.query:
         return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{netloc}", parts.path, parts.query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def origin_of(url: str) -> str:
+    """``scheme://host:port`` of a URL (lower case, default port made explicit, no userinfo)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower(), 0)
+    except ValueError:
+        return ""
+    host = (parts.hostname or "").lower()
+    return f"{parts.scheme.lower()}://{host}:{port}" if host else ""
 
 
 class SettingsError(ValueError):
@@ -103,6 +121,25 @@ class Settings:
     retry_backoff_initial_s: float = 2.0
     retry_backoff_max_s: float = 60.0
     shutdown_grace_s: float = 30.0  # after SIGTERM, running episodes get this long to finish
+    # A server that is down (refused, reset, 429/502/503/504 with its readiness route down too)
+    # holds its episodes, their budgets paused, for up to this long before they are
+    # dead-lettered as env_outage/model_outage (workers/breakers.py). Redis too (broker_outage).
+    outage_budget_s: float = 900.0
+    job_retention_s: float = 7 * 24 * 3600.0  # finished jobs' Redis keys expire this long after the end
+
+    # --- trust boundaries: what a job (anyone who can write a task) may make workers do ----
+    # The API key goes only to the origin of llm_base_url and these (comma-separated
+    # scheme://host:port); a job naming another model host gets its calls without the key.
+    llm_trusted_origins: str = ""
+    # Inproc env classes a worker may import ("module:Class", "module:*", "package.*"), comma-
+    # separated; "" = the bundled adapters. Anything else is dead-lettered as bad_task unimported.
+    env_classes: str = ""
+    # Episode hooks a worker may load, as for env_classes; "" = the built-in hooks and this
+    # worker's own episode_hook.
+    episode_hooks: str = ""
+    # Env servers workers may call (comma-separated host, host:port or scheme://host:port);
+    # "" = any. Keeps a job from pointing workers at internal services (SSRF).
+    env_hosts: str = ""
 
     # --- workers -----------------------------------------------------------------------
     concurrency: int = 16  # episodes at once per worker process
@@ -211,6 +248,10 @@ class Settings:
                 problems.append(f"{name} must be >= 0")
         if self.experience_top_k < 1:
             problems.append("experience_top_k must be >= 1")
+        if self.outage_budget_s < 0:
+            problems.append("outage_budget_s must be >= 0")
+        if self.job_retention_s <= 0:
+            problems.append("job_retention_s must be > 0")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             problems.append(f"redis_url must start with redis://, rediss:// or unix://, not {redact_url(self.redis_url)!r}")
         if problems:
@@ -240,8 +281,19 @@ class Settings:
         # running; a dead worker's episode comes back much sooner through its lease.
         return int(self.episode_budget_s + self.shutdown_grace_s + 300)
 
-    def __repr__(self) -> str:  # dataclass repr would be fine too (Secret hides itself); keep it short
-        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items() if k != "llm_api_key") + ")"
+    def __repr__(self) -> str:
+        """Secrets hidden: the API key left out, passwords in URLs starred (review L5)."""
+        shown = {k: (redact_url(v) if k in _URL_FIELDS else v) for k, v in self.as_dict().items() if k != "llm_api_key"}
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+    def trusted_model_origins(self) -> frozenset[str]:
+        """Origins the API key may be sent to: llm_base_url's and llm_trusted_origins."""
+        out = {origin_of(self.llm_base_url)}
+        out.update(origin_of(o) for o in self.llm_trusted_origins.split(",") if o.strip())
+        return frozenset(o for o in out if o)
+
+
+_URL_FIELDS = frozenset({"redis_url", "llm_base_url", "store_url", "env_base_url", "db_path"})
 
 
 def _field(name: str) -> dataclasses.Field:

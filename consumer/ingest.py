@@ -28,7 +28,8 @@ import redis
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
-from broker.records import DONE, QUEUED, RecordError, unpack
+from broker.dlq import DeadLetterQueue
+from broker.records import DONE, FAILED, QUEUED, RecordError, unpack
 from broker.recovery import SweepDuty, Sweeper
 from broker.settings import Settings
 from consumer.storage import ResultStore, StoreError
@@ -42,6 +43,7 @@ GROUP = "consumers"
 GATHER_S = 0.05
 LOST_STEPS_CHECK_S = 2.0
 _MAX_WAIT_S = 30.0
+STALE_GROUP_S = 3600.0  # another consumer group idle this long no longer holds the trim floor
 
 
 class Ingestor:
@@ -53,6 +55,7 @@ class Ingestor:
         self.keys = Keys(settings.key_prefix)
         self.stream = self.keys.results
         self.ledger = Ledger(client, self.keys, settings.lease_ttl_s)
+        self.dlq = DeadLetterQueue(client, settings)
         # Stable per host: a restarted consumer re-reads its own pending entries at once instead
         # of waiting for them to idle long enough for XAUTOCLAIM.
         self.name = name or f"consumer@{socket.gethostname()}"
@@ -69,6 +72,7 @@ class Ingestor:
         self._last_trim = 0.0
         self._last_lost_check = 0.0
         self._wait_s = 0.0  # current backoff while the store is unavailable
+        self._stale_groups: set[str] = set()
         self.ensure_group()
 
     def ensure_group(self) -> None:
@@ -150,9 +154,10 @@ class Ingestor:
                 ids.append(entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
             except RecordError as exc:
                 poison.append((entry_id, raw, f"undecodable: {exc}"))
+        fixes: list[tuple[str, str]] = []
         try:
             if records:
-                self._store(records, ids, poison)
+                fixes = self._store(records, ids, poison)
         except StoreUnavailable as exc:
             self._wait_for_store(exc)
             return 0  # nothing acknowledged: the same entries come back as our own pending
@@ -160,6 +165,8 @@ class Ingestor:
         if poison:
             self._park(poison)
         self.r.xack(self.stream, GROUP, *(e[0] for e in entries))
+        if fixes:
+            self._completed_after_all(fixes)
         for observe in self.observers:
             try:
                 observe(records)
@@ -169,21 +176,22 @@ class Ingestor:
         self.stats["batches"] += 1
         return len(records)
 
-    def _store(self, records: list, ids: list[str], poison: list) -> None:
+    def _store(self, records: list, ids: list[str], poison: list) -> list[tuple[str, str]]:
         """Commit the batch; if the store rejects it, find the record(s) at fault one by one and
-        park them, storing the rest. Raises StoreUnavailable when nothing can be stored now."""
+        park them, storing the rest. Raises StoreUnavailable when nothing can be stored now.
+        Returns the episodes dead-lettered after their completion was stored (see
+        :meth:`_completed_after_all`)."""
         try:
-            self.store.write_batch(records, ids)
-            return
+            return self.store.write_batch(records, ids).failed_after_completion
         except Exception as exc:  # noqa: BLE001 - classified below
             err = classify(exc)
             if isinstance(err, StoreUnavailable):
                 raise err from exc
             log.error("the store rejected a batch of %d records (%s); storing them one by one", len(records), err)
-        kept = []
+        kept, fixes = [], []
         for rec, entry_id in zip(records, ids):
             try:
-                self.store.write_batch([rec], [entry_id])
+                fixes.extend(self.store.write_batch([rec], [entry_id]).failed_after_completion)
                 kept.append(rec)
             except Exception as exc:  # noqa: BLE001
                 err = classify(exc)
@@ -196,6 +204,18 @@ class Ingestor:
             poison[:] = [p for p in poison if not p[2].startswith("rejected by the store")]
             raise StoreUnavailable(f"every record of a batch of {len(records)} was rejected")
         records[:] = kept
+        return fixes
+
+    def _completed_after_all(self, fixes: list[tuple[str, str]]) -> None:
+        """Episodes the ledger dead-lettered although the database holds a completion of theirs
+        (Redis lost the completing FINISH and a re-run failed, review H2): the database's
+        completion stands, so the ledger is moved to done and the dead letter withdrawn; a
+        re-drive would only run a completed episode again."""
+        for job_id, episode_id in fixes:
+            if self.ledger.move(job_id, episode_id, DONE, [FAILED]):
+                self.dlq.withdraw(job_id, episode_id)
+                log.warning("episode %s: completed before Redis lost track of it; its later dead letter withdrawn",
+                            episode_id)
 
     def _park(self, poison: list) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -245,14 +265,21 @@ class Ingestor:
 
     # --- stream upkeep ----------------------------------------------------------------------
     def trim(self) -> None:
-        """Drop entries every group has acknowledged, never one still pending or unread."""
+        """Drop entries every group has acknowledged, never one still pending or unread.
+
+        Another group (a trainer tapping the stream) counts while it is alive; one whose
+        consumers have all been idle for ``STALE_GROUP_S`` (or that has none) no longer holds
+        the floor (review L3): a forgotten tap must not grow the stream until backpressure
+        stops every worker."""
         try:
             groups = self.r.xinfo_groups(self.stream)
         except redis.ResponseError:
             return
         floor = None
         for g in groups:
-            name = g["name"]
+            name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+            if name != GROUP and self._stale_group(name):
+                continue
             candidate = _id_tuple(g["last-delivered-id"])
             pending = self.r.xpending(self.stream, name)
             if pending and pending.get("pending"):
@@ -260,6 +287,21 @@ class Ingestor:
             floor = candidate if floor is None else min(floor, candidate)
         if floor and floor > (0, 0):
             self.r.xtrim(self.stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
+
+    def _stale_group(self, name: str) -> bool:
+        try:
+            consumers = self.r.xinfo_consumers(self.stream, name)
+        except redis.ResponseError:
+            return False
+        idle_ms = min((int(c.get("idle", 0)) for c in consumers), default=None)
+        stale = idle_ms is None or idle_ms > STALE_GROUP_S * 1000
+        if stale and name not in self._stale_groups:
+            self._stale_groups.add(name)
+            log.warning("consumer group %r of %s has been idle for over %.0fs: the stream is trimmed past it",
+                        name, self.stream, STALE_GROUP_S)
+        elif not stale:
+            self._stale_groups.discard(name)
+        return stale
 
     def backlog(self) -> int:
         return int(self.r.xlen(self.stream))

@@ -267,6 +267,12 @@ def cmd_dlq(args) -> int:
             return 2
         print(json.dumps(d.to_dict(), indent=2, default=str))
         return 0
+    if args.dlq_cmd == "redrive" and getattr(args, "failed", False):
+        if not args.job:
+            raise SettingsError("--failed re-drives the failed episodes of one job: say which with --job J")
+        sent = dlq.redrive_failed(args.job)
+        print(f"re-drove {len(sent)} episodes")
+        return 0
     selected = _select_letters(dlq, args)
     if args.dlq_cmd == "redrive":
         sent = dlq.redrive(selected)
@@ -344,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("consumer", cmd_consumer, "run the results consumer")
     sp.add_argument("--name", default=None)
     sp.add_argument("--metrics-port", type=int, default=0, help="also serve Prometheus metrics on this port")
-    sp.add_argument("--metrics-host", default="0.0.0.0")
+    sp.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 to serve other hosts (a scraper)")
     sp = add("results", cmd_results, "print a job's results")
     sp.add_argument("job")
     sp.add_argument("--json", action="store_true")
@@ -379,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
         rp.add_argument("--job")
         rp.add_argument("--reason")
         rp.add_argument("--all", action="store_true")
+        if name == "redrive":
+            rp.add_argument("--failed", action="store_true",
+                            help="with --job: every episode the ledger holds as failed, letter or not")
 
     # Commands that live with their feature (metrics, autoscale, bench, serve-env adapters...):
     # each module has register(sub, add), where add(name, fn, help) makes a parser with the
@@ -406,12 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = list(argv) if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from broker.ledger import JobExists
     from consumer.storage import StoreError
     from producer.taskfile import TaskFileError
 
     try:
         return args.fn(args)
-    except (SettingsError, TaskFileError, StoreError) as exc:
+    except (SettingsError, TaskFileError, StoreError, JobExists) as exc:
         print(f"interactor: {exc}", file=sys.stderr)
         return 2
 

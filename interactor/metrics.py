@@ -625,7 +625,7 @@ def exposition(reader: FleetReader) -> str:
     return generate_latest(registry(reader)).decode()
 
 
-def serve(reg, host: str = "0.0.0.0", port: int = 9400):
+def serve(reg, host: str = "127.0.0.1", port: int = 9400):
     """Serve ``/metrics`` from a daemon thread; returns ``(server, thread)``."""
     from prometheus_client import start_http_server
 

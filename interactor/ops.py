@@ -19,7 +19,7 @@ DEFAULT_METRICS_PORT = 9400
 
 def register(sub, add) -> None:
     sp = add("metrics", cmd_metrics, "serve the fleet's Prometheus metrics (queues, episodes, stream, steps, latency)")
-    sp.add_argument("--host", default="0.0.0.0")
+    sp.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other hosts (a Prometheus scraper)")
     sp.add_argument("--port", type=int, default=DEFAULT_METRICS_PORT)
     sp.add_argument("--once", action="store_true", help="print the exposition once and exit")
     sp.add_argument("--extra-queues", default="", help="more queues to show (comma-separated)")
@@ -38,7 +38,7 @@ def register(sub, add) -> None:
     sp.add_argument("--cooldown", type=float, default=60.0, help="scale-down stabilization window, seconds")
     sp.add_argument("--interval", type=float, default=5.0, help="seconds between decisions")
     sp.add_argument("--metrics-port", type=int, default=0, help="serve the autoscaler's own gauges here")
-    sp.add_argument("--metrics-host", default="0.0.0.0")
+    sp.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 to serve other hosts")
     sp.add_argument("--log-dir", default=None, help="worker logs here (default: this process's output)")
     sp.add_argument("--name", default="as", help="worker name prefix")
 

@@ -67,6 +67,11 @@ def settings(redis_server, tmp_path) -> Settings:
         shutdown_grace_s=3,
         concurrency=8,
         model="stand-in",
+        # A dead server is waited for this long before its episodes are dead-lettered as an
+        # outage (15 minutes by default): tests that kill servers for good end in seconds.
+        outage_budget_s=5,
+        # The test modules' own env classes (and the docs' example) next to the bundled ones.
+        env_classes="interactor.envs.*,tests.*,test_inproc:*,wordguess_doc:*",
     )
 
 

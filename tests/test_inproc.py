@@ -322,7 +322,7 @@ def test_inproc_failures_are_retried_or_dead_lettered_like_http(settings, redis_
                         env_name="x", base_url="", env_params={}, queue=settings.queue,
                         transport="inproc", env_class=f"{HERE}:Crashes")
     job = _job(redis_client, settings, model_url, [bad, crash], "fail")
-    rt = WorkerRuntime(settings, name="inproc-worker")
+    rt = WorkerRuntime(settings.replace(env_classes=f"{settings.env_classes},no_such_module.*"), name="inproc-worker")
     try:
         assert rt.run(job.job_id, bad.episode_id) == "failed"  # permanent: straight to the DLQ
         assert rt.run(job.job_id, crash.episode_id) == "retrying"  # transient: another attempt
@@ -331,3 +331,49 @@ def test_inproc_failures_are_retried_or_dead_lettered_like_http(settings, redis_
     letter = DeadLetterQueue(redis_client, settings).get(bad.episode_id)
     assert letter.reason == errors.ENV_BAD_REQUEST and "cannot import env_class" in letter.error
     assert letter.spec["transport"] == "inproc" and letter.spec["env_class"] == "no_such_module.envs:Env"
+
+
+def test_env_classes_off_the_allow_list_are_never_imported(settings, redis_client, model_server, tmp_path,
+                                                          monkeypatch):
+    """A task naming ``os:abort`` (or any module) as its env class is dead-lettered as bad_task
+    without the worker importing anything (review M3): the worker and its other episodes live."""
+    import sys
+
+    _, model_url = model_server
+    marker = tmp_path / "imported"
+    (tmp_path / "sideeffect_env.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Env: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    specs = [EpisodeSpec(job_id="evil", episode_id=f"evil.1.1.1.{k}", group_id="evil.1.1.1", group_size=3,
+                         env_name="x", base_url="", env_params={}, queue=settings.queue, transport="inproc",
+                         env_class=cls)
+             for k, cls in enumerate(["os:abort", "sideeffect_env:Env", "interactor.envs.bundled:BundledEnv"], 1)]
+    job = _job(redis_client, settings, model_url, specs, "evil")
+    rt = WorkerRuntime(settings.replace(env_classes=""), name="allowlist-worker")  # the default list
+    try:
+        assert rt.run(job.job_id, specs[0].episode_id) == "failed"
+        assert rt.run(job.job_id, specs[1].episode_id) == "failed"
+        # The default list holds the bundled adapters: this one is imported (and fails on its own terms).
+        rt.run(job.job_id, specs[2].episode_id)
+    finally:
+        rt.stop()
+    assert not marker.exists() and "sideeffect_env" not in sys.modules
+    dlq = DeadLetterQueue(redis_client, settings)
+    for spec in specs[:2]:
+        letter = dlq.get(spec.episode_id)
+        assert letter.reason == errors.BAD_TASK and "allow-list" in letter.error and spec.env_class in letter.error
+    third = dlq.get(specs[2].episode_id)
+    assert third is None or third.reason != errors.BAD_TASK
+
+
+def test_an_allowed_name_that_is_not_an_env_class_is_refused_before_any_call(settings, redis_client, model_server):
+    _, model_url = model_server
+    spec = EpisodeSpec(job_id="fn", episode_id="fn.1.1.1.1", group_id="fn.1.1.1", group_size=1, env_name="x",
+                       base_url="", env_params={}, queue=settings.queue, transport="inproc", env_class="os:abort")
+    job = _job(redis_client, settings, model_url, [spec], "fn")
+    rt = WorkerRuntime(settings.replace(env_classes="os:*"), name="allowlist-worker-2")
+    try:
+        assert rt.run(job.job_id, spec.episode_id) == "failed"  # and this process is still alive
+    finally:
+        rt.stop()
+    letter = DeadLetterQueue(redis_client, settings).get(spec.episode_id)
+    assert letter.reason == errors.ENV_BAD_REQUEST and "not an environment class" in letter.error

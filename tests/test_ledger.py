@@ -346,17 +346,90 @@ def test_renew_extends_ttl_and_flags_lost(ledger, job, redis_client, keys):
     b = start_ok(ledger, ep_id(2))
     redis_client.pexpire(keys.lease(ep_id(1)), 200)
     redis_client.zadd(keys.running, {a.member: 1})
-    c = start_ok(ledger, ep_id(3))
-    redis_client.delete(keys.lease(ep_id(3)))  # expired
     bogus = Lease(JOB, ep_id(2), b.attempt, "someone-else:1")
-    ledger.renew([a, b, c, bogus])
+    ledger.renew([a, b, bogus])
     assert redis_client.pttl(keys.lease(ep_id(1))) > 2000
     assert redis_client.zscore(keys.running, a.member) > time.time() * 1000
     assert not a.lost.is_set() and not b.lost.is_set()
-    assert c.lost.is_set() and bogus.lost.is_set()
-    assert redis_client.exists(keys.lease(ep_id(3))) == 0  # renew never resurrects a lease
+    assert bogus.lost.is_set()
     assert redis_client.get(keys.lease(ep_id(2))).decode() == b.token
     ledger.renew([])  # no-op
+
+
+def test_renew_resumes_a_lapsed_lease_nobody_took(ledger, job, redis_client, keys):
+    """A lease that lapsed (Redis outage, stalled renewer) while the episode is still running
+    under this very attempt is taken back: the attempt goes on, no attempt is spent."""
+    c = start_ok(ledger, ep_id(3))
+    redis_client.delete(keys.lease(ep_id(3)))  # expired
+    ledger.renew([c])
+    assert not c.lost.is_set()
+    assert redis_client.get(keys.lease(ep_id(3))).decode() == c.token
+    assert redis_client.pttl(keys.lease(ep_id(3))) > 2000
+
+
+def test_renew_never_resurrects_a_lease_the_sweeper_took(ledger, job, redis_client, keys):
+    c = start_ok(ledger, ep_id(3))
+    redis_client.delete(keys.lease(ep_id(3)))
+    assert ledger.reclaim(JOB, ep_id(3), QUEUED, None)  # the sweeper re-queued it
+    ledger.renew([c])
+    assert c.lost.is_set()
+    assert redis_client.exists(keys.lease(ep_id(3))) == 0
+
+
+def test_renew_never_resumes_over_a_later_attempt(ledger, job, redis_client, keys):
+    """Expired, re-queued and started again: the old attempt's renewal finds another
+    attempt's id in the ledger (even once that attempt's lease lapsed too) and is lost."""
+    old = start_ok(ledger, ep_id(4))
+    redis_client.delete(keys.lease(ep_id(4)))
+    assert ledger.reclaim(JOB, ep_id(4), QUEUED, None)
+    new = start_ok(ledger, ep_id(4))
+    redis_client.delete(keys.lease(ep_id(4)))
+    ledger.renew([old])
+    assert old.lost.is_set()
+    ledger.renew([new])
+    assert not new.lost.is_set()
+    assert redis_client.get(keys.lease(ep_id(4))).decode() == new.token
+
+
+def test_start_returns_the_previous_attempt(ledger, job, redis_client, keys):
+    first = ledger.start(JOB, ep_id(5), "w1")
+    assert first.status == "ok" and first.previous is None
+    redis_client.delete(keys.lease(ep_id(5)))
+    assert ledger.reclaim(JOB, ep_id(5), QUEUED, None)
+    second = ledger.start(JOB, ep_id(5), "w2")
+    assert second.previous == (1, first.lease.attempt_id)
+    assert ledger.latest_attempt(JOB, ep_id(5)) == (2, second.lease.attempt_id)
+
+
+def test_start_whose_reply_was_lost_is_retried_as_ours(ledger, job, redis_client, keys):
+    """redis-py repeats a START whose reply was lost; the repeat finds our own lease and
+    carries on with it instead of dropping the delivery (review L4)."""
+    first = ledger.start(JOB, ep_id(2), "w1")
+    token = first.lease.token
+    prefix = token.rsplit(":", 1)[0]
+    # Same worker and attempt id prefix: what the retried EVALSHA sends.
+    import broker.ledger as L
+
+    orig = L.new_attempt_id
+    L.new_attempt_id = lambda: first.lease.attempt_id
+    try:
+        again = ledger.start(JOB, ep_id(2), "w1")
+    finally:
+        L.new_attempt_id = orig
+    assert again.status == "ok" and again.lease.token == token and prefix
+    assert ledger.attempts(JOB, ep_id(2)) == 1
+    assert again.spec is not None
+
+
+def test_lease_is_valid_only_within_its_ttl_by_local_clock(ledger, job):
+    lease = start_ok(ledger, ep_id(3))
+    assert lease.valid()
+    lease.valid_until = time.monotonic() - 0.01
+    assert not lease.valid()
+    lease.renewed(time.monotonic())
+    assert lease.valid()
+    lease.lost.set()
+    assert not lease.valid()
 
 
 # --- reclaim -----------------------------------------------------------------------------

@@ -105,26 +105,40 @@ def test_bad_params_go_straight_to_dead_letters(runtime, settings, redis_client,
     assert closing.status == "failed" and closing.reason == errors.ENV_BAD_REQUEST
 
 
-def test_model_down_retries_then_dead_letters(runtime, settings, redis_client, env_server):
+def test_model_down_waits_as_an_outage_then_dead_letters_with_that_reason(runtime, settings, redis_client,
+                                                                          env_server):
+    """A model endpoint nobody answers at (its readiness route neither) is an outage: the episode
+    waits for it without spending attempts, the open breaker is visible in Redis, and only past
+    the outage budget is the episode dead-lettered, as model_outage naming the server."""
     env, env_url = env_server
-    job, (ep,) = make_job(redis_client, settings, env_url=env_url,
-                          llm_url=f"http://127.0.0.1:{closed_port()}/v1", max_attempts=2)
+    port = closed_port()
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=f"http://127.0.0.1:{port}/v1",
+                          max_attempts=2)
     keys = Keys(settings.key_prefix)
-    assert runtime.run(job.job_id, ep.episode_id) == "retrying"
-    assert redis_client.zscore(keys.retry, f"{job.job_id} {ep.episode_id}") is not None
-    # The sweeper enqueues it once its backoff is over; the second attempt uses the last try.
-    sweeper = Sweeper(redis_client, settings)
-    deadline = time.monotonic() + 10
-    while not sweeper.tick().retried:
-        assert time.monotonic() < deadline, "retry never became due"
-        time.sleep(0.1)
-    assert decode_task_args(redis_client.rpop(settings.queue)) == (job.job_id, ep.episode_id)
-    assert runtime.run(job.job_id, ep.episode_id) == "failed"
+    seen_open = []
+
+    def watch():
+        while not seen_open and not done.is_set():
+            seen_open.extend(redis_client.hkeys(keys.breakers))
+            time.sleep(0.1)
+
+    done = threading.Event()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    t0 = time.monotonic()
+    try:
+        assert runtime.run(job.job_id, ep.episode_id) == "failed"
+    finally:
+        done.set()
+        watcher.join()
+    assert time.monotonic() - t0 >= settings.outage_budget_s
     (letter,) = DeadLetterQueue(redis_client, settings).list()
-    assert letter.reason == errors.MODEL_UNAVAILABLE and letter.attempts == 2
-    assert "after 2 attempts" in letter.error
-    # Both attempts were reset and closed on the env.
-    assert env.stats()["resets"] == 2 and env.stats()["live"] == 0
+    assert letter.reason == errors.MODEL_OUTAGE and letter.attempts == 1
+    assert f"127.0.0.1:{port}" in letter.error and "outage budget" in letter.error
+    assert seen_open and seen_open[0].decode().startswith(f"model http://127.0.0.1:{port}/v1 ")
+    # The attempt's instance was reset and closed; the breaker is still open (nothing answered).
+    assert env.stats()["resets"] == 1 and env.stats()["live"] == 0
+    assert [b.server for b in runtime.breakers.open_breakers()] == [f"http://127.0.0.1:{port}/v1"]
 
 
 def test_redrive_keeps_ids_and_completes(runtime, settings, redis_client, env_server, model_server):
@@ -212,7 +226,7 @@ def test_secrets_never_reach_redis_or_records(settings, redis_client, env_server
     _, env_url = env_server
     model, model_url = model_server
     secret = "sk-planted-" + "x" * 20
-    rt = WorkerRuntime(settings.replace(llm_api_key=secret), name="secret-worker")
+    rt = WorkerRuntime(settings.replace(llm_api_key=secret, llm_base_url=model_url + "/v1"), name="secret-worker")
     try:
         job, eps = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1", n=2)
         bad, _ = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1",
@@ -227,3 +241,31 @@ def test_secrets_never_reach_redis_or_records(settings, redis_client, env_server
         assert secret.encode() not in redis_client.dump(key), key
     assert secret not in caplog.text
     assert secret not in repr(rt.settings) and secret not in str(rt.settings.as_dict())
+
+
+def test_api_key_goes_only_to_trusted_model_hosts(settings, redis_client, env_server, model_server):
+    """A job naming a model endpoint of its own choosing gets answers from it, but the worker's
+    API key is not sent there (review M2); an origin added to llm_trusted_origins gets it."""
+    from examples.model_standin import start_in_thread as start_model
+
+    _, env_url = env_server
+    trusted, trusted_url = model_server
+    other, other_url = start_model()
+    secret = "sk-planted-" + "y" * 20
+    rt = WorkerRuntime(settings.replace(llm_api_key=secret, llm_base_url=trusted_url + "/v1"), name="key-worker")
+    rt2 = WorkerRuntime(settings.replace(llm_api_key=secret, llm_base_url=trusted_url + "/v1",
+                                         llm_trusted_origins=other_url), name="key-worker-2")
+    try:
+        job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=trusted_url + "/v1")
+        stolen, (ep2,) = make_job(redis_client, settings, env_url=env_url, llm_url=other_url + "/v1", job_id="job2")
+        allowed, (ep3,) = make_job(redis_client, settings, env_url=env_url, llm_url=other_url + "/v1", job_id="job3")
+        assert rt.run(job.job_id, ep.episode_id) == "completed"
+        assert rt.run(stolen.job_id, ep2.episode_id) == "completed"
+        assert trusted.stats()["auth_headers_seen"] >= 1
+        assert other.stats()["auth_headers_seen"] == 0 and other.stats()["requests"] >= 1
+        assert rt2.run(allowed.job_id, ep3.episode_id) == "completed"
+        assert other.stats()["auth_headers_seen"] >= 1
+    finally:
+        rt.stop()
+        rt2.stop()
+        other.shutdown()

@@ -123,14 +123,16 @@ def make_session(settings: Settings, pool_size: int | None = None) -> requests.S
 _proxies: dict[str, dict[str, str]] = {}
 
 
-def origin_of(url: str) -> str:
+def origin_prefix(url: str) -> str:
+    """``scheme://netloc`` of ``url`` as written: a cheap slice for the per-request path
+    (broker.settings.origin_of normalises one for comparisons)."""
     end = url.find("/", url.find("//") + 2)
     return url if end < 0 else url[:end]
 
 
 def proxies_for(url: str) -> dict[str, str]:
     """HTTP(S)_PROXY / NO_PROXY for ``url``'s origin, looked up once per origin."""
-    origin = origin_of(url)
+    origin = origin_prefix(url)
     found = _proxies.get(origin)
     if found is None:
         found = _proxies[origin] = requests.utils.get_environ_proxies(origin)
@@ -314,7 +316,7 @@ class HttpPool:
     def pool_for(self, url: str):
         """The urllib3 pool requests itself would use for ``url`` (same TLS settings), or
         None when the origin goes through a proxy (then requests handles the call)."""
-        origin = origin_of(url)
+        origin = origin_prefix(url)
         try:
             return self._pools[origin]
         except KeyError:
@@ -383,7 +385,7 @@ def send(
         hdrs.update(headers)
     if body is not None:
         hdrs.setdefault("Content-Type", "application/json")
-    path = url[len(origin_of(url)):] or "/"
+    path = url[len(origin_prefix(url)):] or "/"
     _calls.deadline, _calls.watch = deadline, None
     try:
         return _exchange(pool, method, path, hdrs, body, deadline=deadline, timeout=timeout, max_bytes=max_bytes,

@@ -29,6 +29,7 @@ episode of the worker nor escapes its timeout.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import queue
@@ -62,6 +63,7 @@ from workers.envclient import (
     remaining,
     with_cause,
 )
+from workers.budget import Budget
 from workers.http import parse_json
 
 log = logging.getLogger(__name__)
@@ -147,13 +149,17 @@ def _short(exc: BaseException) -> str:
 class InprocEnv:
     """The loop's env port for one episode of an inproc environment class."""
 
-    def __init__(self, spec: EpisodeSpec, deadline: float, settings: Settings):
+    def __init__(self, spec: EpisodeSpec, budget: Budget | float, settings: Settings):
         self.spec = spec
-        self.deadline = deadline
+        self.budget = budget if isinstance(budget, Budget) else Budget.until(budget)
         self.settings = settings
         self.env: Any = None
         self._runner: _CallThread | None = None
         self._stuck = False
+
+    @property
+    def deadline(self) -> float:
+        return self.budget.deadline
 
     def __repr__(self) -> str:
         return f"InprocEnv({self.spec.env_class!r}, {self.spec.env_name}/{self.spec.episode_id})"
@@ -170,6 +176,10 @@ class InprocEnv:
                 cls = import_object(s.env_class)
             except (ImportError, AttributeError) as exc:
                 raise ImportError(f"cannot import env_class {s.env_class!r} in this worker: {_short(exc)}") from exc
+            if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None))
+                                                   for m in ("reset", "get_task_prompt", "step")):
+                raise ImportError(f"env_class {s.env_class!r} is not an environment class "
+                                  "(a class with reset, get_task_prompt and step)")
             self.env = construct(cls, s.env_name)
             return self.env.reset(s.env_params, s.seed)
 

@@ -87,17 +87,18 @@ def shared_gate(limit: int) -> ModelGate | None:
 class LimitedPolicy:
     """Wraps a policy port: each ``complete`` holds one slot of ``gate`` (None: no limit)."""
 
-    def __init__(self, inner: Any, gate: ModelGate | None, deadline: float,
+    def __init__(self, inner: Any, gate: ModelGate | None, deadline: float | Callable[[], float],
                  check: Callable[[], None] = lambda: None):
         self.inner = inner
         self.gate = gate
-        self.deadline = deadline
+        # A callable reads the attempt's deadline when needed (a paused budget moves it).
+        self.deadline = deadline if callable(deadline) else (lambda: deadline)
         self.check = check
 
     def complete(self, messages: list[dict]) -> Any:
         if self.gate is None:
             return self.inner.complete(messages)
-        self.gate.acquire(self.deadline, self.check)
+        self.gate.acquire(self.deadline(), self.check)
         try:
             return self.inner.complete(messages)
         finally:

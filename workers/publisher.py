@@ -59,13 +59,17 @@ class StepPublisher:
         self._thread.start()
 
     # --- episodes' side ---------------------------------------------------------------
-    def publish(self, lease: Lease, payload: bytes, check: Callable[[], None] = lambda: None) -> None:
+    def publish(self, lease: Lease, payload: bytes, check: Callable[[], None] = lambda: None,
+                waited: Callable[[float], None] = lambda s: None) -> None:
         """Queue one record of ``lease``'s attempt. Waits only while the stream is over its
-        backlog bound (``check`` runs between waits and may raise to abort)."""
+        backlog bound (``check`` runs between waits and may raise to abort; ``waited`` is told
+        each slice waited, so that the attempt's budget does not run out on the consumer)."""
         while self.backlog > self.backlog_max and not self._stop:
-            check()
+            t0 = time.monotonic()
             with self._cv:
                 self._cv.wait(_WAIT_SLICE_S)
+            waited(time.monotonic() - t0)
+            check()
         with self._cv:
             self._items.append((lease, payload))
             self._unconfirmed[lease.token] = self._unconfirmed.get(lease.token, 0) + 1

@@ -8,11 +8,17 @@ process; a lease whose token no longer matches is flagged lost, and its attempt 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
+import redis
+
 from broker.duty import Duty
 from broker.ledger import Lease, Ledger
+
+
+log = logging.getLogger("interactor.renewer")
 
 
 class LeaseRenewer(Duty):
@@ -30,6 +36,7 @@ class LeaseRenewer(Duty):
         self._received: set[str] = set()
         self._reserved: set[str] = set()
         self.last_renewed = time.monotonic()  # when a round last succeeded
+        self.failing_since: float | None = None  # first failed round of the current Redis outage
 
     # --- bookkeeping, called by the runtime ----------------------------------------------
     def hold(self, lease: Lease) -> None:
@@ -60,9 +67,21 @@ class LeaseRenewer(Duty):
             new = [m for m in self._received if m not in self._reserved]
             written = [m for m in self._received if m in self._reserved]
             self._reserved.update(new)
-        self.ledger.renew(leases)
-        self.ledger.reserve(new)
-        gone = self.ledger.renew_reservations(written)
+        try:
+            self.ledger.renew(leases)
+            self.ledger.reserve(new)
+            gone = self.ledger.renew_reservations(written)
+        except redis.RedisError:
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+                log.error("lease renewal failed: Redis unreachable; running episodes pause before their next call "
+                          "until it is back (they fence themselves by their own clock)")
+            with self._lock:  # reservations not written: write them on the next round
+                self._reserved.difference_update(new)
+            raise
+        if self.failing_since is not None:
+            log.warning("lease renewal works again after %.0fs", time.monotonic() - self.failing_since)
+            self.failing_since = None
         if gone:
             with self._lock:
                 self._received -= gone

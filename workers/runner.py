@@ -9,10 +9,20 @@ What an attempt can end as (broker/records.py):
 * permanent failure, or transient with no attempts left -> ``failed`` + a dead letter;
 * shutdown grace over -> ``queued`` again at once (handed back; does not use up an attempt);
 * lease lost -> nothing: whoever holds the lease now owns the episode.
+
+An attempt that ends because a server went down under it (workers/breakers.py) is retried
+without counting against ``max_attempts``: an outage is not the episode's fault.
+
+Fencing by local time: an attempt calls nothing once its lease may have lapsed by its own
+clock (no renewal landed within the TTL less a margin; ``Lease.valid``). It waits for the
+renewer instead; the renewal either extends the lease (Redis was slow or briefly away: the
+attempt goes on, its budget paused) or finds another attempt holding the episode (this one
+stops). A stalled or partitioned worker thus never acts on a lease that may be someone else's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -20,10 +30,10 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+import redis
 
 from broker import errors
-from broker.keys import Keys, member
+from broker.keys import Keys, env_instance_id, member
 from broker.ledger import Lease, Ledger
 from broker.queueing import send_episodes
 from broker.records import (
@@ -43,60 +53,27 @@ from broker.records import (
 )
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
-from broker.settings import Settings
+from broker.settings import Settings, redact_url
+from broker.settings import origin_of
 from workers import limits
+from workers.allowlist import HostAllowlist, env_class_allowlist, hook_allowlist
+from workers.breakers import BreakerBoard, BreakerHeartbeat
+from workers.budget import Budget
 from workers.envclient import EnvClient
 from workers.hooks import load_hook
 from workers.loop import LoopConfig, run_episode
 from workers.modelclient import ModelClient
+from workers.orphans import OrphanCloser
+from workers.ports import BoundEnv, BoundPolicy, Guard, policy_url
 from workers.publisher import StepPublisher
 from workers.renewer import LeaseRenewer
 
 log = logging.getLogger("interactor.worker")
 
-
-@dataclass
-class BoundEnv:
-    """The env port of the loop: one instance on one server, under one deadline."""
-
-    client: EnvClient
-    spec: EpisodeSpec
-    deadline: float
-
-    def reset(self):
-        s = self.spec
-        return self.client.reset(s.base_url, s.env_name, s.episode_id, s.env_params, s.seed, deadline=self.deadline)
-
-    def get_task_prompt(self):
-        s = self.spec
-        return self.client.get_task_prompt(s.base_url, s.env_name, s.episode_id, deadline=self.deadline)
-
-    def step(self, action: str):
-        s = self.spec
-        return self.client.step(s.base_url, s.env_name, s.episode_id, action, deadline=self.deadline)
-
-    def close(self) -> None:
-        s = self.spec
-        self.client.close(s.base_url, s.env_name, s.episode_id)
-
-
-@dataclass
-class BoundPolicy:
-    client: ModelClient
-    job: JobSpec
-    base_url: str
-    api_key: str
-    deadline: float
-
-    def complete(self, messages: list[dict]):
-        j = self.job
-        return self.client.complete(self.base_url, messages, model=j.model, temperature=j.temperature,
-                                    params=j.llm_params, deadline=self.deadline, api_key=self.api_key)
-
-
-def policy_url(job: JobSpec, episode_id: str) -> str:
-    root = job.llm_base_url.rstrip("/")
-    return f"{root}/{episode_id}" if job.session_routing else root
+# Attempts ended by an outage are not counted, up to this many beyond max_attempts (a server
+# that flaps forever must still let its episodes end).
+OUTAGE_EXTRA_ATTEMPTS = 20
+_FENCE_SLICE_S = 0.05
 
 
 def retry_delay(settings: Settings, attempt: int) -> float:
@@ -120,11 +97,20 @@ class WorkerRuntime:
         self.jitter = limits.FirstWaveJitter.from_settings(settings)
         self.shutdown_at: float | None = None
         self._jobs: dict[str, JobSpec] = {}
+        self._untrusted_warned: set[str] = set()
         self._secrets = [s for s in (settings.llm_api_key.reveal(), _redis_password(settings.redis_url)) if s]
+        # Trust boundaries: what a job may make this worker import, call and send the key to.
+        self.env_classes = env_class_allowlist(settings.env_classes)
+        self.hooks = hook_allowlist(settings.episode_hooks, settings.episode_hook)
+        self.env_hosts = HostAllowlist(settings.env_hosts)
+        self.key_origins = settings.trusted_model_origins()
+        self.breakers = BreakerBoard(self.redis, self.keys, self.name)
         # Background duties, each on its own thread (broker/duty.py).
         self.renewer = LeaseRenewer(self.ledger, min(settings.lease_ttl_s / 3, settings.sweep_interval_s)).start()
         self.sweeper = SweepDuty(Sweeper(self.redis, settings), settings.sweep_interval_s).start()
         self.publisher = StepPublisher(self.ledger, backlog_max=settings.stream_backlog_max)
+        self.orphans = OrphanCloser(self.redis, self.keys, self.env).start()
+        self.breaker_heartbeat = BreakerHeartbeat(self.breakers).start()
 
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
@@ -136,6 +122,8 @@ class WorkerRuntime:
         self.renewer.stop()
         self.sweeper.stop()
         self.publisher.stop()
+        self.orphans.stop()
+        self.breaker_heartbeat.stop()
 
     def received(self, job_id: str, episode_id: str) -> None:
         """The broker handed us a task; the renewer holds a reservation on it until it starts."""
@@ -151,7 +139,7 @@ class WorkerRuntime:
         lease = started.lease
         self.renewer.hold(lease)
         try:
-            return self._run_attempt(lease, started.spec)
+            return self._run_attempt(lease, started.spec, started.previous)
         finally:
             self.renewer.release(lease)
 
@@ -165,7 +153,7 @@ class WorkerRuntime:
                 self._jobs[job_id] = job
         return job
 
-    def _run_attempt(self, lease: Lease, spec: EpisodeSpec | None) -> str:
+    def _run_attempt(self, lease: Lease, spec: EpisodeSpec | None, previous: tuple[int, str] | None = None) -> str:
         t_start = time.time()
         job = self._job(lease.job_id)
         base = dict(job_id=lease.job_id, episode_id=lease.episode_id, attempt=lease.attempt,
@@ -175,28 +163,40 @@ class WorkerRuntime:
         if job is None or spec is None:
             err = errors.EpisodeError(errors.BAD_TASK, "job or episode spec missing from the ledger")
             return self._close_failed(lease, base, spec, err, "", limit=lease.attempt)
+        refused = self._refused(job, spec)
+        if refused:
+            err = errors.EpisodeError(errors.BAD_TASK, refused, transient=False)
+            return self._close_failed(lease, base, spec, err, "", limit=lease.attempt)
 
-        deadline = time.monotonic() + job.episode_budget_s
+        budget = Budget(job.episode_budget_s)
         cfg = LoopConfig(job_id=job.job_id, episode_id=spec.episode_id, env_name=spec.env_name,
                          group_id=spec.group_id, llm_model=job.model, attempt=lease.attempt,
                          max_steps=job.max_steps, message_cut=job.message_cut, attempt_id=lease.attempt_id)
         outcome = None
-        check = lambda: self._check(lease, deadline)  # noqa: E731
+        check = lambda: self._check(lease, budget)  # noqa: E731
+        guard = Guard(budget, check, self.settings.outage_budget_s)
         try:
             hook = load_hook(job.episode_hook)
             self.jitter.wait(check)  # spreads the first wave so it does not hit the model at once
-            policy = BoundPolicy(self.model, job, policy_url(job, spec.episode_id),
-                                 self.settings.llm_api_key.reveal(), deadline)
+            if previous is not None:
+                self._close_previous(spec, previous)
+            policy = BoundPolicy(self.model, job, policy_url(job, spec.episode_id), self._api_key_for(job), budget,
+                                 guard, self.breakers.for_model(job.llm_base_url))
             outcome = run_episode(
                 cfg,
-                env=self._env_port(spec, deadline),
-                policy=limits.LimitedPolicy(policy, self.model_gate, deadline, check),
-                publish=lambda rec: self._publish(lease, rec, deadline),
+                env=self._env_port(spec, lease, budget, guard),
+                policy=limits.LimitedPolicy(policy, self.model_gate, lambda: budget.deadline, check),
+                publish=lambda rec: self._publish(lease, rec, budget),
                 hook=hook,
                 check=check,
             )
         except errors.EpisodeError as exc:
-            return self._close_error(lease, base, spec, job, exc, "")
+            return self._close_error(lease, base, spec, job, exc, "", outage_seen=guard.outage_seen)
+        except redis.RedisError as exc:
+            # Redis went away for longer than the client's retries: not the episode's doing.
+            err = errors.EpisodeError(errors.BROKER_OUTAGE, f"Redis unreachable: {type(exc).__name__}: {exc}",
+                                      transient=True, outage=True)
+            return self._close_error(lease, base, spec, job, err, "", outage_seen=True)
         except Exception as exc:
             err = errors.EpisodeError(errors.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", transient=False)
             err.__cause__ = exc
@@ -212,36 +212,120 @@ class WorkerRuntime:
                  outcome.total_reward, outcome.steps)
         return COMPLETED
 
-    def _env_port(self, spec: EpisodeSpec, deadline: float):
+    # --- trust boundaries ------------------------------------------------------------
+    def _refused(self, job: JobSpec, spec: EpisodeSpec) -> str:
+        """Why this worker will not run the episode ("" = it will): code and hosts a job names
+        must be on the worker's own allow-lists; nothing is imported before that check."""
+        if spec.transport == "inproc":
+            if not self.env_classes.allows(spec.env_class):
+                return (f"env_class {spec.env_class!r} is not on this worker's allow-list "
+                        f"(INTERACTOR_ENV_CLASSES: {self.env_classes}); it was not imported")
+        elif not self.env_hosts.allows(spec.base_url):
+            return (f"env server {redact_url(spec.base_url)} is not on this worker's allow-list "
+                    f"(INTERACTOR_ENV_HOSTS: {self.env_hosts})")
+        if job.episode_hook and not self.hooks.allows(job.episode_hook):
+            return (f"episode hook {job.episode_hook!r} is not on this worker's allow-list "
+                    f"(INTERACTOR_EPISODE_HOOKS: {self.hooks}); it was not imported")
+        return ""
+
+    def _api_key_for(self, job: JobSpec) -> str:
+        """The API key, only for a model endpoint this worker trusts with it (review M2)."""
+        key = self.settings.llm_api_key.reveal()
+        if key and origin_of(job.llm_base_url) not in self.key_origins:
+            if job.job_id not in self._untrusted_warned:
+                self._untrusted_warned.add(job.job_id)
+                log.warning("job %s: model endpoint %s is not a trusted origin (INTERACTOR_LLM_TRUSTED_ORIGINS); "
+                            "its requests go without the API key", job.job_id, redact_url(job.llm_base_url))
+            return ""
+        return key
+
+    # --- ports -----------------------------------------------------------------------
+    def _env_port(self, spec: EpisodeSpec, lease: Lease, budget: Budget, guard: Guard):
         if spec.transport == "inproc":
             from workers.inproc import InprocEnv  # the env class runs inside this worker process
 
-            return InprocEnv(spec, deadline, self.settings)
-        return BoundEnv(self.env, spec, deadline)
+            return InprocEnv(spec, budget, self.settings)
+        return BoundEnv(self.env, spec, env_instance_id(spec.episode_id, lease.attempt, lease.attempt_id), budget,
+                        guard, self.breakers.for_env(spec.base_url))
 
-    def _check(self, lease: Lease, deadline: float) -> None:
+    def _close_previous(self, spec: EpisodeSpec, previous: tuple[int, str]) -> None:
+        """Close the previous attempt's instance: it ended without closing it if its worker died
+        (a second close of an instance that is gone is a no-op)."""
+        if spec.transport != "inproc" and previous[0] > 0:
+            self.env.close(spec.base_url, spec.env_name, env_instance_id(spec.episode_id, *previous))
+
+    def _check(self, lease: Lease, budget: Budget) -> None:
         if lease.lost.is_set():
             raise errors.EpisodeError(errors.LEASE_LOST, "another attempt took over this episode")
-        now = time.monotonic()
-        if now >= deadline:
+        if not lease.valid():
+            self._await_renewal(lease, budget)
+        if budget.left() <= 0:
             raise errors.EpisodeError(errors.EPISODE_TIMEOUT, "the attempt's wall-clock budget ran out")
-        if self.shutdown_at is not None and now >= self.shutdown_at:
+        if self.shutdown_at is not None and time.monotonic() >= self.shutdown_at:
             raise errors.EpisodeError(errors.WORKER_SHUTDOWN, "worker shutting down; episode handed back")
 
-    def _publish(self, lease: Lease, record: StepRecord, deadline: float) -> None:
+    def _await_renewal(self, lease: Lease, budget: Budget) -> None:
+        """The lease may have lapsed by this process's clock: call nothing until a renewal says
+        whether it is still ours. The wait pauses the attempt's budget (a Redis outage is not the
+        episode's doing); past ``outage_budget_s`` the attempt ends as ``broker_outage``."""
+        t0 = last = nudged = time.monotonic()
+        self.renewer.nudge()
+        warned = False
+        while not lease.valid():
+            if lease.lost.is_set():
+                raise errors.EpisodeError(errors.LEASE_LOST, "another attempt took over this episode")
+            now = time.monotonic()
+            budget.pause(now - last)
+            last = now
+            if now - t0 > self.settings.outage_budget_s:
+                raise errors.EpisodeError(errors.BROKER_OUTAGE, f"lease not renewed for {now - t0:.0f}s: Redis "
+                                          "unreachable past the outage budget", transient=True, outage=True)
+            if not warned and now - t0 > 5:
+                warned = True
+                log.warning("episode %s: lease not renewed in time (Redis slow or unreachable, or this process "
+                            "stalled); waiting before any further call", lease.episode_id)
+            if now - nudged > 1.0:
+                nudged = now
+                self.renewer.nudge()
+            time.sleep(_FENCE_SLICE_S)
+
+    def _publish(self, lease: Lease, record: StepRecord, budget: Budget) -> None:
         # Queued for the process's publisher (workers/publisher.py), which fences each record
         # by its lease; a refused one flags the lease lost and the next check stops the loop.
         # Backpressure: when the consumer falls behind, steps wait there instead of the stream
-        # growing without bound in Redis memory.
-        self.publisher.publish(lease, record.pack(), check=lambda: self._check(lease, deadline))
+        # growing without bound in Redis memory; the wait pauses the budget (review M4).
+        self.publisher.publish(lease, record.pack(), check=lambda: self._check(lease, budget), waited=budget.pause)
 
     def _finish(self, lease: Lease, record: AttemptRecord, new_state: str, **kw) -> bool:
-        """Close the attempt once its steps are in the stream (never the close before them)."""
+        """Close the attempt once its steps are in the stream (never the close before them).
+
+        Redis errors are retried (with backoff, up to the outage budget): a FINISH whose reply
+        was lost and that is sent again finds its lease gone, so a refusal after a retry is
+        checked against the ledger (the episode in ``new_state`` under this very attempt means
+        the first one landed)."""
         self.publisher.flush(lease)
-        return self.ledger.finish(lease, record, new_state, **kw)
+        record = _encodable(record)
+        t0, delay, retried = time.monotonic(), 0.1, False
+        while True:
+            try:
+                ok = self.ledger.finish(lease, record, new_state, **kw)
+                if not ok and retried and self.ledger.finished_as(lease, new_state):
+                    lease.lost.clear()
+                    return True
+                return ok
+            except redis.RedisError as exc:
+                if time.monotonic() - t0 > self.settings.outage_budget_s:
+                    log.error("episode %s attempt %d: could not record its end, Redis unreachable (%s); the "
+                              "sweeper will re-run it", lease.episode_id, lease.attempt, exc)
+                    return False
+                log.warning("episode %s attempt %d: recording its end failed (%s); retrying", lease.episode_id,
+                            lease.attempt, exc)
+                retried = True
+                time.sleep(delay)
+                delay = min(5.0, delay * 2)
 
     # --- closing an attempt that did not complete ------------------------------------
-    def _close_error(self, lease, base, spec, job, exc: errors.EpisodeError, tb: str) -> str:
+    def _close_error(self, lease, base, spec, job, exc: errors.EpisodeError, tb: str, *, outage_seen: bool = False) -> str:
         message = self._redact(str(exc.args[0]) if exc.args else "")
         if exc.reason == errors.LEASE_LOST:
             log.warning("episode %s attempt %d abandoned: %s", lease.episode_id, lease.attempt, message)
@@ -253,6 +337,10 @@ class WorkerRuntime:
             if self._finish(lease, record, QUEUED):
                 send_episodes(self.redis, [(lease.job_id, lease.episode_id, spec.queue or self.settings.queue)])
             return errors.WORKER_SHUTDOWN
+        if exc.transient and outage_seen and lease.attempt < job.max_attempts + OUTAGE_EXTRA_ATTEMPTS:
+            # Ended by a server going down (or by what its restart lost): not counted.
+            self.ledger.grant_extra_attempt(lease.job_id, lease.episode_id, job.max_attempts)
+            message = f"{message} [after an outage; this attempt is not counted]"
         limit = self.ledger.attempt_limit(lease.job_id, lease.episode_id, job.max_attempts)
         if exc.transient and lease.attempt < limit:
             record = AttemptRecord(**base, status=ATTEMPT_RETRYING, reason=exc.reason, error_class=error_class,
@@ -272,7 +360,7 @@ class WorkerRuntime:
         letter = DeadLetter(job_id=lease.job_id, episode_id=lease.episode_id, group_id=base["group_id"],
                             env_name=base["env_name"], reason=exc.reason, error_class=error_class, error=message,
                             traceback=self._redact(tb), attempts=lease.attempt,
-                            spec=spec.to_dict() if spec else {}, first_attempt_at=base["started_at"])
+                            spec=spec.shown() if spec else {}, first_attempt_at=base["started_at"])
         self._finish(lease, record, FAILED, dead_letter=letter)
         log.error("episode %s attempt %d dead-lettered: %s: %s", lease.episode_id, lease.attempt, exc.reason, message)
         return ATTEMPT_FAILED
@@ -284,6 +372,18 @@ class WorkerRuntime:
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
+
+
+def _encodable(record: AttemptRecord) -> AttemptRecord:
+    """The record, or a copy whose ``last_info`` was replaced if it cannot be packed (an env
+    that put an unencodable value there must not throw out of the close path, review M5)."""
+    try:
+        record.pack()
+        return record
+    except Exception as exc:  # noqa: BLE001 - msgpack raises OverflowError, UnicodeEncodeError, TypeError...
+        log.warning("episode %s: the env's last info cannot be stored (%s: %s); replaced by a note",
+                    record.episode_id, type(exc).__name__, exc)
+        return dataclasses.replace(record, last_info={"_unencodable": f"{type(exc).__name__}: {exc}"[:300]})
 
 
 def _redis_password(url: str) -> str:

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import orjson
 
 from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord
+from broker.settings import redact_url
 from consumer.storage.plan import (
     EP_COMPLETED,
     EP_COMPLETING,
@@ -71,6 +72,9 @@ class WriteResult:
     session_steps: int = 0  # rows offered to session_steps (duplicates are ignored by the database)
     superseded_steps: int = 0
     completing: list[tuple[str, str, str]] = field(default_factory=list)  # (episode, attempt_id, close entry)
+    # (job, episode): dead-lettered by the ledger after another attempt's completion was stored
+    # (a Redis rollback re-ran a completed episode); the ledger is told it is done.
+    failed_after_completion: list[tuple[str, str]] = field(default_factory=list)
 
 
 class ResultStore:
@@ -134,14 +138,16 @@ class ResultStore:
                 result.superseded_steps = len(plan.superseded_steps)
                 result.completing = [(st.episode_id, st.completed_attempt_id, st.close_entry)
                                      for st in plan.states.values() if st.status == EP_COMPLETING]
+                result.failed_after_completion = list(plan.failed_after_completion)
         return result
 
     def _write_jobs(self, jobs: list[JobSpec]) -> None:
         self.executemany(
             "INSERT INTO jobs (job_id, created_at, episodes, groups, model, llm_base_url, sources, spec) "
             "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (job_id) DO NOTHING",
-            [(j.job_id, j.created_at, j.episodes, j.groups, j.model, j.llm_base_url, _json(j.sources),
-              _json(j.to_dict())) for j in jobs],
+            # URLs with their passwords starred: the database is read by more people than Redis.
+            [(j.job_id, j.created_at, j.episodes, j.groups, j.model, redact_url(j.llm_base_url), _json(j.sources),
+              _json(j.to_dict() | {"llm_base_url": redact_url(j.llm_base_url)})) for j in jobs],
         )
 
     def _write_announced(self, announced: list[EpisodesEnqueued]) -> None:

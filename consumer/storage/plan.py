@@ -162,6 +162,7 @@ class Plan:
     superseded_steps: list[tuple[StepRecord, str]] = field(default_factory=list)  # (step, reason)
     closes: list[AttemptRecord] = field(default_factory=list)
     states: dict[str, EpisodeState] = field(default_factory=dict)
+    failed_after_completion: list[tuple[str, str]] = field(default_factory=list)  # (job, episode)
 
     def episodes_to_count(self) -> list[str]:
         """Episodes whose stored steps must be counted after the inserts."""
@@ -243,8 +244,13 @@ class _Planner:
             st.group_size = c.group_size
         if c.started_at and c.started_at > 0 and (st.started_at is None or c.started_at < st.started_at):
             st.started_at = c.started_at
-        if self._route(st, c.attempt, attempt_id, c.started_at or None) is not None:
-            return  # an older attempt's close, or a completion after another's: recorded, no effect
+        why = self._route(st, c.attempt, attempt_id, c.started_at or None)
+        if why is not None:
+            # An older attempt's close, or a close after another attempt's completion: recorded,
+            # no effect. A dead letter after a completion means Redis forgot the completion.
+            if why == COMPLETED_BY_OTHER and c.status == ATTEMPT_FAILED:
+                self.plan.failed_after_completion.append((c.job_id, c.episode_id))
+            return
         if st.completed_attempt_id:
             return  # the completing attempt's close, again
         if c.started_at and c.started_at > 0:

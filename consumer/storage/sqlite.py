@@ -232,6 +232,13 @@ class SQLiteStore(ResultStore):
                 raise StoreError(f"no results database at {self.path}")
         else:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            if self.path != ":memory:" and not os.path.exists(self.path):
+                # Readable by this user only (SQLite gives its -wal and -shm files the same mode):
+                # prompts and answers can be confidential.
+                try:
+                    os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+                except OSError as exc:
+                    raise StoreError(f"cannot create {self.path}: {exc}") from None
         self._lock = threading.RLock()
         try:
             self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)

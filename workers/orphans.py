@@ -1,0 +1,48 @@
+"""Closing env instances that no attempt will close (review L7).
+
+An attempt closes its own instance when it ends, and the next attempt of an episode closes its
+predecessor's before its own reset. What neither covers: an attempt whose worker was killed
+on the episode's last allowed attempt (dead-lettered by the sweeper, no next attempt), or one
+re-queued to a queue nobody serves for a while. The sweeper pushes such instances to
+``<prefix>:orphans``; this duty, on every worker process, pops a few each round and closes
+them (``DELETE``, 200 even for an unknown id, so a second close is harmless).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from broker.duty import Duty
+from broker.keys import Keys
+from broker.records import OrphanInstance, RecordError, unpack
+from workers.envclient import EnvClient
+
+log = logging.getLogger("interactor.orphans")
+
+BATCH = 20
+
+
+class OrphanCloser(Duty):
+    name = "orphan-closer"
+
+    def __init__(self, client: redis.Redis, keys: Keys, env: EnvClient, interval_s: float = 2.0):
+        super().__init__(interval_s)
+        self.r = client
+        self.keys = keys
+        self.env = env
+        self.closed = 0
+
+    def tick(self) -> None:
+        for raw in self.r.lpop(self.keys.orphans, BATCH) or []:
+            try:
+                orphan = unpack(raw)
+                if not isinstance(orphan, OrphanInstance):
+                    raise RecordError(f"expected an orphan_instance, got {orphan.KIND}")
+            except RecordError as exc:
+                log.warning("dropping an unreadable orphan entry: %s", exc)
+                continue
+            if orphan.base_url:
+                self.env.close(orphan.base_url, orphan.env_name, orphan.instance_id)  # never raises
+                self.closed += 1
