@@ -308,3 +308,36 @@ class OrphanInstance(_Record):
 
 
 _KINDS[OrphanInstance.KIND] = OrphanInstance
+
+
+@dataclass
+class BreakerState:
+    """An open circuit breaker as a worker process publishes it (workers/breakers.py) in
+    ``<prefix>:breakers``, field ``"<kind> <server> <worker>"``; readers drop entries not
+    refreshed for ``BREAKER_STALE_S`` (their worker is gone or the breaker closed unseen)."""
+
+    kind: str  # env | model
+    server: str  # base URL, password starred
+    worker: str
+    since: float  # epoch seconds the outage began
+    error: str = ""
+    trips: int = 0
+    seen: float = field(default_factory=time.time)
+
+    def hash_field(self) -> str:
+        return f"{self.kind} {self.server} {self.worker}"
+
+    def pack(self) -> bytes:
+        return _packb({"kind": self.kind, "server": self.server, "worker": self.worker, "since": self.since,
+                       "error": self.error, "trips": self.trips, "seen": self.seen})
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "BreakerState":
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+            return cls(**{k: d[k] for k in ("kind", "server", "worker", "since", "error", "trips", "seen")})
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise RecordError(f"not a breaker state: {exc}") from None
+
+
+BREAKER_STALE_S = 20.0

@@ -442,8 +442,11 @@ class EnvServer(QuietHTTPServer):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, latency_ms: float = 0.0,
                  error_rate: float = 0.0, drop_rate: float = 0.0, garbage_rate: float = 0.0,
-                 fault_seed: int | None = 0, verbose: bool = False):
+                 fault_seed: int | None = 0, verbose: bool = False, log_requests: bool = False):
         super().__init__((host, port), _EnvHandler, verbose=verbose)
+        # (time.time(), op, env_name, env_id) of every instance call, when asked for: tests
+        # check which attempt touched which instance when.
+        self.request_log: list[tuple[float, str, str, str]] | None = [] if log_requests else None
         self.latency_ms = latency_ms
         self.error_rate = error_rate
         self.drop_rate = drop_rate
@@ -475,6 +478,11 @@ class EnvServer(QuietHTTPServer):
     def bump(self, key: str) -> None:
         with self.lock:
             self.counters[key] += 1
+
+    def log_request(self, op: str, env_name: str, env_id: str) -> None:
+        if self.request_log is not None:
+            with self.lock:
+                self.request_log.append((time.time(), op, env_name, env_id))
 
 
 class EnvProtocolHandler(JSONHandler):
@@ -562,6 +570,7 @@ class _EnvHandler(EnvProtocolHandler):
 
     def close_instance(self, env_name: str, env_id: str) -> None:
         srv = self.server
+        srv.log_request("close", env_name, env_id)
         if srv.latency_ms:
             time.sleep(srv.latency_ms / 1000.0)
         with srv.lock:
@@ -572,6 +581,7 @@ class _EnvHandler(EnvProtocolHandler):
 
     def env_call(self, op: str, env_name: str, env_id: str, body: bytes) -> None:
         srv = self.server
+        srv.log_request(op, env_name, env_id)
         if srv.latency_ms:
             time.sleep(srv.latency_ms / 1000.0)
         fault = srv.dice.roll(("error", srv.error_rate), ("drop", srv.drop_rate),

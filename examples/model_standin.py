@@ -34,6 +34,8 @@ The scripted policy:
 ``GET /stats`` also reports ``request_params``: for each request body key other than
 ``model``, ``messages`` and ``temperature``, the distinct values seen (JSON, at most 5).
 
+``unavailable`` (an attribute): when True every request but ``/stats`` is answered 503.
+
 Fault knobs (constructor, CLI flags, and plain attributes on a running server):
 ``latency_ms``, ``error_rate`` (answered 429/500/503 in turn), ``drop_rate`` (connection
 closed without an answer), ``malformed_rate`` (200 without ``choices``), ``length_rate``
@@ -251,6 +253,9 @@ class ModelStandin(QuietHTTPServer):
         self.by_finish_reason: dict[str, int] = {}
         self.faults = {"error": 0, "drop": 0, "malformed": 0, "length": 0}
         self.auth_headers_seen = 0
+        # True: answer every request, /models included, 503 (a server that is up but not
+        # serving: loading weights, draining). Not a fault die: a switch tests flip.
+        self.unavailable = False
         self.sessionless = 0
         self.request_params: dict[str, list[str]] = {}
 
@@ -287,6 +292,8 @@ class _ModelHandler(JSONHandler):
         parts = self.split_path()
         if method == "GET" and parts == ["stats"]:
             return self.send_json(200, srv.stats())
+        if srv.unavailable:
+            return self.error(503, "the server is not serving now (unavailable)", "service_unavailable")
         if method == "GET" and parts in (["v1", "models"], ["models"]):
             return self.send_json(200, {"object": "list", "data": [
                 {"id": srv.model_name, "object": "model", "created": 0,

@@ -418,6 +418,34 @@ class FleetReader:
                            "consumers": int(g.get("consumers") or 0)})
         return {"length": int(length), "poison": int(poison), "groups": groups}
 
+    # breakers ------------------------------------------------------------------------------
+    def breakers(self) -> list[dict[str, Any]]:
+        """Open circuit breakers, one entry per server: which, since when, on how many worker
+        processes, the last error. Entries not refreshed lately (their worker died, or the
+        breaker closed while Redis was away) are dropped and removed."""
+        from broker.records import BREAKER_STALE_S, BreakerState, RecordError
+
+        now = time.time()
+        merged: dict[tuple[str, str], dict[str, Any]] = {}
+        stale = []
+        for key, raw in self.r.hgetall(self.keys.breakers).items():
+            try:
+                b = BreakerState.unpack(raw)
+            except RecordError:
+                stale.append(key)
+                continue
+            if now - b.seen > BREAKER_STALE_S:
+                stale.append(key)
+                continue
+            m = merged.setdefault((b.kind, b.server), {"kind": b.kind, "server": b.server, "since": b.since,
+                                                      "workers": 0, "error": b.error})
+            m["workers"] += 1
+            if b.since and (not m["since"] or b.since < m["since"]):
+                m["since"] = b.since
+        if stale:
+            self.r.hdel(self.keys.breakers, *stale)
+        return sorted(merged.values(), key=lambda m: (m["kind"], m["server"]))
+
     # everything ----------------------------------------------------------------------------
     def snapshot(self, job_id: str | None = None) -> dict[str, Any]:
         k = self.keys
@@ -496,6 +524,7 @@ class FleetReader:
             "stats": stats,
             "jobs_active": len(active),
             "jobs": jobs,
+            "breakers": self.breakers(),
         }
 
 
@@ -558,6 +587,17 @@ class FleetCollector:
             m = GaugeMetricFamily(name, doc)
             m.add_metric([], value)
             yield m
+
+        bo = GaugeMetricFamily("interactor_breaker_open",
+                               "Worker processes holding this server's circuit breaker open (its episodes wait)",
+                               labels=["kind", "server"])
+        bs = GaugeMetricFamily("interactor_breaker_open_seconds", "How long the server has been down",
+                               labels=["kind", "server"])
+        for b in snap["breakers"]:
+            bo.add_metric([b["kind"], b["server"]], b["workers"])
+            bs.add_metric([b["kind"], b["server"]], max(0.0, snap["time"] - b["since"]) if b["since"] else 0.0)
+        yield bo
+        yield bs
 
         pending = GaugeMetricFamily("interactor_results_pending",
                                     "Records delivered to a consumer and not committed yet", labels=["group"])

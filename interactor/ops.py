@@ -156,6 +156,10 @@ def render_status(snap: dict) -> str:
     consumers = sum(g["consumers"] for g in s["groups"])
     lines.append(f"results    {snap['steps_per_s']:.1f} steps/s  steps={snap['steps_total']}  stream={s['length']} "
                  f"pending={pending} lag={lag} consumers={consumers}" + (f" poison={s['poison']}" if s["poison"] else ""))
+    for b in snap.get("breakers", []):
+        down = f"{snap['time'] - b['since']:.0f}s" if b["since"] else "?"
+        lines.append(f"BREAKER    {b['kind']} server {b['server']} down for {down} (seen by {b['workers']} worker "
+                     f"process{'es' if b['workers'] != 1 else ''}; its episodes wait): {b['error'][:160]}")
     lat = _latency_line(st)
     if lat:
         lines.append(f"latency    per step: {lat}")

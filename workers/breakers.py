@@ -28,7 +28,6 @@ metrics; the field expires with its worker (a heartbeat refreshes it while it st
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -42,6 +41,7 @@ import requests
 from broker.duty import Duty
 from broker.errors import ENV_OUTAGE, MODEL_OUTAGE, EpisodeError
 from broker.keys import Keys
+from broker.records import BreakerState
 from broker.settings import redact_url
 from workers.budget import Budget
 
@@ -211,12 +211,12 @@ class BreakerBoard:
             with self._lock:
                 breakers = list(self._breakers.values())
             for b in breakers:
-                field = f"{b.kind} {b.server} {self.worker}"
+                state = BreakerState(kind=b.kind, server=b.server, worker=self.worker, since=b.opened_wall or 0.0,
+                                     error=b.last_error[:500], trips=b.trips)
                 if b.is_open:
-                    state = b.state() | {"worker": self.worker, "seen": time.time()}
-                    pipe.hset(self.keys.breakers, field, json.dumps(state))
+                    pipe.hset(self.keys.breakers, state.hash_field(), state.pack())
                 else:
-                    pipe.hdel(self.keys.breakers, field)
+                    pipe.hdel(self.keys.breakers, state.hash_field())
             pipe.execute()
         except redis.RedisError as exc:
             log.debug("could not publish breakers: %s", exc)
