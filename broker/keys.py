@@ -69,13 +69,17 @@ class Keys:
         return f"{self.prefix}:orphans"
 
     @property
-    def breakers(self) -> str:  # hash "<kind> <server> <worker>" -> JSON: open circuit breakers
+    def breakers(self) -> str:  # hash "<kind> <server> <worker>" -> msgpack BreakerState: open circuit breakers
         return f"{self.prefix}:breakers"
 
     # --- results and dead letters -----------------------------------------------------
     @property
     def results(self) -> str:  # stream of msgpack records, field "r"
         return f"{self.prefix}:results"
+
+    @property
+    def poison(self) -> str:  # stream of records the store rejected alone: id, raw record, error
+        return f"{self.prefix}:results:poison"
 
     @property
     def dlq(self) -> str:  # hash "<job> <episode>" -> msgpack DeadLetter

@@ -203,7 +203,7 @@ class Sweeper:
         pipe.execute()
         if gone:
             self._forget_jobs(gone)
-        self.r.xtrim(self.keys.results + ":poison", maxlen=10_000, approximate=True)
+        self.r.xtrim(self.keys.poison, maxlen=10_000, approximate=True)
 
     def _forget_jobs(self, job_ids: list[str]) -> None:
         self.r.zrem(self.keys.jobs, *job_ids)

@@ -220,8 +220,8 @@ class Ingestor:
     def _park(self, poison: list) -> None:
         pipe = self.r.pipeline(transaction=False)
         for entry_id, raw, why in poison:
-            pipe.xadd(f"{self.stream}:poison", {"id": entry_id, "r": raw or b"", "error": why})
-            log.error("record %s moved to %s:poison: %s", entry_id, self.stream, why)
+            pipe.xadd(self.keys.poison, {"id": entry_id, "r": raw or b"", "error": why})
+            log.error("record %s moved to %s: %s", entry_id, self.keys.poison, why)
         pipe.execute()
         self.stats["poison"] += len(poison)
 

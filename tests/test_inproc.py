@@ -4,8 +4,11 @@ transport's timeouts, validation and error reasons, and the same step records.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -377,3 +380,41 @@ def test_an_allowed_name_that_is_not_an_env_class_is_refused_before_any_call(set
         rt.stop()
     letter = DeadLetterQueue(redis_client, settings).get(spec.episode_id)
     assert letter.reason == errors.ENV_BAD_REQUEST and "not an environment class" in letter.error
+
+
+_GEVENT_RESETS = """
+from gevent import monkey; monkey.patch_all()
+import gevent
+from workers.inproc import _OSThread
+from interactor.envs.base import import_object, construct
+
+def first_calls(cls, name, params, seed):
+    def call():
+        env = construct(import_object(cls), name)
+        env.reset(params, seed)
+        return env.get_task_prompt()
+    return call
+
+jobs = [("interactor.envs.textarena_env:TextArenaEnv", "textarena.GuessTheNumber-v0", {"kwargs": {"max_turns": 3}}, i)
+        for i in range(4)]
+jobs += [("interactor.envs.reasoning_gym_env:ReasoningGymEnv", "reasoning_gym.chain_sum", {"size": 20, "seed": 1}, i)
+         for i in range(12)]
+threads = [_OSThread(str(i)) for i in range(len(jobs))]
+calls = [gevent.spawn(t.call, first_calls(*j), 20) for t, j in zip(threads, jobs)]
+gevent.joinall(calls)
+print(sum(1 for c in calls if c.value[0] and c.value[3] is None))
+"""
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_concurrent_library_envs_under_gevent_all_answer(run):
+    """16 first resets of reasoning-gym and textarena at once, each on its own OS thread under
+    gevent: every one answers (unserialised, 1 run in 12 left some hanging until the timeout
+    on a patched lock two OS threads contended)."""
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed (pip install .[reasoning-gym])")
+    pytest.importorskip("textarena", reason="textarena not installed (pip install .[textarena])")
+    pytest.importorskip("gevent")
+    out = subprocess.run([sys.executable, "-c", _GEVENT_RESETS], capture_output=True, text=True, timeout=90,
+                         cwd=str(Path(__file__).resolve().parent.parent))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "16"

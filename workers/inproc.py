@@ -111,25 +111,70 @@ class _CallThread:
         return self._thread
 
 
+_ENV_CALLS = None  # the process-wide OS lock that serialises env calls under gevent (_OSThread)
+
+
 class _OSThread:
-    """The same, under gevent: a real OS thread from a one-thread gevent pool, waited for
-    cooperatively, so the hub keeps running every other episode meanwhile."""
+    """The same, under gevent: a real OS thread (the unpatched ``_thread``) fed by the C
+    ``SimpleQueue``, waited for by a greenlet that polls (1 ms doubling to 20 ms), so the hub
+    keeps running every other episode meanwhile.
+
+    Not gevent's ThreadPool: its completion wake-up (an async watcher per pool) was seen to be
+    lost now and then with a pool per instance, leaving a finished call waited on until its
+    timeout. Polling a list the thread appends to cannot lose a wake-up; inproc envs are not
+    the per-step hot path that a few idle wake-ups would cost.
+
+    The calls of every instance in the process run one at a time (``_ENV_CALLS``, an OS-level
+    lock). Env code runs with gevent's patched locks: two OS threads contending one of them
+    (logging's, a library's registry lock) now and then never wake, and the call hangs until
+    its timeout (seen: 1 run in 12 of 16 concurrent reasoning-gym and textarena resets; none
+    in 16 runs serialized). The GIL serialises CPU-bound env code anyway; what this costs is
+    overlap between envs that block on I/O, which belong behind an env server or under the
+    threads pool. A call that never returns holds the lock: the instances queued behind it
+    time out as stuck too, and their attempts are retried like any stuck call's."""
 
     def __init__(self, name: str):
-        from gevent.threadpool import ThreadPool
+        import _queue
 
-        self._pool = ThreadPool(1)
+        from gevent import monkey
+
+        global _ENV_CALLS
+        if _ENV_CALLS is None:  # made in the hub's thread, by one greenlet at a time
+            _ENV_CALLS = monkey.get_original("_thread", "allocate_lock")()
+        self._lock = _ENV_CALLS
+        self._q = _queue.SimpleQueue()
+        monkey.get_original("_thread", "start_new_thread")(self._loop, ())
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, box = item
+            with self._lock:
+                try:
+                    box.append((fn(), None))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                    box.append((None, exc))
 
     def call(self, fn: Callable[[], Any], timeout: float) -> tuple[bool, bool, Any, BaseException | None]:
-        result = self._pool.spawn(fn)
-        if not result.wait(timeout):
-            return False, True, None, None  # started or queued behind a stuck call: treat as stuck
-        if result.successful():
-            return True, False, result.value, None
-        return True, False, None, result.exception
+        import gevent
+
+        box: list = []
+        self._q.put((fn, box))
+        end = time.monotonic() + timeout
+        pause = 0.001
+        while not box:
+            left = end - time.monotonic()
+            if left <= 0:
+                return False, True, None, None  # started or queued behind a stuck call: treat as stuck
+            gevent.sleep(min(pause, left))
+            pause = min(pause * 2, 0.02)
+        value, exc = box[0]
+        return True, False, value, exc
 
     def stop(self) -> None:
-        self._pool.kill()
+        self._q.put(None)
 
 
 def _new_call_thread(name: str):

@@ -1,0 +1,241 @@
+"""Faults that the first fault suite could not see (tests/test_faults.py's Scenario, same checks):
+
+* a worker frozen (SIGSTOP) past its lease, then thawed: its attempts stop driving their env
+  instances at once, and the successors' instances are their own;
+* Redis losing the last second of its append-only file (a host crash under
+  ``appendfsync everysec``): the ledger rolls back under a database that is ahead of it;
+* an env server and a model server down for longer than any retry: breakers hold the
+  episodes, nothing is dead-lettered, the outage is visible;
+* the results store refusing writes (a full disk for SQLite, a read-only PostgreSQL): the
+  consumer waits, workers are held by backpressure, nothing is parked or lost.
+
+Each runs one store backend (SQLite unless the fault is PostgreSQL's): they take minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import threading
+import time
+
+import pytest
+
+from broker.keys import env_instance_id
+from consumer.storage import open_store
+from tests.conftest import wait_for
+from tests.test_faults import EPISODES, Scenario
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+
+@pytest.fixture
+def sqlite_scenario(settings, tmp_path):
+    made = []
+
+    def make(name, **kw):
+        s = Scenario(name, tmp_path, settings.replace(store_url=str(tmp_path / "results.sqlite")), **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def winning_instances(s: Scenario) -> dict[str, str]:
+    """episode id -> the env instance its completed attempt drove."""
+    store = open_store(s.settings.results_store, readonly=True)
+    try:
+        rows = store.sql("SELECT episode_id, attempt, completed_attempt_id FROM episodes WHERE job_id = ?",
+                         (s.job_id,))
+    finally:
+        store.close()
+    return {ep: env_instance_id(ep, attempt, aid) for ep, attempt, aid in rows if aid}
+
+
+def test_worker_frozen_past_its_lease_stops_driving_its_instances(sqlite_scenario):
+    s = sqlite_scenario("worker-sigstop", env_knobs={"log_requests": True}, model_latency_ms=100, max_attempts=5)
+    s.start()
+    wait_for(lambda: s.counts()["done"] >= 20, 120, what="a fifth of the job done")
+    w1 = s.procs.procs["w1"]
+    os.killpg(w1.pid, signal.SIGSTOP)
+    t_stop = time.time()
+    time.sleep(s.settings.lease_ttl_s * 3)  # the sweeper hands w1's episodes to w2 meanwhile
+    t_cont = time.time()
+    os.killpg(w1.pid, signal.SIGCONT)
+    s.faults["frozen_s"] = round(t_cont - t_stop, 1)
+    s.wait(timeout=300)
+    f = s.check()
+    assert f.completed == EPISODES and f.dead_lettered == 0
+    assert f.attempts > EPISODES  # the freeze did cost attempts
+
+    won = winning_instances(s)
+    superseded: dict[str, list[tuple[float, str]]] = {}
+    for t, op, _env_name, env_id in list(s.env.request_log):
+        episode = env_id.split("~", 1)[0]
+        if env_id != won.get(episode):
+            superseded.setdefault(env_id, []).append((t, op))
+    assert superseded, "no attempt was superseded: the freeze did not land mid-episode"
+    # Every superseded instance was opened before the freeze (only w1's attempts lost leases),
+    # and after the thaw it saw nothing but its close, bar one call per attempt that was
+    # already past its last lease check when the process stopped.
+    late = [(env_id, op, round(t - t_cont, 2)) for env_id, calls in superseded.items()
+            for t, op in calls if op != "close" and t > t_cont]
+    assert len(late) <= len(superseded), late
+    assert all(dt < 1.0 for _, _, dt in late), late
+    assert all(min(t for t, _ in calls) < t_stop for calls in superseded.values())
+    s.faults["superseded_instances"] = len(superseded)
+    s.faults["calls_after_thaw"] = len(late)
+    f.print()
+
+
+class AofWatch(threading.Thread):
+    """Samples the size of Redis's append-only file, to cut it back to where it was a second
+    ago: what a host crash under ``appendfsync everysec`` leaves on disk."""
+
+    def __init__(self, path):
+        super().__init__(daemon=True)
+        self.path = path
+        self.sizes: list[tuple[float, int]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.05):
+            try:
+                self.sizes.append((time.monotonic(), os.path.getsize(self.path)))
+            except OSError:
+                pass
+
+    def size_ago(self, seconds: float) -> int:
+        cutoff = time.monotonic() - seconds
+        return max(size for t, size in self.sizes if t <= cutoff)
+
+
+def test_redis_loses_the_last_second_of_its_log(sqlite_scenario):
+    s = sqlite_scenario("redis-aof-tail-lost", model_latency_ms=100, max_attempts=6)
+    s.start()
+    aof = s.redis.folder / "appendonly.aof"
+    watch = AofWatch(aof)
+    watch.start()
+    losses = []
+    for target in (40, 120):
+        wait_for(lambda: s.counts()["done"] >= target, 180, what=f"{target} episodes done")
+        cut = watch.size_ago(1.0)
+        s.redis.stop(kill=True)
+        before = aof.stat().st_size
+        os.truncate(aof, cut)
+        losses.append(before - cut)
+        s.redis.start()
+    watch.stopped.set()
+    s.faults["aof_bytes_lost"] = losses
+    assert all(n > 0 for n in losses)  # writes were lost each time
+    s.wait(timeout=400)
+    f = s.check()
+    # The database may have been ahead of the rolled-back ledger: an episode the consumer stored
+    # as completed can be re-run, but it is completed once, with one attempt's trajectory.
+    assert f.completed == EPISODES and f.dead_lettered == 0
+
+
+def breaker_seen(s: Scenario, kind: str) -> bool:
+    from interactor.metrics import FleetReader
+
+    return any(b["kind"] == kind for b in FleetReader(s.client, s.settings).breakers())
+
+
+def test_env_server_down_for_longer_than_any_retry(sqlite_scenario):
+    from examples.envserver import EnvServer
+
+    s = sqlite_scenario("env-server-down", model_latency_ms=100, outage_budget_s=300, max_attempts=3)
+    s.start()
+    wait_for(lambda: s.counts()["done"] >= 30, 120, what="30 episodes done")
+    port = s.env.server_address[1]
+    s.env.shutdown()
+    s.env.server_close()
+    down_s = 25
+    seen = wait_for(lambda: breaker_seen(s, "env"), 20, what="the env breaker open in Redis")
+    time.sleep(down_s)
+    # Back on the same address, without the instances the old process held (a restart).
+    s.env, _ = EnvServer("127.0.0.1", port, latency_ms=5).serve_in_thread("envserver")
+    s.faults["env_down_s"] = down_s
+    s.wait(timeout=300)
+    wait_for(lambda: not breaker_seen(s, "env"), 30, what="the env breaker closed")
+    f = s.check()
+    assert seen and f.completed == EPISODES and f.dead_lettered == 0
+
+
+def test_model_server_unavailable_for_longer_than_any_retry(sqlite_scenario):
+    s = sqlite_scenario("model-unavailable", model_latency_ms=100, outage_budget_s=300, max_attempts=3)
+    s.start()
+    wait_for(lambda: s.counts()["done"] >= 30, 120, what="30 episodes done")
+    s.model.unavailable = True
+    seen = wait_for(lambda: breaker_seen(s, "model"), 20, what="the model breaker open in Redis")
+    time.sleep(20)
+    s.model.unavailable = False
+    s.faults["model_unavailable_s"] = 20
+    s.wait(timeout=300)
+    f = s.check()
+    # The model answered 503 without taking anything: no attempt ended for it.
+    assert seen and f.completed == EPISODES and f.dead_lettered == 0
+    assert f.attempts == EPISODES
+
+
+def _outage_checks(s: Scenario, consumer_pid: int, f) -> None:
+    assert f.completed == EPISODES and f.dead_lettered == 0
+    assert s.procs.procs["consumer"].pid == consumer_pid and s.procs.procs["consumer"].poll() is None
+    from broker.keys import Keys
+
+    assert s.client.xlen(Keys(s.settings.key_prefix).poison) == 0  # nothing was parked as bad data: the store was down, not the records
+
+
+def test_consumer_disk_full_waits_and_loses_nothing(sqlite_scenario):
+    s = sqlite_scenario("sqlite-disk-full", model_latency_ms=60, stream_backlog_max=300)
+    s.start()
+    consumer = s.procs.procs["consumer"]
+    wait_for(lambda: s.counts()["done"] >= 20, 120, what="20 episodes done")
+    soft, hard = resource.prlimit(consumer.pid, resource.RLIMIT_FSIZE)
+    # Any write that grows a file past 4 KiB now fails with EFBIG: a full disk to SQLite.
+    resource.prlimit(consumer.pid, resource.RLIMIT_FSIZE, (4096, hard))
+    time.sleep(12)
+    assert "StoreUnavailable" in s.procs.log("consumer") or "full" in s.procs.log("consumer")
+    resource.prlimit(consumer.pid, resource.RLIMIT_FSIZE, (soft, hard))
+    s.faults["disk_full_s"] = 12
+    s.wait(timeout=300)
+    f = s.check()
+    _outage_checks(s, consumer.pid, f)
+
+
+@pytest.fixture
+def pg_url(request):
+    return request.getfixturevalue("pg_server").create_database()
+
+
+def test_consumer_on_read_only_postgres_waits_and_loses_nothing(settings, tmp_path, pg_url):
+    import psycopg
+
+    s = Scenario("postgres-read-only", tmp_path, settings.replace(store_url=pg_url), model_latency_ms=60,
+                 stream_backlog_max=300)
+    try:
+        s.start()
+        consumer = s.procs.procs["consumer"]
+        wait_for(lambda: s.counts()["done"] >= 20, 120, what="20 episodes done")
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET default_transaction_read_only = on")
+            conn.execute("SELECT pg_reload_conf()")
+            # Sessions already open keep their setting until they reconnect or are ended.
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        time.sleep(12)
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM RESET default_transaction_read_only")
+            conn.execute("SELECT pg_reload_conf()")
+        s.faults["read_only_s"] = 12
+        s.wait(timeout=300)
+        f = s.check()
+        _outage_checks(s, consumer.pid, f)
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:  # the server is shared by the session
+            conn.execute("ALTER SYSTEM RESET default_transaction_read_only")
+            conn.execute("SELECT pg_reload_conf()")
+        s.close()
