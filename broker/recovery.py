@@ -79,7 +79,11 @@ class Sweeper:
         attempts are alive and waiting, see Ledger.renew)."""
         report = SweepReport()
         token = os.urandom(8).hex()
-        lock_ms = int(max(self.settings.sweep_interval_s * 4, 60) * 1000)
+        # Short: a holder that is frozen or killed mid-sweep stops every sweep (and with it
+        # every reclaim) until the lock expires. A sweep that outlasts it may overlap the next
+        # one, which is safe: every move is a checked Lua script, a double resend a dropped
+        # duplicate.
+        lock_ms = int(max(self.settings.sweep_interval_s * 4, self.settings.lease_ttl_s / 2) * 1000)
         if not self.r.set(self.keys.sweep_lock, token, nx=True, px=lock_ms):
             return report
         try:
