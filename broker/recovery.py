@@ -71,8 +71,8 @@ class Sweeper:
 
     def tick(self, *, reclaim: bool = True) -> SweepReport:
         """One sweep, by whichever process takes the sweep lock first. The lock is released
-        only by its holder (token-checked) and outlives any sweep but a pathological one; a
-        second sweeper entering then only repeats guarded moves, which are no-ops.
+        only by its holder (token-checked) and expires soon (a frozen holder must not stop
+        every sweep); a second sweeper entering meanwhile only repeats guarded moves.
 
         ``reclaim=False`` skips re-queuing expired leases: right after Redis was unreachable
         the workers' renewers need a round to take back leases that lapsed meanwhile (their
