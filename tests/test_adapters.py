@@ -306,7 +306,9 @@ def test_adapter_job_end_to_end_rewards_match_the_libraries(rg, ta, settings, pr
             assert steps[-1][6] == pytest.approx(rewards[0]), ep_id
             ta_rewards.append(steps[-1][6])
     assert len(rg_rewards) == 9 and len(ta_rewards) == 4
-    assert 0 < sum(rg_rewards) < 9, "the stand-in is right about 70% of the time: both outcomes occur"
+    # Each reward was checked against the library's own scoring above; the stand-in is right
+    # about 70% of the time, so all nine right happens in 1 run of 25: no "both occur" check.
+    assert all(0.0 <= r <= 1.0 for r in rg_rewards)
 
 
 # --------------------------------------------------------------------------- the guide's example
