@@ -70,7 +70,9 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
     def headers(resp):
         resp.headers["Content-Security-Policy"] = CSP
         resp.headers["X-Content-Type-Options"] = "nosniff"
-        resp.headers["Referrer-Policy"] = "no-referrer"
+        # Not no-referrer: under it browsers send "Origin: null" with our own form posts, which
+        # the action guard must refuse; same-origin sends nothing to other sites either way.
+        resp.headers["Referrer-Policy"] = "same-origin"
         resp.headers["X-Frame-Options"] = "DENY"
         resp.headers.setdefault("Cache-Control", "no-store")
         return resp
