@@ -216,6 +216,8 @@ def test_only_our_own_host_names_are_served(db):
     assert allowed_hosts("127.0.0.1", 8050) == {"127.0.0.1:8050", "localhost:8050", "[::1]:8050"}
     assert allowed_hosts("10.1.2.3", 80) == {"10.1.2.3:80", "10.1.2.3"}
     assert allowed_hosts("0.0.0.0", 8050) is None
+    assert allowed_hosts("0.0.0.0", 8050, ["LocalHost:8050"]) == {"localhost:8050"}
+    assert "ui.example:443" in allowed_hosts("127.0.0.1", 8050, ["ui.example:443"])
     c = client_for(db, allowed_hosts=allowed_hosts("127.0.0.1", 8050))
     assert c.get("/", headers={"Host": "localhost:8050"}).status_code == 200
     assert c.get("/", headers={"Host": "attacker.example:8050"}).status_code == 421  # DNS rebinding

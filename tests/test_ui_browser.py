@@ -248,3 +248,34 @@ def test_dead_letters_are_redriven_from_the_page_only_with_actions_and_the_token
             s.stop()
         env.shutdown()
         model.shutdown()
+
+
+def test_images_in_transcripts_are_shown_and_nothing_is_fetched_from_elsewhere(page, tmp_path):
+    """Data-URL images show as images; other image URLs and markup stay text; the page loads
+    nothing but its own files (it works offline)."""
+    from broker.settings import Settings
+    from tests.test_ui import fill
+
+    path = str(tmp_path / "results.sqlite")
+    store = open_store(path)
+    fill(store)
+    store.close()
+    ui = ui_server(Settings.from_env({}, store_url=path))
+    requested: list[str] = []
+    page.on("request", lambda r: requested.append(r.url))
+    try:
+        page.goto(ui.url + "episodes/ep-x")
+        shown = ".chat > section.step > .msg img.msg-img"  # (the folded full prompt has it too)
+        assert page.locator(shown).count() == 1
+        page.wait_for_function(f"() => document.querySelector('{shown}').complete")
+        assert page.evaluate(f"document.querySelector('{shown}').naturalWidth") == 1
+        assert page.get_by_text("http://evil.example/x.png").first.is_visible()
+        assert page.evaluate("typeof window.__pwned") == "undefined"
+        page.goto(ui.url + "jobs/jobui")  # plots with an env named <svg onload=...>
+        assert page.locator("svg.plot").count() == 2
+        assert page.evaluate("typeof window.__pwned") == "undefined"
+        others = [u for u in requested if not (u.startswith(ui.url) or u.startswith("data:"))]
+        assert not others, others
+        assert not page.problems, page.problems
+    finally:
+        ui.stop()

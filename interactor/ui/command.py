@@ -12,6 +12,9 @@ def register(sub, add) -> None:
     sp.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     sp.add_argument("--allow-actions", action="store_true",
                     help="enable re-driving dead letters from the page; prints the token the page needs")
+    sp.add_argument("--allow-host", action="append", default=[], metavar="NAME[:PORT]",
+                    help="another Host header to answer (the name people use to reach it: a container's "
+                         "published port, a proxy); with --host 0.0.0.0 only these are answered")
 
 
 def cmd_ui(args) -> int:
@@ -20,7 +23,8 @@ def cmd_ui(args) -> int:
 
     settings = _settings(args)
     source = open_source(settings)
-    server = UIServer(source, args.host, args.port, allow_actions=args.allow_actions)
+    server = UIServer(source, args.host, args.port, allow_actions=args.allow_actions,
+                      allow_hosts=tuple(args.allow_host))
     redis = source.live.url_shown if source.live else "none (store only; --redis-url or REDIS_URL for live state)"
     print(f"results browser on {server.url}  (store {settings.results_store_shown}; Redis {redis}); Ctrl-C to stop",
           flush=True)

@@ -32,13 +32,15 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def allowed_hosts(host: str, port: int) -> set[str] | None:
+def allowed_hosts(host: str, port: int, extra: tuple[str, ...] | list[str] = ()) -> set[str] | None:
     """Host header values a request may carry: the address we listen on and, on loopback, the
-    loopback names. A page on another site that points its own DNS name at 127.0.0.1 (DNS
-    rebinding) sends its own name and is refused. Listening on every interface (0.0.0.0, ::)
-    accepts any name: the people reaching it use names we cannot know."""
+    loopback names, plus ``extra`` (``--allow-host``, as ``name:port`` or ``name``). A page on
+    another site that points its own DNS name at 127.0.0.1 (DNS rebinding) sends its own name
+    and is refused. Listening on every interface (0.0.0.0, ::) without ``extra`` accepts any
+    name: the people reaching it use names we cannot know."""
+    extra_set = {h.strip().lower() for h in extra if h.strip()}
     if host in ("", "0.0.0.0", "::"):
-        return None
+        return extra_set or None
     names = {host}
     if _is_loopback(host):
         names |= {"127.0.0.1", "localhost", "::1"}
@@ -48,12 +50,12 @@ def allowed_hosts(host: str, port: int) -> set[str] | None:
         out.add(f"{shown}:{port}".lower())
         if port == 80:
             out.add(shown.lower())
-    return out
+    return out | extra_set
 
 
 class UIServer:
     def __init__(self, source: Source, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
-                 allow_actions: bool = False, token: str | None = None):
+                 allow_actions: bool = False, token: str | None = None, allow_hosts: tuple[str, ...] = ()):
         from werkzeug.serving import make_server
 
         from interactor.ui.app import create_app
@@ -69,7 +71,7 @@ class UIServer:
                                 + (" (choose another --port)" if port else "")) from None
         self.port = self.server.server_port
         self.app = create_app(source, allow_actions=allow_actions, token=self.token,
-                              allowed_hosts=allowed_hosts(host, self.port))
+                              allowed_hosts=allowed_hosts(host, self.port, allow_hosts))
         self._thread: threading.Thread | None = None
 
     def _wsgi(self, environ, start_response):
