@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.installed-browser
 # The browser tests drive this Chromium (Debian's package); Playwright never downloads one.
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast test-browser chromium faults bench clean
+.PHONY: install demo test test-fast test-browser chromium ui-screenshot faults bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test-browser: $(BROWSER_STAMP) chromium
 $(BROWSER_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,browser]"
 	touch $(BROWSER_STAMP)
+
+ui-screenshot: $(BROWSER_STAMP) chromium  ## docs/ui-episode.png, from the demo's results
+	test -f runs/demo/results.sqlite || $(MAKE) demo
+	CHROMIUM_PATH=$(CHROMIUM) $(PY) docs/ui_screenshot.py runs/demo/results.sqlite docs/ui-episode.png
 
 chromium:  ## Debian's chromium package, if it is not there yet (needs root or sudo)
 	@test -x $(CHROMIUM) || { \
