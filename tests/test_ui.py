@@ -162,6 +162,41 @@ def test_pager_walks_every_episode_with_keyset_links(tmp_path):
         assert back == seen
 
 
+def test_full_history_prompts_are_not_repeated_on_the_episode_page(tmp_path):
+    """message_cut 0: every prompt is the whole conversation. The page shows each message once
+    and folds in only short prompts; long ones are a link to a page of their own."""
+    path = str(tmp_path / "long.sqlite")
+    store = open_store(path)
+    history = [{"role": "system", "content": "rules"}, {"role": "user", "content": "start"}]
+    recs = [JobSpec(job_id=JOB, llm_base_url="http://llm", model="m", episodes=1, groups=1)]
+    for n in range(1, 13):
+        recs.append(rec_step("long", n, list(history), f"answer {n}", last=n == 12))
+        history += [{"role": "assistant", "content": f"answer {n}"}, {"role": "user", "content": f"feedback {n}"}]
+    recs.append(rec_close("long", 0.0, 12, size=1))
+    store.write_batch(recs)
+    store.close()
+    c = client_for(path)
+    page = body(c.get("/episodes/long"))
+    assert page.count('<details class="prompt">') == 7  # steps 2..8: prompts of 4..16 messages
+    assert page.count('/episodes/long/steps/') == 4  # steps 9..12
+    assert page.count(">feedback 5<") == 1 + 3  # shown once, and in the folded prompts of steps 6, 7, 8
+    step = body(c.get("/episodes/long/steps/12/prompt"))
+    assert step.count('class="msg ') == 24 + 1  # the 24 messages sent, and the answer
+    assert c.get("/episodes/long/steps/99/prompt").status_code == 404
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_pages_render_on_both_backends(backend, request, tmp_path):
+    target = str(tmp_path / "r.sqlite") if backend == "sqlite" else request.getfixturevalue("pg_server").create_database()
+    store = open_store(target)
+    fill(store)
+    store.close()
+    c = client_for(target)
+    for path in ("/", f"/jobs/{JOB}", f"/jobs/{JOB}/episodes?sort=duration&desc=1", f"/jobs/{JOB}/groups?sort=mean",
+                 "/groups/g1", "/episodes/ep-x", "/episodes/ep-x/steps/2/prompt", "/api/jobs", "/dead-letters"):
+        assert SCRIPT not in body(c.get(path))
+
+
 # --- transcripts ----------------------------------------------------------------------------
 def test_chat_shows_each_message_of_a_trimmed_conversation_once():
     history = [{"role": "system", "content": "rules"}, {"role": "user", "content": "start"}]

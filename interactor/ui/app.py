@@ -34,7 +34,7 @@ from urllib.parse import urlencode
 from flask import Flask, abort, jsonify, redirect, render_template, request, url_for
 
 from interactor.ui import plots, transcript
-from interactor.ui.source import Source
+from interactor.ui.source import AGGREGATE_TTL_S, Source
 
 log = logging.getLogger("interactor.ui")
 
@@ -43,6 +43,10 @@ PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE = 50
 ADVANTAGE_EPS = 1e-6  # as `interactor export --eps`: advantage = (reward - mean) / (std + eps)
 MAX_LETTERS_SHOWN = 1000
+# A step's full prompt is folded into the episode page up to this many messages; longer ones
+# (full-history prompts, message_cut 0) get a page of their own, or a long episode's page
+# would repeat its whole conversation once per step.
+INLINE_PROMPT_MAX = 16
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
@@ -59,7 +63,7 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
     app.jinja_env.autoescape = True  # every template, whatever its name
     app.jinja_env.globals.update(url_with=url_with, fmt=fmt, fmt_time=fmt_time, fmt_dur=fmt_dur, fmt_int=fmt_int,
                                  advantage=advantage, allow_actions=allow_actions, page_sizes=PAGE_SIZES,
-                                 sort_link=sort_link)
+                                 sort_link=sort_link, inline_prompt_max=INLINE_PROMPT_MAX)
 
     @app.before_request
     def check_host():
@@ -107,18 +111,20 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
 
     @app.get("/jobs/<job_id>")
     def job(job_id: str):
-        res = source.read("results", job_id)
         (progress,) = source.progress([job_id])
-        if not res["job"]["episodes"] and not res["job"]["announced"] and progress["counts_from"] == "store":
+        ttl = AGGREGATE_TTL_S[progress["active"]]
+        res = source.cached(ttl, "results", job_id)
+        spec = source.read("job", job_id)
+        if spec is None and not res["job"]["episodes"] and progress["counts_from"] == "store":
             abort(404, f"no job {job_id!r} in {source.store_shown}")
-        points = source.read("reward_points", job_id)
+        points = source.cached(ttl, "reward_points", job_id)
         by_env: dict[str, list[float]] = {}
         for env, reward, _ in points:
             by_env.setdefault(env, []).append(reward)
         letters = source.dead_letters(job_id)
-        facets = source.read("episode_facets", job_id)
+        facets = source.cached(ttl, "episode_facets", job_id)
         return render_template(
-            "job.html", job_id=job_id, res=res, p=progress, spec=source.read("job", job_id) or {},
+            "job.html", job_id=job_id, res=res, p=progress, spec=spec or {},
             facets=facets, reasons={k: n for k, n in facets["reason"].items() if k},
             dist=plots.reward_distribution(by_env),
             trend=plots.reward_over_time(points), letters=None if letters is None else len(letters), tab="overview")
@@ -136,7 +142,8 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
         (progress,) = source.progress([job_id])
         return render_template(
             "episodes.html", job_id=job_id, p=progress, page=page, sort=sort, filters=filters,
-            total=source.read("count_episodes", job_id, **filters), facets=source.read("episode_facets", job_id),
+            total=source.read("count_episodes", job_id, **filters),
+            facets=source.cached(AGGREGATE_TTL_S[progress["active"]], "episode_facets", job_id),
             indexed=sort in store.INDEXED_EPISODE_SORTS, tab="episodes")
 
     @app.get("/jobs/<job_id>/groups")
@@ -192,6 +199,16 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
             "episode.html", ep=ep, chat=transcript.chat(steps), attempts=source.read("attempts", episode_id),
             g=g, members=members, superseded=superseded, task=task, letter=letter, job_id=ep["job_id"],
             params=_pretty_json(task.get("env_params")) if task else "")
+
+    @app.get("/episodes/<episode_id>/steps/<int:step_id>/prompt")
+    def step_prompt(episode_id: str, step_id: int):
+        steps = source.read("episode_trajectory", episode_id)
+        row = next((r for r in steps if r["step_id"] == step_id), None)
+        if row is None:
+            abort(404, f"no step {step_id} in the trajectory of {episode_id!r}")
+        view = transcript.chat([row])[0]
+        return render_template("prompt.html", episode_id=episode_id, row=row, prompt=view.prompt,
+                               answer=view.answer, flags=view.flags)
 
     # --- dead letters -------------------------------------------------------------------
     @app.get("/dead-letters")

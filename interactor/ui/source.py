@@ -24,6 +24,7 @@ RATE_WINDOW_S = 10.0  # steps/s of a running job: over the samples of the last t
 DOWN_RETRY_S = 5.0  # after a failed Redis call, pages do not try again for this long
 JOB_IDS_TTL_S = 3.0  # the store's job list is re-read at most this often (it scans every job)
 FINISHED_TTL_S = 10.0  # a finished job's stored progress is re-read at most this often
+AGGREGATE_TTL_S = {True: 3.0, False: 30.0}  # job-wide aggregates, by "is the job active"
 MAX_JOBS = 100
 
 
@@ -108,10 +109,26 @@ class Source:
         self._lock = threading.RLock()
         self._job_ids: tuple[float, list[str]] = (-1e9, [])
         self._finished: dict[str, tuple[float, dict]] = {}
+        self._cache: dict[tuple, tuple[float, Any]] = {}
 
     def read(self, method: str, *args: Any, **kw: Any) -> Any:
         with self._lock:
             return getattr(self.store, method)(*args, **kw)
+
+    def cached(self, ttl_s: float, method: str, *args: Any) -> Any:
+        """:meth:`read`, remembered for ``ttl_s``: the aggregates over a whole job (facets,
+        plots' points, summaries), which cost a scan of its episodes (~0.1 s at 100,000) and
+        change slowly or, once the job is finished, not at all."""
+        key = (method, args)
+        hit = self._cache.get(key)
+        now = time.monotonic()
+        if hit is not None and now - hit[0] < ttl_s:
+            return hit[1]
+        value = self.read(method, *args)
+        if len(self._cache) > 256:
+            self._cache.clear()
+        self._cache[key] = (now, value)
+        return value
 
     def detach_redis(self) -> None:
         """Stop reading Redis (its embedded server is stopping): pages show the store only."""
