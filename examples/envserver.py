@@ -447,6 +447,10 @@ class EnvServer(QuietHTTPServer):
         # (time.time(), op, env_name, env_id) of every instance call, when asked for: tests
         # check which attempt touched which instance when.
         self.request_log: list[tuple[float, str, str, str]] | None = [] if log_requests else None
+        # Also when asked for: per instance id, what it served and was sent, in order
+        # ({"prompt": messages} or {"action": text, "reward": r}): the conversation as the env
+        # saw it, which tests compare with what the results browser shows.
+        self.exchanges: dict[str, list[dict]] | None = {} if log_requests else None
         self.latency_ms = latency_ms
         self.error_rate = error_rate
         self.drop_rate = drop_rate
@@ -620,6 +624,8 @@ class _EnvHandler(EnvProtocolHandler):
             elif op == "get_task_prompt":
                 answer, status = env.prompt(), 200
                 srv.counters["prompts"] += 1
+                if srv.exchanges is not None:
+                    srv.exchanges.setdefault(env_id, []).append({"prompt": answer})
             else:
                 try:
                     answer, status = env.step(action), 200
@@ -627,6 +633,8 @@ class _EnvHandler(EnvProtocolHandler):
                     srv.counters["bad_request"] += 1
                     answer, status = {"error": str(exc)}, 400
                 else:
+                    if srv.exchanges is not None:
+                        srv.exchanges.setdefault(env_id, []).append({"action": action, "reward": answer["reward"]})
                     srv.counters["steps"] += 1
                     srv.steps_by_env[env_id] = srv.steps_by_env.get(env_id, 0) + 1
                     srv.rewards_total += answer["reward"]

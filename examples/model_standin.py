@@ -36,6 +36,10 @@ The scripted policy:
 
 ``unavailable`` (an attribute): when True every request but ``/stats`` is answered 503.
 
+``replies`` (an attribute, ``{text: reply}``): a request whose last user message contains
+``text`` is answered ``reply`` instead of the scripted policy's answer (tests choose an answer,
+say one full of markup, for the results browser to show).
+
 Fault knobs (constructor, CLI flags, and plain attributes on a running server):
 ``latency_ms``, ``error_rate`` (answered 429/500/503 in turn), ``drop_rate`` (connection
 closed without an answer), ``malformed_rate`` (200 without ``choices``), ``length_rate``
@@ -258,6 +262,7 @@ class ModelStandin(QuietHTTPServer):
         self.unavailable = False
         self.sessionless = 0
         self.request_params: dict[str, list[str]] = {}
+        self.replies: dict[str, str] = {}
 
     def stats(self) -> dict:
         with self.lock:
@@ -367,6 +372,12 @@ class _ModelHandler(JSONHandler):
         texts = [message_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
         rng = random.Random(f"{srv.fault_seed}|{temperature}|{counter}|" + "\x1e".join(texts))
         content = scripted_reply(messages, rng, srv.skill)
+        last_user = next((t for m, t in zip(reversed(messages), reversed(texts))
+                          if isinstance(m, dict) and m.get("role") == "user"), "")
+        for text, reply in list(srv.replies.items()):
+            if text in last_user:
+                content = reply
+                break
         finish_reason = "stop"
         if fault == "length":
             finish_reason = "length"

@@ -10,6 +10,7 @@
   interactor dlq ...             list, show, redrive, purge dead-lettered episodes
   interactor reconcile JOB       re-enqueue episodes that nothing will run again
   interactor status [JOB]        queue, ledger and stream at a glance
+  interactor ui                  browse results in a web page (jobs, groups, episodes, dead letters)
   interactor serve-env           environment adapters (reasoning-gym, textarena, ...) over HTTP
   interactor serve-model         the bundled model stand-in
 """
@@ -191,13 +192,27 @@ def cmd_run(args) -> int:
 
     if not args.tasks and not args.resume:
         raise SettingsError("name task files to run, or --resume JOB")
-    return run_local(_settings(args), args.tasks, workers=args.workers, job_id=args.job_id, resume=args.resume)
+    return run_local(_settings(args), args.tasks, workers=args.workers, job_id=args.job_id, resume=args.resume,
+                     ui=_ui_address(args))
 
 
 def cmd_demo(args) -> int:
     from interactor.localrun import run_demo
 
-    return run_demo(_settings(args), workers=args.workers)
+    return run_demo(_settings(args), workers=args.workers, ui=_ui_address(args))
+
+
+def _ui_address(args) -> tuple[str, int] | None:
+    return (args.ui_host, args.ui_port) if args.ui else None
+
+
+def _add_ui_flags(p: argparse.ArgumentParser) -> None:
+    from interactor.ui.command import DEFAULT_PORT
+
+    p.add_argument("--ui", action="store_true",
+                   help="serve the results browser while the job runs, and after it until Ctrl-C (read-only)")
+    p.add_argument("--ui-host", default="127.0.0.1")
+    p.add_argument("--ui-port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
 
 
 # --- reading results ----------------------------------------------------------------------
@@ -316,7 +331,7 @@ def cmd_serve(module: str):
 
 # --- parser -------------------------------------------------------------------------------
 ALL = list(SETTING_FLAGS)
-EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.benchcli", "interactor.envcli"]
+EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.benchcli", "interactor.envcli", "interactor.ui.command"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,8 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=int, default=None,
                     help="local worker processes (default: one per core; --concurrency is split between them)")
     sp.add_argument("--job-id")
+    _add_ui_flags(sp)
     sp = add("demo", cmd_demo, "run the bundled example batch against the stand-in servers")
     sp.add_argument("--workers", type=int, default=None)
+    _add_ui_flags(sp)
     sp = add("submit", cmd_submit, "validate and enqueue task files")
     sp.add_argument("tasks", nargs="+")
     sp.add_argument("--job-id")

@@ -82,7 +82,10 @@ class LocalFleet:
 
 
 def run_local(settings: Settings, tasks: list[str], *, workers: int | None = None, job_id: str | None = None,
-              resume: str | None = None) -> int:
+              resume: str | None = None, ui: tuple[str, int] | None = None) -> int:
+    """Run one job to its end on this machine. ``ui``: (host, port) of a results browser to
+    serve meanwhile, and after the summary until Ctrl-C (with Redis still up, so that dead
+    letters can be read; read-only, nothing is re-driven with the workers gone)."""
     from consumer.storage import open_store
     from producer.enqueue import new_job_id, plan, submit_plan
 
@@ -101,9 +104,14 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
     client = connect(settings)
     ledger = Ledger(client, Keys(settings.key_prefix), settings.lease_ttl_s)
     fleet = LocalFleet(settings, workers, run_dir / "logs")
+    browser = None
     interrupted = False
     t0 = time.monotonic()
     try:
+        store = open_store(settings.results_store)
+        if ui is not None:  # first: a port in use stops us before anything is enqueued or started
+            browser = _start_browser(settings, client, *ui)
+            print(f"results browser on {browser.url}", flush=True)
         if planned is not None:
             sub = submit_plan(client, settings, planned)
             print(f"job {job_id}: {sub.job.episodes} episodes in {sub.job.groups} groups enqueued "
@@ -119,7 +127,6 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
 
             print(f"resuming job {job_id}: re-enqueued {len(reconcile(client, settings, job_id))} lost episodes")
         fleet.start()
-        store = open_store(settings.results_store)
         try:
             _wait(job_id, total, ledger, store, fleet, t0)
         except KeyboardInterrupt:
@@ -139,10 +146,14 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
             return 130
         if fleet.restarts:
             print(f"note: {fleet.restarts} local processes were restarted; see {run_dir / 'logs'}")
+        if browser is not None:
+            _keep_serving(browser)
         return 0 if results["job"].get("failed", 0) == 0 else 1
     finally:
         if fleet.procs:
             fleet.stop(5)
+        if browser is not None:
+            browser.stop()
         if embedded:
             embedded.stop()
 
@@ -175,6 +186,21 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
             return
 
 
+def _start_browser(settings: Settings, client, host: str, port: int):
+    from interactor.ui.server import UIServer, open_source
+
+    return UIServer(open_source(settings, redis_client=client), host, port).start()
+
+
+def _keep_serving(browser) -> None:
+    print(f"\nresults browser still on {browser.url}; Ctrl-C to stop", flush=True)
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print()
+
+
 def _persistent_password(run_dir: Path) -> str:
     """The embedded Redis keeps its password across restarts of the same run folder."""
     import secrets
@@ -187,7 +213,7 @@ def _persistent_password(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def run_demo(settings: Settings, *, workers: int | None = None) -> int:
+def run_demo(settings: Settings, *, workers: int | None = None, ui: tuple[str, int] | None = None) -> int:
     """Start the bundled env server and model stand-in, then run examples/tasks.yaml."""
     import examples
 
@@ -198,7 +224,7 @@ def run_demo(settings: Settings, *, workers: int | None = None) -> int:
         model_url = _start_server(servers, "examples.model_standin", ["--latency-ms", "50"])
         print(f"example env server at {env_url}, model stand-in at {model_url}/v1 (a stand-in, not a model)")
         settings = settings.replace(env_base_url=env_url, llm_base_url=model_url + "/v1", model="stand-in")
-        return run_local(settings, [str(folder / "tasks.yaml")], workers=workers)
+        return run_local(settings, [str(folder / "tasks.yaml")], workers=workers, ui=ui)
     finally:
         for p in servers:
             p.terminate()

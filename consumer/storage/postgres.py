@@ -23,7 +23,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from consumer.storage.backend import SCHEMA_VERSION, ResultStore, StoreError, _chunks, _marks
+from consumer.storage.backend import BROWSE_INDEXES, SCHEMA_VERSION, ResultStore, StoreError, _chunks, _marks
 
 log = logging.getLogger("interactor.store.postgres")
 
@@ -165,7 +165,7 @@ CREATE TABLE IF NOT EXISTS groups (
     incomplete_reason TEXT
 );
 CREATE INDEX IF NOT EXISTS groups_job ON groups (job_id);
-"""
+""" + "".join(ddl + ";\n" for _, ddl in BROWSE_INDEXES)
 
 
 def _driver():
@@ -220,6 +220,14 @@ class PostgresStore(ResultStore):
                         conn.execute(stmt)
                 conn.execute("INSERT INTO store_meta (key, value) VALUES ('schema_version', %s) "
                              "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
+            else:
+                # Indexes added after the store was made: looked up first, because CREATE INDEX
+                # IF NOT EXISTS locks the table against writes even when the index is there.
+                have = {r[0] for r in conn.execute(
+                    "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema()").fetchall()}
+                for name, ddl in BROWSE_INDEXES:
+                    if name not in have:
+                        conn.execute(ddl)
 
     def _check_version(self) -> None:
         try:

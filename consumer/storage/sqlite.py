@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from consumer.storage.backend import SCHEMA_VERSION, ResultStore, StoreError
+from consumer.storage.backend import BROWSE_INDEXES, SCHEMA_VERSION, ResultStore, StoreError
 
 TS = "strftime('%Y-%m-%d %H:%M:%f', ?, 'unixepoch')"
 
@@ -157,7 +157,7 @@ CREATE TABLE IF NOT EXISTS groups (
     incomplete_reason TEXT
 );
 CREATE INDEX IF NOT EXISTS groups_job ON groups (job_id);
-"""
+""" + "".join(ddl + ";\n" for _, ddl in BROWSE_INDEXES)
 
 # Version 1 -> 2: the original session_steps column names, job_environments, superseded rows in
 # a table of their own, attempt ids (v1 rows get "n<attempt>"), no per-row trigger.
@@ -264,7 +264,10 @@ class SQLiteStore(ResultStore):
             if uv > SCHEMA_VERSION:
                 c.close()
                 raise StoreError(f"{self.path}: results schema v{uv} is newer than this code (v{SCHEMA_VERSION})")
-            if uv == SCHEMA_VERSION or readonly:
+            if readonly:
+                return
+            if uv == SCHEMA_VERSION:
+                self._ensure_indexes()
                 return
             c.execute("BEGIN IMMEDIATE")
             try:
@@ -278,6 +281,22 @@ class SQLiteStore(ResultStore):
                 elif uv == 1:
                     _script(c, MIGRATE_1_TO_2)
                 c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+
+    def _ensure_indexes(self) -> None:
+        """Indexes added to the schema after a store was made (BROWSE_INDEXES), created once by
+        the first writer that opens it; the write lock is taken only when one is missing."""
+        c = self._conn
+        have = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        missing = [ddl for name, ddl in BROWSE_INDEXES if name not in have]
+        if missing:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                for ddl in missing:
+                    c.execute(ddl)
                 c.execute("COMMIT")
             except BaseException:
                 c.execute("ROLLBACK")

@@ -1,0 +1,14 @@
+"""The results browser: ``interactor ui`` (and ``interactor run --ui``) serves web pages over
+a results store (SQLite or PostgreSQL, through its reader methods) and, when given Redis,
+the live state of the fleet.
+
+* ``source.py``: what the pages read (store, ledger counts, dead-letter queue, steps/s);
+* ``app.py``: the routes (Flask), escaping and the guard on actions;
+* ``transcript.py``: an episode's steps as one chat; ``plots.py``: inline SVG plots;
+* ``server.py``: the HTTP server; ``command.py``: the command line.
+* ``templates/`` and ``static/``: Jinja2 pages, the CSS and the little JavaScript, served by
+  the package (nothing is fetched from elsewhere; it works offline).
+
+Nothing here is imported by the other packages, and importing this package does not import
+Flask: the command line builds its parser without it.
+"""

@@ -1,0 +1,218 @@
+"""What the pages read: the results store, through its reader methods, and Redis for what
+only Redis knows while a job runs (the ledger's queued / running / retrying counts, the fleet,
+the dead-letter queue).
+
+Redis is optional: ``interactor ui --store runs/demo/results.sqlite`` after a run whose
+embedded Redis has stopped shows everything stored, and says that live state is off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import redis
+
+from broker.settings import Settings, redact_url
+
+log = logging.getLogger("interactor.ui")
+
+RATE_WINDOW_S = 10.0  # steps/s of a running job: over the samples of the last this many seconds
+DOWN_RETRY_S = 5.0  # after a failed Redis call, pages do not try again for this long
+JOB_IDS_TTL_S = 3.0  # the store's job list is re-read at most this often (it scans every job)
+FINISHED_TTL_S = 10.0  # a finished job's stored progress is re-read at most this often
+AGGREGATE_TTL_S = {True: 3.0, False: 30.0}  # job-wide aggregates, by "is the job active"
+MAX_JOBS = 100
+
+
+class LiveState:
+    """The Redis side, every call guarded: an unreachable Redis costs one failed call, then
+    pages skip it for :data:`DOWN_RETRY_S` and say why instead of waiting on timeouts."""
+
+    def __init__(self, settings: Settings, client: redis.Redis | None = None):
+        from broker.dlq import DeadLetterQueue
+        from broker.keys import Keys
+        from broker.ledger import Ledger
+        from broker.redisconn import connect
+        from interactor.metrics import FleetReader
+
+        self.settings = settings
+        self.url_shown = redact_url(settings.redis_url)
+        self.client = client or connect(settings, retries=1, max_connections=16)
+        self.ledger = Ledger(self.client, Keys(settings.key_prefix), settings.lease_ttl_s)
+        self.dlq = DeadLetterQueue(self.client, settings)
+        self.fleet = FleetReader(self.client, settings)
+        self.error = ""
+        self._down_until = 0.0
+
+    def call(self, fn: Callable[[], Any], default: Any = None) -> Any:
+        if time.monotonic() < self._down_until:
+            return default
+        try:
+            out = fn()
+        except (redis.RedisError, OSError) as exc:
+            self.error = self._redacted(f"{type(exc).__name__}: {exc}")
+            self._down_until = time.monotonic() + DOWN_RETRY_S
+            log.warning("Redis at %s: %s", self.url_shown, self.error)
+            return default
+        self.error = ""
+        return out
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _redacted(self, text: str) -> str:
+        from urllib.parse import urlsplit
+
+        try:
+            pw = urlsplit(self.settings.redis_url).password
+        except ValueError:
+            pw = None
+        return text.replace(pw, "***") if pw else text
+
+
+class RateMeter:
+    """Steps/s of running jobs, from the step totals the pages read as they poll."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S):
+        self.window_s = window_s
+        self._samples: dict[str, deque] = {}
+        self._lock = threading.Lock()
+
+    def sample(self, job_id: str, steps: int, now: float | None = None) -> float | None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            q = self._samples.setdefault(job_id, deque())
+            if not q or now - q[-1][0] >= 0.5:
+                q.append((now, steps))
+            while len(q) > 2 and now - q[1][0] >= self.window_s:
+                q.popleft()
+            t0, s0 = q[0]
+            if now - t0 < 1.0:
+                return None
+            return max(0.0, (steps - s0) / (now - t0))
+
+
+class Source:
+    """The results store (one lock around it: the PostgreSQL backend holds one connection)
+    and, optionally, :class:`LiveState`."""
+
+    def __init__(self, store, *, store_shown: str, live: LiveState | None = None):
+        self.store = store
+        self.store_shown = store_shown
+        self.live = live
+        self.rates = RateMeter()
+        self._lock = threading.RLock()
+        self._job_ids: tuple[float, list[str]] = (-1e9, [])
+        self._finished: dict[str, tuple[float, dict]] = {}
+        self._cache: dict[tuple, tuple[float, Any]] = {}
+
+    def read(self, method: str, *args: Any, **kw: Any) -> Any:
+        with self._lock:
+            return getattr(self.store, method)(*args, **kw)
+
+    def cached(self, ttl_s: float, method: str, *args: Any) -> Any:
+        """:meth:`read`, remembered for ``ttl_s``: the aggregates over a whole job (facets,
+        plots' points, summaries), which cost a scan of its episodes (~0.1 s at 100,000) and
+        change slowly or, once the job is finished, not at all."""
+        key = (method, args)
+        hit = self._cache.get(key)
+        now = time.monotonic()
+        if hit is not None and now - hit[0] < ttl_s:
+            return hit[1]
+        value = self.read(method, *args)
+        if len(self._cache) > 256:
+            self._cache.clear()
+        self._cache[key] = (now, value)
+        return value
+
+    def detach_redis(self) -> None:
+        """Stop reading Redis (its embedded server is stopping): pages show the store only."""
+        self.live = None
+
+    # --- jobs ---------------------------------------------------------------------------
+    def job_ids(self) -> list[str]:
+        """Jobs in the store and in Redis, newest first."""
+        t, ids = self._job_ids
+        if time.monotonic() - t > JOB_IDS_TTL_S:
+            ids = self.read("job_ids")
+            self._job_ids = (time.monotonic(), ids)
+        out = list(ids)
+        if self.live is not None:
+            known = set(out)
+            out += [j for j in self.live.call(self.live.ledger.job_ids, []) if j not in known]
+        return out[::-1][:MAX_JOBS]
+
+    def progress(self, job_ids: list[str]) -> list[dict]:
+        counts = {}
+        if self.live is not None and job_ids:
+            got = self.live.call(lambda: self.live.ledger.counts_many(job_ids), None)
+            if got:
+                counts = {j: c for j, c in zip(job_ids, got) if sum(c.values())}
+        return [self._progress(j, counts.get(j)) for j in job_ids]
+
+    def _progress(self, job_id: str, ledger: dict | None) -> dict:
+        cached = self._finished.get(job_id)
+        if cached and time.monotonic() - cached[0] < FINISHED_TTL_S:
+            p = cached[1]
+        else:
+            p = self.read("job_progress", job_id)
+        st = p["statuses"]
+        stored = sum(st.values())
+        total = p["episodes_expected"] or (sum(ledger.values()) if ledger else stored)
+        if ledger:
+            done, failed = ledger["done"], ledger["failed"]
+            running, queued, retrying = ledger["running"], ledger["queued"], ledger["retrying"]
+            source = "redis"
+        else:
+            done, failed = st.get("completed", 0), st.get("failed", 0)
+            running = st.get("running", 0) + st.get("completing", 0)
+            retrying = st.get("retrying", 0)
+            queued = max(0, total - stored)
+            source = "store"
+        active = running + queued + retrying > 0 or (source == "store" and done + failed < total)
+        if active:
+            self._finished.pop(job_id, None)
+            rate = self.rates.sample(job_id, p["steps"])
+        else:
+            self._finished[job_id] = (time.monotonic(), p)
+            span = (p["last_finished"] - p["first_started"]) if p["first_started"] and p["last_finished"] else None
+            rate = p["steps"] / span if span and span > 0 else None
+        return {
+            "job_id": job_id, "model": p["model"], "created_at": p["created_at"], "total": total,
+            "done": done, "failed": failed, "running": running, "queued": queued, "retrying": retrying,
+            "progress": (done + failed) / total if total else 1.0, "steps": p["steps"], "steps_per_s": rate,
+            "mean_reward": p["mean_reward"], "active": active, "counts_from": source,
+        }
+
+    def fleet(self) -> dict | None:
+        if self.live is None:
+            return None
+        snap = self.live.call(self.live.fleet.snapshot, None)
+        if snap is None:
+            return None
+        return {"queued": sum(q["depth"] for q in snap["queues"].values()), "running": snap["running"],
+                "dead_letters": snap["dead_letters"], "steps_per_s": snap["steps_per_s"],
+                "breakers": snap.get("breakers", []), "redis": snap["redis"]}
+
+    # --- dead letters -------------------------------------------------------------------
+    def dead_letters(self, job_id: str | None = None, reason: str | None = None) -> list | None:
+        if self.live is None:
+            return None
+        return self.live.call(lambda: self.live.dlq.list(job_id=job_id or None, reason=reason or None), None)
+
+    def dead_letter(self, episode_id: str, job_id: str | None = None):
+        if self.live is None:
+            return None
+        return self.live.call(lambda: self.live.dlq.get(episode_id, job_id), None)
+
+    def redrive(self, episode_ids: list[str]) -> list[str]:
+        """Re-drive these dead letters (as ``interactor dlq redrive IDS``); raises if Redis fails."""
+        assert self.live is not None
+        wanted = set(episode_ids)
+        letters = [d for d in self.live.dlq.list() if d.episode_id in wanted]
+        return self.live.dlq.redrive(letters)
