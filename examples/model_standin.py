@@ -60,7 +60,9 @@ import threading
 import time
 from typing import Any
 
-from .envserver import FaultDice, JSONHandler, QuietHTTPServer, add_fault_args, serve_until_signal
+from envs.http import FaultDice, JSONHandler, QuietHTTPServer, serve_until_signal
+
+from .envserver import add_fault_args
 
 __all__ = ["ModelStandin", "scripted_reply", "start_in_thread", "main"]
 

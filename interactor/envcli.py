@@ -16,10 +16,10 @@ import sys
 
 
 def cmd_serve_env(args) -> int:
-    from examples.envserver import serve_until_signal
-    from interactor.envs import ADAPTERS, REQUIRES, installed
-    from interactor.envs.base import valid_object_path
-    from interactor.envs.server import AdapterEnvServer, default_registry
+    from envs.http import serve_until_signal
+    from envs import ADAPTERS, REQUIRES, installed
+    from envs.base import valid_object_path
+    from envs.server import AdapterEnvServer, default_registry
 
     if args.list:
         for name, path in ADAPTERS.items():

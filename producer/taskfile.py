@@ -15,7 +15,7 @@ An entry may instead name an environment class that the worker runs in its own p
 
       - env_name: textarena.GuessTheNumber-v0
         transport: inproc                                      # "http" (default) or "inproc"
-        env_class: interactor.envs.textarena_env:TextArenaEnv  # "module:Class"; implies inproc
+        env_class: envs.textarena_env:TextArenaEnv  # "module:Class"; implies inproc
 
 Such an entry needs no base_url (one given explicitly is an error). Only the shape
 ``module:Class`` is checked here: workers share no files with the producer, so whether the
@@ -34,15 +34,16 @@ import gc
 import hashlib
 import json
 import os
-import pickle
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgpack
 import yaml
 
 from broker.records import EpisodeSpec
+from envs.base import valid_object_path
 
 __all__ = ["TaskFileError", "PlannedJob", "plan_job", "load_task_file", "derive_seed", "DATASET_FORMATS"]
 
@@ -59,7 +60,6 @@ if tuple(f.name for f in fields(EpisodeSpec))[:len(_SPEC_ORDER)] != _SPEC_ORDER:
     raise ImportError("broker.records.EpisodeSpec field order changed; update producer.taskfile._expand")
 
 _ENV_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
-_ENV_CLASS_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_\-]+")
 _SEED_MOD = 2**31
 _ABSENT = object()
@@ -351,7 +351,7 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
     if transport == "inproc":
         if env_class is _ABSENT or env_class is None:
             raise fail("env_class", "missing: transport inproc needs an environment class 'module:Class'")
-        if not isinstance(env_class, str) or not _ENV_CLASS_RE.fullmatch(env_class):
+        if not valid_object_path(env_class):
             raise fail("env_class", f"must be 'module:Class' (e.g. 'mypkg.envs:MyEnv'), got {env_class!r}")
         if raw.get("base_url", _ABSENT) is not _ABSENT:
             raise fail("base_url", "not used with transport inproc (the worker runs env_class itself); remove it")
@@ -466,7 +466,8 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
     append = episodes.append
     by_env: dict[str, int] = {}
     groups = 0
-    blake2b, from_bytes, loads, Spec = hashlib.blake2b, int.from_bytes, pickle.loads, EpisodeSpec
+    blake2b, from_bytes, Spec = hashlib.blake2b, int.from_bytes, EpisodeSpec
+    unpackb = msgpack.unpackb
     for f, (path, entries) in enumerate(zip(paths, loaded), 1):
         file_name = os.path.basename(path)
         for ent in entries:
@@ -474,8 +475,9 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
             base_url, queue, seed_base, rows = ent["base_url"], ent["queue"], ent["seed"], ent["rows"]
             transport, env_class = ent["transport"], ent["env_class"]
             # Each episode gets its own params: a shallow copy when nothing nested, else a
-            # pickle round-trip (a fast deep copy of plain data).
-            blob = None if _is_flat(params) else pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL)
+            # msgpack round-trip (a fast deep copy of JSON data; tuples come back as lists, as
+            # they would from the ledger). No pickle anywhere.
+            blob = None if _is_flat(params) else msgpack.packb(params, use_bin_type=True)
             tasks = rows if rows is not None else (None,)
             entry_src = f"{path} entry {e}"
             for r, row in enumerate(tasks, 1):
@@ -485,7 +487,7 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
                 prefix = None if seed_base is None else blake2b(
                     f"{seed_base}\x1f{file_name}\x1f{e}\x1f{r}\x1f".encode(), digest_size=8)
                 for k in range(1, n + 1):
-                    p = dict(params) if blob is None else loads(blob)
+                    p = dict(params) if blob is None else unpackb(blob, raw=False, strict_map_key=False)
                     if row is not None:
                         p["dataset"] = row  # shared within its group only, never across groups
                     if prefix is None:

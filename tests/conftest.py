@@ -71,7 +71,7 @@ def settings(redis_server, tmp_path) -> Settings:
         # outage (15 minutes by default): tests that kill servers for good end in seconds.
         outage_budget_s=5,
         # The test modules' own env classes (and the docs' example) next to the bundled ones.
-        env_classes="interactor.envs.*,tests.*,test_inproc:*,wordguess_doc:*",
+        env_classes="envs.*,tests.*,test_inproc:*,wordguess_doc:*",
     )
 
 

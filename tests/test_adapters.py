@@ -1,4 +1,4 @@
-"""Environment adapters (interactor/envs): reasoning-gym and textarena behind the env-class
+"""Environment adapters (envs): reasoning-gym and textarena behind the env-class
 contract, hosted by `interactor serve-env` or run in process, and a job of them end to end
 whose stored rewards are recomputed with the libraries' own scorers."""
 
@@ -15,8 +15,8 @@ import requests
 
 from broker import errors
 from broker.settings import Settings
-from interactor.envs import adapter_for
-from interactor.envs.base import EnvError
+from envs import adapter_for
+from envs.base import EnvError
 from producer.enqueue import submit
 from tests.conftest import ROOT, wait_for
 
@@ -43,7 +43,7 @@ def rg_score(rg, task, size, seed, index, response, tag="answer"):
 # --------------------------------------------------------------------------- reasoning-gym
 
 def test_reasoning_gym_item_prompt_and_reward(rg):
-    from interactor.envs.reasoning_gym_env import ReasoningGymEnv
+    from envs.reasoning_gym_env import ReasoningGymEnv
 
     env = ReasoningGymEnv("reasoning_gym.basic_arithmetic")
     out = env.reset({"size": 20, "seed": 3, "dataset": {"index": 4}}, seed=999)  # the episode seed is not used
@@ -62,7 +62,7 @@ def test_reasoning_gym_item_prompt_and_reward(rg):
 
 @pytest.mark.parametrize("response", ["<answer>12</answer>", "no tags at all", "<answer> 7 legs </answer>", ""])
 def test_reasoning_gym_reward_is_the_library_score(rg, response):
-    from interactor.envs.reasoning_gym_env import ReasoningGymEnv
+    from envs.reasoning_gym_env import ReasoningGymEnv
 
     env = ReasoningGymEnv()
     env.reset({"task": "leg_counting", "size": 10, "seed": 1, "index": 2}, None)
@@ -71,7 +71,7 @@ def test_reasoning_gym_reward_is_the_library_score(rg, response):
 
 
 def test_reasoning_gym_options_and_whole_entry_rows(rg):
-    from interactor.envs.reasoning_gym_env import ReasoningGymEnv
+    from envs.reasoning_gym_env import ReasoningGymEnv
 
     entry = rg.create_dataset("chain_sum", size=5, seed=9)[1]
     env = ReasoningGymEnv()
@@ -91,7 +91,7 @@ def test_reasoning_gym_options_and_whole_entry_rows(rg):
     ({"task": "leg_counting", "config": [1]}, "'config' must be an object"),
 ])
 def test_reasoning_gym_bad_params(rg, params, words):
-    from interactor.envs.reasoning_gym_env import ReasoningGymEnv
+    from envs.reasoning_gym_env import ReasoningGymEnv
 
     with pytest.raises(EnvError, match=words):
         ReasoningGymEnv().reset(params, 1)
@@ -100,7 +100,7 @@ def test_reasoning_gym_bad_params(rg, params, words):
 # --------------------------------------------------------------------------- textarena
 
 def test_textarena_conversation_and_library_rewards(ta):
-    from interactor.envs.textarena_env import TextArenaEnv
+    from envs.textarena_env import TextArenaEnv
 
     env = TextArenaEnv("textarena.GuessTheNumber-v0")
     env.reset({"kwargs": {"max_turns": 3}, "dataset": {"seed": 11}}, seed=12345)  # the row's seed wins
@@ -130,7 +130,7 @@ def test_textarena_conversation_and_library_rewards(ta):
 
 def test_textarena_instances_do_not_share_randomness(ta):
     """Interleaving two games (and other users of `random`) changes nothing in either."""
-    from interactor.envs.textarena_env import TextArenaEnv
+    from envs.textarena_env import TextArenaEnv
 
     def play(env, moves):
         return [json.dumps(env.step(m)) for m in moves]
@@ -160,7 +160,7 @@ def test_textarena_instances_do_not_share_randomness(ta):
     ({"game": "GuessTheNumber-v0", "kwargs": {"bogus": 1}}, "bad kwargs"),
 ])
 def test_textarena_bad_params(ta, params, words):
-    from interactor.envs.textarena_env import TextArenaEnv
+    from envs.textarena_env import TextArenaEnv
 
     with pytest.raises(EnvError, match=words):
         TextArenaEnv().reset(params, 1)
@@ -176,7 +176,7 @@ def test_env_names_pick_the_adapter():
 # --------------------------------------------------------------------------- serve-env
 
 def test_serve_env_speaks_the_protocol(rg, ta):
-    from interactor.envs.server import start_in_thread
+    from envs.server import start_in_thread
     from workers.envclient import EnvClient
 
     server, url = start_in_thread()
@@ -211,7 +211,7 @@ def test_serve_env_speaks_the_protocol(rg, ta):
 
 def test_serve_env_command(ta):
     proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "serve-env", "--port", "0", "--envs", "textarena",
-                             "--env", "mine=interactor.envs.bundled:GuessNumber"],
+                             "--env", "mine=envs.bundled:GuessNumber"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
     try:
         lines = [proc.stdout.readline() for _ in range(2)]
@@ -244,7 +244,7 @@ def write_job(tmp_path, env_url: str) -> str:
             dataset: [{{index: 0}}, {{index: 1}}, {{index: 2}}]
             env_num: 3
           - env_name: textarena.{TA_GAME}              # in process, in the worker
-            env_class: interactor.envs.textarena_env:TextArenaEnv
+            env_class: envs.textarena_env:TextArenaEnv
             env_params: {{kwargs: {{max_turns: {TA_TURNS}}}}}
             dataset: [{{seed: 1}}, {{seed: 2}}]
             env_num: 2
@@ -256,7 +256,7 @@ def write_job(tmp_path, env_url: str) -> str:
 def test_adapter_job_end_to_end_rewards_match_the_libraries(rg, ta, settings, procs, model_server, redis_client,
                                                             tmp_path):
     from consumer.storage import open_store
-    from interactor.envs.server import start_in_thread
+    from envs.server import start_in_thread
     from tests.storecheck import db_rows
 
     env, env_url = start_in_thread()
@@ -320,7 +320,7 @@ def test_the_guide_example_runs_both_ways():
     import types
 
     from broker.records import EpisodeSpec
-    from interactor.envs.server import start_in_thread
+    from envs.server import start_in_thread
     from workers.envclient import EnvClient
     from workers.inproc import InprocEnv
 

@@ -169,12 +169,12 @@ def test_run_results_and_export_a_library_job(model_server, tmp_path):
     tasks.write_text(textwrap.dedent("""\
         environments:
           - env_name: reasoning_gym.chain_sum
-            env_class: interactor.envs.reasoning_gym_env:ReasoningGymEnv
+            env_class: envs.reasoning_gym_env:ReasoningGymEnv
             env_params: {size: 20, seed: 1}
             dataset: [{index: 0}, {index: 1}, {index: 2}]
             env_num: 4
           - env_name: textarena.GuessTheNumber-v0
-            env_class: interactor.envs.textarena_env:TextArenaEnv
+            env_class: envs.textarena_env:TextArenaEnv
             env_params: {kwargs: {max_turns: 3}}
             dataset: [{seed: 1}, {seed: 2}]
             env_num: 2

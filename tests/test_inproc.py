@@ -18,7 +18,7 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.records import AttemptRecord, EpisodeSpec, JobSpec, StepRecord, unpack
 from broker.settings import Settings
-from interactor.envs.base import EnvError
+from envs.base import EnvError
 from workers.envclient import EnvClient
 from workers.inproc import InprocEnv
 from workers.runner import WorkerRuntime
@@ -205,7 +205,7 @@ def test_failures_have_the_http_reasons(quick, cls, call, reason, text):
 @pytest.mark.parametrize("cls", ["BadPrompt", "BadReward", "BadFlag", "BadParams", "Crashes"])
 def test_same_reason_over_http_and_inproc(quick, cls):
     """The same class hosted by serve-env and driven by the HTTP client fails the same way."""
-    from interactor.envs.server import start_in_thread
+    from envs.server import start_in_thread
 
     server, url = start_in_thread(registry={"fake": f"{HERE}:{cls}"})
     client = EnvClient(quick.replace(env_retries=0))
@@ -299,7 +299,7 @@ def test_inproc_episode_gives_the_same_records_as_http(settings, redis_client, e
                   env_params={"low": 1, "high": 100, "max_turns": 10}, seed=42, queue=settings.queue)
     http = EpisodeSpec(episode_id="same.1.1.1.1", base_url=env_url, **common)
     inproc = EpisodeSpec(episode_id="same.1.1.1.2", base_url="", transport="inproc",
-                         env_class="interactor.envs.bundled:BundledEnv", **common)
+                         env_class="envs.bundled:BundledEnv", **common)
     job = _job(redis_client, settings, model_url, [http, inproc], "same")
     rt = WorkerRuntime(settings, name="inproc-worker")
     try:
@@ -349,7 +349,7 @@ def test_env_classes_off_the_allow_list_are_never_imported(settings, redis_clien
     specs = [EpisodeSpec(job_id="evil", episode_id=f"evil.1.1.1.{k}", group_id="evil.1.1.1", group_size=3,
                          env_name="x", base_url="", env_params={}, queue=settings.queue, transport="inproc",
                          env_class=cls)
-             for k, cls in enumerate(["os:abort", "sideeffect_env:Env", "interactor.envs.bundled:BundledEnv"], 1)]
+             for k, cls in enumerate(["os:abort", "sideeffect_env:Env", "envs.bundled:BundledEnv"], 1)]
     job = _job(redis_client, settings, model_url, specs, "evil")
     rt = WorkerRuntime(settings.replace(env_classes=""), name="allowlist-worker")  # the default list
     try:
@@ -386,7 +386,7 @@ _GEVENT_RESETS = """
 from gevent import monkey; monkey.patch_all()
 import gevent
 from workers.inproc import _OSThread
-from interactor.envs.base import import_object, construct
+from envs.base import import_object, construct
 
 def first_calls(cls, name, params, seed):
     def call():
@@ -395,9 +395,9 @@ def first_calls(cls, name, params, seed):
         return env.get_task_prompt()
     return call
 
-jobs = [("interactor.envs.textarena_env:TextArenaEnv", "textarena.GuessTheNumber-v0", {"kwargs": {"max_turns": 3}}, i)
+jobs = [("envs.textarena_env:TextArenaEnv", "textarena.GuessTheNumber-v0", {"kwargs": {"max_turns": 3}}, i)
         for i in range(4)]
-jobs += [("interactor.envs.reasoning_gym_env:ReasoningGymEnv", "reasoning_gym.chain_sum", {"size": 20, "seed": 1}, i)
+jobs += [("envs.reasoning_gym_env:ReasoningGymEnv", "reasoning_gym.chain_sum", {"size": 20, "seed": 1}, i)
          for i in range(12)]
 threads = [_OSThread(str(i)) for i in range(len(jobs))]
 calls = [gevent.spawn(t.call, first_calls(*j), 20) for t, j in zip(threads, jobs)]

@@ -484,7 +484,7 @@ def test_inproc_entries_need_no_base_url(tmp_path):
         environments:
           - env_name: textarena.GuessTheNumber-v0
             transport: inproc
-            env_class: interactor.envs.textarena_env:TextArenaEnv
+            env_class: envs.textarena_env:TextArenaEnv
             dataset: [{{seed: 1}}, {{seed: 2}}]
             env_num: 2
           - env_name: reasoning_gym
@@ -499,14 +499,14 @@ def test_inproc_entries_need_no_base_url(tmp_path):
         by_env.setdefault(ep.env_name, []).append(ep)
     ta = by_env["textarena.GuessTheNumber-v0"]
     assert len(ta) == 4 and {(e.transport, e.env_class, e.base_url) for e in ta} == {
-        ("inproc", "interactor.envs.textarena_env:TextArenaEnv", "")}
+        ("inproc", "envs.textarena_env:TextArenaEnv", "")}
     assert {e.env_params["dataset"]["seed"] for e in ta} == {1, 2}
     (rg,) = by_env["reasoning_gym"]
     assert (rg.transport, rg.env_class) == ("inproc", "mypkg.envs:Outer.Inner")
     (http,) = by_env["guess_number"]
     assert (http.transport, http.env_class, http.base_url) == ("http", "", URL)
     again = unpack(ta[0].pack())
-    assert (again.transport, again.env_class) == ("inproc", "interactor.envs.textarena_env:TextArenaEnv")
+    assert (again.transport, again.env_class) == ("inproc", "envs.textarena_env:TextArenaEnv")
 
 
 def test_inproc_entries_ignore_the_default_base_url(tmp_path):

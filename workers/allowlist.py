@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from envs.base import split_object_path
+
 # The bundled env adapters (inproc transport) and the built-in hooks.
-DEFAULT_ENV_CLASSES = ("interactor.envs.*",)
+DEFAULT_ENV_CLASSES = ("envs.*",)
 DEFAULT_EPISODE_HOOKS = ("workers.experience:*",)
 
 
@@ -29,9 +31,10 @@ class PathAllowlist:
         self.patterns = tuple(p.strip() for p in [*items, *also] if p and p.strip())
 
     def allows(self, path: str) -> bool:
-        module, sep, attr = path.partition(":")
-        if not sep or not module or not attr:
+        parts = split_object_path(path)
+        if parts is None:
             return False
+        module, _ = parts
         for p in self.patterns:
             if p == path:
                 return True

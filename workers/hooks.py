@@ -7,9 +7,10 @@ missing (a no-op is used). Hook errors are logged and never end the episode.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from typing import Any, Protocol
+
+from envs.base import import_object, valid_object_path
 
 
 class EpisodeHook(Protocol):
@@ -48,11 +49,10 @@ def load_hook(path: str) -> EpisodeHook:
         return NullHook()
     with _lock:
         if path not in _cache:
-            module_name, sep, attr = path.partition(":")
-            if not sep or not module_name or not attr:
+            if not valid_object_path(path):
                 raise HookError(f"episode hook {path!r}: expected 'module:factory'")
             try:
-                factory = getattr(importlib.import_module(module_name), attr)
+                factory = import_object(path)
             except (ImportError, AttributeError) as exc:
                 raise HookError(f"episode hook {path!r}: cannot import: {exc}") from None
             _cache[path] = _Adapter(factory())

@@ -1,7 +1,7 @@
 """The inproc transport: an environment class run inside the worker process.
 
 A task entry with ``transport: inproc`` and ``env_class: module:Class`` (contract in
-:mod:`interactor.envs.base`) is driven through :class:`InprocEnv`, the loop's env port, with
+:mod:`envs.base`) is driven through :class:`InprocEnv`, the loop's env port, with
 the same rules as the HTTP transport (:mod:`workers.envclient`):
 
 * Timeouts: every call runs on the instance's own daemon thread and is waited for at most
@@ -50,7 +50,7 @@ from broker.errors import (
 )
 from broker.records import EpisodeSpec
 from broker.settings import Settings
-from interactor.envs.base import construct, import_object, normalize_answer
+from envs.base import construct, import_object, normalize_answer
 from workers.envclient import (
     CLOSE_BUDGET_S,
     CLOSE_MIN_BUDGET_S,

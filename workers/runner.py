@@ -27,7 +27,6 @@ import logging
 import os
 import random
 import socket
-import threading
 import time
 import traceback
 import redis

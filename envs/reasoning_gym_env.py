@@ -37,7 +37,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from interactor.envs.base import EnvError, int_param, params_with_row
+from envs.base import EnvError, int_param, params_with_row
 
 DEFAULT_SIZE = 500
 _CACHE_MAX = 64

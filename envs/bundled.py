@@ -1,11 +1,11 @@
 """The bundled stand-in environments (``examples/envserver.py``) as env classes, so that they
-run in process too (``env_class: interactor.envs.bundled:GuessNumber``)."""
+run in process too (``env_class: envs.bundled:GuessNumber``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from interactor.envs.base import EnvError
+from envs.base import EnvError
 
 
 class BundledEnv:

@@ -29,7 +29,7 @@ import re
 import threading
 from typing import Any
 
-__all__ = ["EnvError", "params_with_row", "import_object", "construct", "normalize_answer", "jsonable"]
+__all__ = ["EnvError", "params_with_row", "import_object", "split_object_path", "valid_object_path", "construct", "normalize_answer", "jsonable"]
 
 _PATH_RE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
 
@@ -39,8 +39,17 @@ class EnvError(ValueError):
 
 
 def valid_object_path(path: Any) -> bool:
-    """True for ``package.module:Class`` (also ``module:Outer.Inner``)."""
+    """True for ``package.module:Class`` (also ``module:Outer.Inner``). The one rule for every
+    ``module:Attr`` a task file or a setting names: env classes, episode hooks, allow-lists."""
     return isinstance(path, str) and bool(_PATH_RE.fullmatch(path))
+
+
+def split_object_path(path: str) -> tuple[str, str] | None:
+    """``("package.module", "Attr")`` of a valid ``module:Attr`` path, else None."""
+    if not valid_object_path(path):
+        return None
+    module, _, attr = path.partition(":")
+    return module, attr
 
 
 _imports: dict[str, Any] = {}

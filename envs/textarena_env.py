@@ -44,7 +44,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any
 
-from interactor.envs.base import EnvError, int_param, jsonable, params_with_row
+from envs.base import EnvError, int_param, jsonable, params_with_row
 
 _lock = threading.RLock()  # textarena and the global random state: one call at a time
 DEFAULT_USER_TURN = "Make your move."

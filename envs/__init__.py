@@ -1,8 +1,8 @@
 """Environment adapters: existing environment libraries behind the env-class contract
-(:mod:`interactor.envs.base`), usable both ways:
+(:mod:`envs.base`), usable both ways:
 
 * over HTTP: ``interactor serve-env`` hosts them (PROTOCOL.md section 1) for any worker fleet;
-* in process: a task entry with ``env_class: interactor.envs.textarena_env:TextArenaEnv``
+* in process: a task entry with ``env_class: envs.textarena_env:TextArenaEnv``
   (``transport: inproc``) runs them inside the worker.
 
 =================  ===============================================  =======================
@@ -23,10 +23,10 @@ from __future__ import annotations
 import importlib.util
 
 ADAPTERS: dict[str, str] = {
-    "reasoning_gym": "interactor.envs.reasoning_gym_env:ReasoningGymEnv",
-    "textarena": "interactor.envs.textarena_env:TextArenaEnv",
-    "guess_number": "interactor.envs.bundled:BundledEnv",
-    "arithmetic": "interactor.envs.bundled:BundledEnv",
+    "reasoning_gym": "envs.reasoning_gym_env:ReasoningGymEnv",
+    "textarena": "envs.textarena_env:TextArenaEnv",
+    "guess_number": "envs.bundled:BundledEnv",
+    "arithmetic": "envs.bundled:BundledEnv",
 }
 
 # The library each adapter needs (import name), for `serve-env` to skip what is not installed.

@@ -1,7 +1,7 @@
 """``interactor serve-env``: env classes (adapters or your own) behind PROTOCOL.md section 1.
 
 The HTTP plumbing is the bundled stand-in's (:mod:`examples.envserver`); what differs is that
-instances are env classes (:mod:`interactor.envs.base`), found by env_name in a registry
+instances are env classes (:mod:`envs.base`), found by env_name in a registry
 (exact name, else the part before the first dot), each with its own lock, so that a slow
 instance holds up only its own episode.
 
@@ -25,9 +25,9 @@ import threading
 import time
 from typing import Any
 
-from examples.envserver import EnvProtocolHandler, FaultDice, QuietHTTPServer
-from interactor.envs import ADAPTERS, adapter_for, installed
-from interactor.envs.base import construct, import_object, normalize_answer
+from envs.http import EnvProtocolHandler, FaultDice, QuietHTTPServer
+from envs import ADAPTERS, adapter_for, installed
+from envs.base import construct, import_object, normalize_answer
 
 __all__ = ["AdapterEnvServer", "start_in_thread", "default_registry"]
 
