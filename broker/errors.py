@@ -23,7 +23,8 @@ BROKER_OUTAGE = "broker_outage"  # Redis
 # Permanent: the same request will fail the same way.
 ENV_BAD_REQUEST = "env_bad_request"  # 4xx on reset: unknown env_name or bad params
 ENV_MALFORMED = "env_malformed"  # not JSON, wrong types, missing fields, too large
-MODEL_BAD_REQUEST = "model_bad_request"  # 4xx other than 429 (a malformed request, a bad parameter)
+MODEL_BAD_REQUEST = "model_bad_request"  # 4xx other than 429 (a malformed request, a bad parameter);
+# a prompt longer than the model's context is not one: see ContextOverflow below
 MODEL_MALFORMED = "model_malformed"  # not JSON, no choices, wrong types
 EPISODE_TIMEOUT = "episode_timeout"  # the attempt's wall-clock budget ran out
 BAD_TASK = "bad_task"  # the episode spec could not be read, or names what this worker may not run
@@ -57,3 +58,18 @@ class EpisodeError(Exception):
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.args[0]}"
+
+
+class ContextOverflow(EpisodeError):
+    """The model server refused the prompt as longer than the model's context window (each
+    server says so in its own words: workers/modelclient.py ``context_overflow``).
+
+    Not the attempt's failure: a prompt that outgrew the context is how a long episode with the
+    full history in every prompt ends, so the step loop catches this and ends the episode
+    truncated (``ended_by = "context_length"``, workers/loop.py). Should it escape anywhere
+    else, it is what it was before it had a name of its own: a permanent ``model_bad_request``
+    with the server's text. ``server``: whose wording was recognised."""
+
+    def __init__(self, message: str, *, server: str, status: int | None = None):
+        super().__init__(MODEL_BAD_REQUEST, message, transient=False, status=status)
+        self.server = server

@@ -54,6 +54,16 @@ ATTEMPT_FAILED = "failed"  # permanent failure or attempts exhausted: dead-lette
 ABANDONED = "abandoned"  # lease lost or handed back at shutdown; another attempt takes over
 ATTEMPT_STATUSES = (COMPLETED, ATTEMPT_RETRYING, ATTEMPT_FAILED, ABANDONED)
 
+# Why a completed episode ended (``ended_by`` of its final step and of its attempt's close).
+ENDED_TERMINATED = "terminated"  # the env said so (its goal reached or lost)
+ENDED_TRUNCATED = "truncated"  # the env cut it off (its own turn limit)
+ENDED_LENGTH = "length"  # the model's answer was cut off (finish_reason "length")
+# The prompt outgrew the model's context window: the server refused it (broker.errors.ContextOverflow)
+CONTEXT_LENGTH = "context_length"
+ENDED_EMPTY_PROMPT = "empty_prompt"  # the env had no prompt to give
+ENDED_MAX_STEPS = "max_steps"  # the job's max_steps was reached
+ENDED_BY = (ENDED_TERMINATED, ENDED_TRUNCATED, ENDED_LENGTH, CONTEXT_LENGTH, ENDED_EMPTY_PROMPT, ENDED_MAX_STEPS)
+
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 _packb = msgpack.Packer(use_bin_type=True).pack
@@ -201,7 +211,7 @@ class StepRecord(_Record):
     attempt_id: str = ""  # the attempt's token (see the module docstring)
     prompt_tokens: int | None = None  # the model server's usage, when it reported one
     completion_tokens: int | None = None
-    ended_by: str = ""  # on the episode's final step: why it ended (see EpisodeOutcome.ended_by)
+    ended_by: str = ""  # on the episode's final step: why it ended (one of ENDED_BY)
 
     @property
     def messages(self) -> list[Any]:
@@ -236,7 +246,7 @@ class AttemptRecord(_Record):
     last_info: dict[str, Any] | None = None
     worker: str = ""
     attempt_id: str = ""  # the attempt's token (see the module docstring)
-    ended_by: str = ""  # completed: why the episode ended (terminated, truncated, length, ...)
+    ended_by: str = ""  # completed: why the episode ended (one of ENDED_BY)
     prompt_tokens: int = 0  # sums over the attempt's steps of the server's usage
     completion_tokens: int = 0
 

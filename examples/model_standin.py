@@ -40,6 +40,12 @@ The scripted policy:
 ``text`` is answered ``reply`` instead of the scripted policy's answer (tests choose an answer,
 say one full of markup, for the results browser to show).
 
+``context_tokens`` (0: no limit) gives the stand-in a context window, counted in its own tokens
+(whitespace-separated words, as its ``usage`` counts them): a request whose prompt plus
+``max_tokens`` does not fit is answered 400 the way real servers answer it, in the wording of
+``overflow_style``: ``vllm`` (default), ``sglang``, ``llama.cpp`` (which, like the real one,
+checks the prompt alone) or ``openai``. ``GET /stats`` counts them as ``context_overflows``.
+
 Fault knobs (constructor, CLI flags, and plain attributes on a running server):
 ``latency_ms``, ``error_rate`` (answered 429/500/503 in turn), ``drop_rate`` (connection
 closed without an answer), ``malformed_rate`` (200 without ``choices``), ``length_rate``
@@ -64,7 +70,7 @@ from envs.http import FaultDice, JSONHandler, QuietHTTPServer, serve_until_signa
 
 from .envserver import add_fault_args
 
-__all__ = ["ModelStandin", "scripted_reply", "start_in_thread", "main"]
+__all__ = ["ModelStandin", "context_refusal", "scripted_reply", "start_in_thread", "main"]
 
 
 # ---------------------------------------------------------------------------
@@ -225,6 +231,43 @@ def scripted_reply(messages: list[dict], rng: random.Random, skill: float = 0.7)
 
 
 # ---------------------------------------------------------------------------
+# Context overflow, in real servers' words
+# ---------------------------------------------------------------------------
+
+OVERFLOW_STYLES = ("vllm", "sglang", "llama.cpp", "openai")
+
+
+def context_refusal(style: str, context: int, prompt: int, max_tokens: int) -> dict | None:
+    """The 400 body a real server of ``style`` answers when ``prompt`` tokens plus ``max_tokens``
+    do not fit a context of ``context`` tokens, or None when they fit. llama.cpp checks the
+    prompt alone (it stops the answer at the context's end instead)."""
+    total = prompt + max_tokens
+    if style == "llama.cpp":
+        if prompt < context:
+            return None
+        return {"error": {"code": 400, "message": f"request ({prompt} tokens) exceeds the available context size "
+                                                  f"({context} tokens), try increasing it",
+                          "type": "exceed_context_size_error", "n_prompt_tokens": prompt, "n_ctx": context}}
+    if total <= context and prompt < context:
+        return None
+    if style == "sglang":
+        message = (f"The input ({prompt} tokens) is longer than the model's context length ({context} tokens)."
+                   if prompt >= context else
+                   f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+                   f"requested a total of {total} tokens: {prompt} tokens from the input messages and {max_tokens} "
+                   "tokens for the completion. Please reduce the number of tokens in the input messages or the "
+                   "completion to fit within the limit.")
+        return {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}
+    if style == "openai":
+        return {"error": {"message": f"This model's maximum context length is {context} tokens. However, your "
+                                     f"messages resulted in {prompt} tokens. Please reduce the length of the messages.",
+                          "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}
+    return {"object": "error", "message": f"This model's maximum context length is {context} tokens. However, you "
+            f"requested {total} tokens ({prompt} in the messages, {max_tokens} in the completion). Please reduce the "
+            "length of the messages or completion.", "type": "BadRequestError", "param": None, "code": 400}
+
+
+# ---------------------------------------------------------------------------
 # The server
 # ---------------------------------------------------------------------------
 
@@ -238,7 +281,7 @@ class ModelStandin(QuietHTTPServer):
                  error_rate: float = 0.0, length_rate: float = 0.0, weight_version: str = "v1",
                  drop_rate: float = 0.0, malformed_rate: float = 0.0, skill: float = 0.7,
                  model_name: str = "standin-policy", fault_seed: int | None = 0,
-                 verbose: bool = False):
+                 context_tokens: int = 0, overflow_style: str = "vllm", verbose: bool = False):
         super().__init__((host, port), _ModelHandler, verbose=verbose)
         self.latency_ms = latency_ms
         self.error_rate = error_rate
@@ -265,6 +308,11 @@ class ModelStandin(QuietHTTPServer):
         self.sessionless = 0
         self.request_params: dict[str, list[str]] = {}
         self.replies: dict[str, str] = {}
+        if overflow_style not in OVERFLOW_STYLES:
+            raise ValueError(f"overflow_style must be one of {sorted(OVERFLOW_STYLES)}, not {overflow_style!r}")
+        self.context_tokens = context_tokens
+        self.overflow_style = overflow_style
+        self.context_overflows = 0
 
     def stats(self) -> dict:
         with self.lock:
@@ -277,6 +325,7 @@ class ModelStandin(QuietHTTPServer):
                 "faults": dict(self.faults),
                 "auth_headers_seen": self.auth_headers_seen,
                 "request_params": {k: list(v) for k, v in self.request_params.items()},
+                "context_overflows": self.context_overflows,
             }
 
 
@@ -372,6 +421,15 @@ class _ModelHandler(JSONHandler):
                     seen.append(text)
 
         texts = [message_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
+        prompt_tokens = sum(len(t.split()) for t in texts)
+        if srv.context_tokens > 0:
+            max_tokens = req.get("max_tokens")
+            max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
+            refusal = context_refusal(srv.overflow_style, srv.context_tokens, prompt_tokens, max_tokens)
+            if refusal is not None:
+                with srv.lock:
+                    srv.context_overflows += 1
+                return self.answer(400, refusal)
         rng = random.Random(f"{srv.fault_seed}|{temperature}|{counter}|" + "\x1e".join(texts))
         content = scripted_reply(messages, rng, srv.skill)
         last_user = next((t for m, t in zip(reversed(messages), reversed(texts))
@@ -389,7 +447,6 @@ class _ModelHandler(JSONHandler):
                 srv.faults["length"] += 1
             srv.by_finish_reason[finish_reason] = srv.by_finish_reason.get(finish_reason, 0) + 1
 
-        prompt_tokens = sum(len(t.split()) for t in texts)
         completion_tokens = len(content.split())
         out: dict[str, Any] = {
             "id": f"chatcmpl-standin-{counter}",
@@ -436,12 +493,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skill", type=float, default=0.7,
                         help="probability of a correct arithmetic answer")
     parser.add_argument("--model-name", default="standin-policy")
+    parser.add_argument("--context-tokens", type=int, default=0,
+                        help="context window in words (prompt + max_tokens); longer requests are answered 400 "
+                             "as a real server does (0: no limit)")
+    parser.add_argument("--overflow-style", choices=OVERFLOW_STYLES, default="vllm",
+                        help="whose wording the context-overflow 400 uses")
     args = parser.parse_args(argv)
     server = ModelStandin(args.host, args.port, latency_ms=args.latency_ms,
                           error_rate=args.error_rate, length_rate=args.length_rate,
                           weight_version=args.weight_version, drop_rate=args.drop_rate,
                           malformed_rate=args.malformed_rate, skill=args.skill,
                           model_name=args.model_name, fault_seed=args.fault_seed,
+                          context_tokens=args.context_tokens, overflow_style=args.overflow_style,
                           verbose=args.verbose)
     return serve_until_signal(server)
 

@@ -50,6 +50,7 @@ RECENT_FINISHED_JOBS = 5  # finished jobs still shown per snapshot (besides ever
 COUNTERS = {
     "steps": ("env_name",),
     "episodes_finished": ("env_name", "status"),
+    "episodes_ended": ("env_name", "ended_by"),
     "attempt_failures": ("reason", "outcome"),
     "prompt_tokens": ("model",),
     "completion_tokens": ("model",),
@@ -85,6 +86,7 @@ METRIC_NAMES = {
     # folded from committed records
     "interactor_steps": "counter",
     "interactor_episodes_finished": "counter",
+    "interactor_episodes_ended": "counter",
     "interactor_attempt_failures": "counter",
     "interactor_prompt_tokens": "counter",
     "interactor_completion_tokens": "counter",
@@ -149,6 +151,9 @@ class StatsRecorder:
                 env = rec.env_name or ""
                 if rec.status in ("completed", "failed"):
                     key = ("episodes_finished", (env, rec.status))
+                    counts[key] = counts.get(key, 0) + 1
+                if rec.status == "completed":
+                    key = ("episodes_ended", (env, rec.ended_by or "unknown"))
                     counts[key] = counts.get(key, 0) + 1
                     if rec.started_at > 0 and rec.finished_at >= rec.started_at:
                         observe("episode_duration_seconds", (env, rec.status), rec.finished_at - rec.started_at)
@@ -630,6 +635,8 @@ class FleetCollector:
         docs = {
             "steps": "Steps stored, per environment",
             "episodes_finished": "Episodes finished for good (completed, or failed and dead-lettered)",
+            "episodes_ended": "Completed episodes by why they ended (terminated, truncated, length, "
+                              "context_length, empty_prompt, max_steps)",
             "attempt_failures": "Attempts that did not complete, by reason and outcome "
                                 "(retrying, failed, abandoned)",
             "prompt_tokens": "Prompt tokens the model server reported (usage), per model",

@@ -35,10 +35,24 @@ def print_results(job_id: str, res: dict, db_path: str) -> None:
         print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
         if i == 0 or i == len(rows) - 2:
             print("  ".join("-" * w for w in widths))
+    ended = job.get("ended_by") or {}
+    if ended:
+        print("ended by: " + ", ".join(f"{why} {n}" for why, n in ended.items()))
+    print(tokens_line(job))
     g = res["groups"]
     print(f"groups: {g['total']} total, {g['complete']} complete, {g['incomplete']} incomplete "
           f"({g['failed']} with a dead-lettered episode), mean reward std {_f(g['mean_std'])}")
     print(f"results database: {Path(db_path).resolve()}")
+
+
+def tokens_line(job: dict) -> str:
+    """Token usage as the model server reported it (``usage``); servers that send none count 0."""
+    prompt, completion = job.get("prompt_tokens") or 0, job.get("completion_tokens") or 0
+    if not prompt and not completion:
+        return "tokens: none reported by the model server"
+    per_episode, per_s = job.get("tokens_per_episode"), job.get("tokens_per_s")
+    return (f"tokens: {prompt + completion} ({prompt} prompt, {completion} completion), "
+            f"{_f(per_episode, 1)} per episode, {_f(per_s, 1)} tokens/s")
 
 
 def print_groups(groups: list[dict]) -> None:

@@ -22,11 +22,12 @@ from broker.errors import (
     MODEL_BAD_REQUEST,
     MODEL_MALFORMED,
     MODEL_UNAVAILABLE,
+    ContextOverflow,
     EpisodeError,
 )
 from broker.settings import Secret, Settings
 from workers.envclient import EnvClient, StepResult
-from workers.modelclient import Completion, ModelClient
+from workers.modelclient import Completion, ModelClient, context_overflow
 
 ENV, EID = "demo", "ep-1"
 P = f"/{ENV}/{EID}"
@@ -225,6 +226,72 @@ def test_model_400_is_permanent_and_not_retried(server):
     # Long texts keep their head and their tail, where a traceback says why.
     assert "bad parameter" in str(ei.value) and "(the end)" in str(ei.value) and len(str(ei.value)) < 800
     assert server.count("POST", "/v1/chat/completions") == 1
+
+
+# Each server's answer to a prompt longer than the model's context, as it sends it.
+CONTEXT_OVERFLOW_ANSWERS = {
+    "vLLM": {"object": "error", "message": "This model's maximum context length is 4096 tokens. However, you "
+             "requested 5000 tokens (4000 in the messages, 1000 in the completion). Please reduce the length of "
+             "the messages or completion.", "type": "BadRequestError", "param": None, "code": 400},
+    "vLLM (under error)": {"error": {"message": "This model's maximum context length is 4096 tokens. However, you "
+                                     "requested 1000 output tokens and your prompt contains 4000 input tokens, for "
+                                     "a total of 5000 tokens.", "type": "BadRequestError", "param": None,
+                                     "code": 400}},
+    "vLLM (engine)": {"object": "error", "message": "The decoder prompt (length 5000) is longer than the maximum "
+                      "model length of 4096. Make sure that `max_model_len` is no smaller than the number of text "
+                      "tokens.", "type": "BadRequestError", "code": 400},
+    "SGLang": {"object": "error", "message": "The input (5000 tokens) is longer than the model's context length "
+               "(4096 tokens).", "type": "BadRequestError", "param": None, "code": 400},
+    "SGLang (with max_tokens)": {"object": "error", "message": "Requested token count exceeds the model's maximum "
+                                 "context length of 4096 tokens. You requested a total of 5000 tokens: 4000 tokens "
+                                 "from the input messages and 1000 tokens for the completion.",
+                                 "type": "BadRequestError", "code": 400},
+    "llama.cpp": {"error": {"code": 400, "message": "request (2057 tokens) exceeds the available context size "
+                            "(2048 tokens), try increasing it", "type": "exceed_context_size_error",
+                            "n_prompt_tokens": 2057, "n_ctx": 2048}},
+    "llama.cpp (older)": {"error": {"code": 400, "message": "the request exceeds the available context size, try "
+                                    "increasing it", "type": "invalid_request_error"}},
+    "OpenAI": {"error": {"message": "This model's maximum context length is 8192 tokens. However, your messages "
+                         "resulted in 9000 tokens. Please reduce the length of the messages.",
+                         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}},
+}
+
+
+@pytest.mark.parametrize("wording", sorted(CONTEXT_OVERFLOW_ANSWERS))
+def test_model_context_overflow_is_recognised_in_each_servers_words(server, wording):
+    server.script("POST", "/v1/chat/completions", {"status": 400, "json": CONTEXT_OVERFLOW_ANSWERS[wording]})
+    with pytest.raises(ContextOverflow) as ei:
+        complete(ModelClient(fast()), server)
+    assert ei.value.server == wording.split(" ")[0]
+    # Still a permanent model_bad_request wherever it is not the step loop that catches it.
+    assert ei.value.reason == MODEL_BAD_REQUEST and not ei.value.transient and ei.value.status == 400
+    assert "longer than the model's context" in str(ei.value) and "HTTP 400" in str(ei.value)
+    assert server.count("POST", "/v1/chat/completions") == 1  # the same prompt will not fit again
+
+
+@pytest.mark.parametrize("body", [
+    {"error": {"message": "Unrecognized request argument supplied: max_tokenz", "type": "invalid_request_error",
+               "code": None}},
+    {"object": "error", "message": "temperature must be non-negative, got -1.", "type": "BadRequestError",
+     "code": 400},
+    {"error": {"code": 400, "message": "the chat template is invalid", "type": "invalid_request_error"}},
+])
+def test_model_other_400s_stay_bad_requests(server, body):
+    server.script("POST", "/v1/chat/completions", {"status": 400, "json": body})
+    with pytest.raises(EpisodeError) as ei:
+        complete(ModelClient(fast()), server)
+    assert type(ei.value) is EpisodeError and ei.value.reason == MODEL_BAD_REQUEST
+
+
+def test_context_overflow_signs_in_plain_text_and_not_on_outage_statuses(server):
+    assert context_overflow(b"request (9000 tokens) exceeds the available context size (8192 tokens)") == "llama.cpp"
+    assert context_overflow(b'{"detail": "This model\'s maximum context length is 2048 tokens."}') == "vLLM"
+    assert context_overflow(b'{"error": "context_length_exceeded"}') is None  # a code only counts as a code
+    assert context_overflow(b"\xff\xfe not text") is None
+    # A proxy's 503 page quoting the wording is an outage all the same: retried.
+    server.script("POST", "/v1/chat/completions",
+                  {"status": 503, "json": CONTEXT_OVERFLOW_ANSWERS["vLLM"]}, {"status": 200, "json": OK_COMPLETION})
+    assert complete(ModelClient(fast()), server).content == "hi"
 
 
 @pytest.mark.parametrize(

@@ -329,6 +329,30 @@ def test_model_knobs_length_errors_session_auth():
         server.shutdown()
 
 
+@pytest.mark.parametrize("style,server_name", [("vllm", "vLLM"), ("sglang", "SGLang"),
+                                               ("llama.cpp", "llama.cpp"), ("openai", "OpenAI")])
+def test_model_context_tokens_refuse_long_prompts_in_real_servers_words(style, server_name):
+    from workers.modelclient import context_overflow
+
+    server, url = model_standin.start_in_thread(context_tokens=20, overflow_style=style)
+    try:
+        with requests.Session() as http:
+            short = [{"role": "user", "content": "What is 1 + 1?"}]  # 5 tokens
+            assert chat(http, url, short, max_tokens=10).status_code == 200
+            long = [{"role": "user", "content": "word " * 25}]
+            r = chat(http, url, long, max_tokens=10)
+            assert r.status_code == 400 and context_overflow(r.content) == server_name
+            # Prompt plus max_tokens past the window: refused too, but not by llama.cpp, which
+            # checks the prompt alone and stops the answer at the window's end.
+            r = chat(http, url, [{"role": "user", "content": "word " * 15}], max_tokens=10)
+            assert r.status_code == (200 if style == "llama.cpp" else 400)
+            assert http.get(f"{url}/stats").json()["context_overflows"] == (1 if style == "llama.cpp" else 2)
+    finally:
+        server.shutdown()
+    with pytest.raises(ValueError):
+        model_standin.ModelStandin(overflow_style="tgi")
+
+
 def test_model_latency_knob():
     server, url = model_standin.start_in_thread(latency_ms=100)
     try:

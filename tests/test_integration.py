@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from broker.dlq import DeadLetterQueue
 from broker.keys import Keys
 from broker.ledger import Ledger
 from consumer.storage import open_store
@@ -94,6 +95,77 @@ def test_batch_end_to_end(settings, procs, env_server, model_server, redis_clien
     assert "s3cret-redis-pw" not in logs
     for key in redis_client.scan_iter(f"{settings.key_prefix}:*"):
         assert b"s3cret-redis-pw" not in redis_client.dump(key)
+
+
+def test_full_history_episodes_that_outgrow_the_context_complete_truncated(settings, procs, env_server,
+                                                                             redis_client, tmp_path):
+    """Issue 14: with the whole history in every prompt, a long episode outgrows the model's
+    context; the server's 400 ends it truncated, its steps kept and its group complete."""
+    from consumer.export import export_training
+    from examples.model_standin import start_in_thread
+
+    _, env_url = env_server
+    model, model_url = start_in_thread(context_tokens=150)  # vLLM's wording
+    try:
+        settings = settings.replace(llm_base_url=model_url + "/v1", message_cut=0, llm_max_tokens=16)
+        procs.settings = settings
+        data = tmp_path / "arith.jsonl"
+        data.write_text(json.dumps({"question": "What is 2 + 3?", "answer": 5}) + "\n")
+        tasks = tmp_path / "long.yaml"
+        tasks.write_text(textwrap.dedent(f"""\
+            environments:
+              - env_name: guess_number
+                base_url: {env_url}
+                env_params: {{low: 1, high: 1000000, max_turns: 30}}
+                env_num: 4
+              - env_name: arithmetic
+                base_url: {env_url}
+                dataset: arith.jsonl
+                env_num: 2
+            """))
+        sub = submit(redis_client, settings, [str(tasks)])
+        procs.worker("w1")
+        procs.consumer()
+        res = wait_job_stored(settings, sub.job.job_id, 6)
+    finally:
+        model.shutdown()
+    job = sub.job.job_id
+    assert res["completed"] == 6 and res["failed"] == 0, procs.log("w1")[-3000:]
+    assert model.stats()["context_overflows"] == 4
+    db = settings.results_store
+    assert_trajectories_sound(db, job)
+    assert db_rows(db, "SELECT env_name, ended_by, COUNT(*) FROM episodes WHERE job_id = ? GROUP BY env_name, "
+                       "ended_by ORDER BY env_name", (job,)) == [("arithmetic", "terminated", 2),
+                                                               ("guess_number", "context_length", 4)]
+    assert db_rows(db, "SELECT COUNT(*), SUM(complete) FROM groups WHERE job_id = ?", (job,)) == [(2, 2)]
+    # The final step of each long episode: no answer, truncated, trainable, no usage; every other step has its usage.
+    finals = db_rows(db, "SELECT response, step_reward, is_truncated, is_trainable, finish_reason, prompt_tokens "
+                         "FROM session_steps WHERE job_id = ? AND ended_by = 'context_length'", (job,))
+    assert finals == [("", 0.0, 1, 1, "context_length", None)] * 4
+    assert db_rows(db, "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND ended_by IS DISTINCT FROM "
+                       "'context_length' AND (prompt_tokens IS NULL OR completion_tokens IS NULL)", (job,)) == [(0,)]
+    (p_tok, c_tok), = db_rows(db, "SELECT SUM(prompt_tokens), SUM(completion_tokens) FROM episodes WHERE job_id = ?",
+                              (job,))
+    assert p_tok > 0 and c_tok > 0
+    assert DeadLetterQueue(redis_client, settings).list(job_id=job) == []
+    # Exports carry why it ended and the token counts; full history: one trainable row an episode.
+    out = tmp_path / "export.jsonl"
+    export_training(db, job, out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    long = [r for r in rows if r["env_name"] == "guess_number"]
+    assert len(long) == 4 and all(r["ended_by"] == "context_length" and r["truncated"] for r in long)
+    assert all(r["response"] == "" and r["prompt"][-1]["role"] == "user" for r in long)
+    assert {r["ended_by"] for r in rows if r["env_name"] == "arithmetic"} == {"terminated"}
+    assert all(r["prompt_tokens"] > 0 for r in rows if r["env_name"] == "arithmetic")
+    # `interactor results` says why episodes ended and what they cost in tokens.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    env.update(settings.as_environ())
+    shown = subprocess.run([sys.executable, "-m", "interactor.cli", "results", job], env=env, cwd=str(ROOT),
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "ended by: context_length 4, terminated 2" in shown.stdout
+    assert f"tokens: {p_tok + c_tok} ({p_tok} prompt, {c_tok} completion)" in shown.stdout
+    assert "per episode" in shown.stdout and "tokens/s" in shown.stdout
 
 
 def test_interactor_run_with_embedded_redis(env_server, model_server, tmp_path):

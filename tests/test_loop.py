@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from broker.errors import MODEL_BAD_REQUEST, ContextOverflow, EpisodeError
 from broker.records import StepRecord
 from workers.hooks import HookError, NullHook, load_hook
 from workers.loop import LoopConfig, is_trainable, run_episode, trim_messages
@@ -192,6 +193,75 @@ def test_empty_prompt_after_some_steps():
     out, recs, policy, _ = run(env)
     assert len(recs) == 2 and len(policy.seen) == 2
     assert out.ended_by == "empty_prompt" and out.total_reward == 2.0
+
+
+class OverflowPolicy(FakePolicy):
+    """Answers until the prompt has more than ``limit`` messages, then refuses it as a server
+    whose context is full does (the model client raises ContextOverflow)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def complete(self, messages):
+        self.seen.append(messages)
+        if len(messages) > self.limit:
+            raise ContextOverflow("chat completion: the prompt is longer than the model's context (vLLM): HTTP 400: "
+                                  "This model's maximum context length is 64 tokens.", server="vLLM", status=400)
+        return TokenCompletion(content=f"a{len(self.seen)}", weight_version=f"w{len(self.seen)}",
+                               prompt_tokens=10 * len(messages), completion_tokens=3)
+
+
+@dataclass
+class TokenCompletion(Completion):
+    prompt_tokens: Any = None
+    completion_tokens: Any = None
+
+
+@pytest.mark.parametrize("message_cut,limit,n", [(0, 6, 4), (3, 5, 3)])
+def test_context_overflow_ends_the_episode_truncated_with_its_steps(message_cut, limit, n):
+    prompts = [conv(1), conv(3), conv(5), conv(7)]  # the env's history grows by a turn a step
+    env = FakeEnv(prompts, [Result(reward=0.5)])
+    policy = OverflowPolicy(limit)  # step n's prompt (as trimmed) no longer fits
+    out, recs, _, hook = run(env, policy, message_cut=message_cut)
+    assert [c for c in env.calls if c[0] == "step"] == [("step", f"a{i}") for i in range(1, n)]
+    assert [r.step_id for r in recs] == list(range(1, n + 1)) and not any(r.episode_finished for r in recs[:-1])
+    last = recs[-1]
+    assert last.ended_by == "context_length" and last.finish_reason == "context_length"
+    reward = 0.5 * (n - 1)
+    assert last.response == "" and last.step_reward == 0.0 and last.cumulative_reward == reward
+    assert last.truncated is True and last.terminated is True and last.episode_finished is True
+    # Trainable by the loop's rule: with the full history only this final row carries the trajectory.
+    assert last.is_trainable is True
+    assert [r.is_trainable for r in recs[:-1]] == [message_cut > 0] * (n - 1)
+    assert last.messages == trim_messages(prompts[n - 1], message_cut) == policy.seen[-1]
+    # The version of the policy that wrote the trajectory; no usage (the server answered none).
+    assert last.weight_version == f"w{n - 1}" and last.prompt_tokens is None and last.completion_tokens is None
+    assert out.ended_by == "context_length" and out.steps == n and out.total_reward == reward
+    assert out.completion_tokens == 3 * (n - 1)
+    assert out.prompt_tokens == sum(10 * len(s) for s in policy.seen[:-1])
+    assert hook.ended == [("arith", "job1.1.1.1.1", reward, None)] and env.closed == 1
+
+
+def test_context_overflow_at_the_first_step_is_recorded_and_warned(caplog):
+    env = FakeEnv([conv(9)])
+    with caplog.at_level(logging.WARNING, logger="interactor.loop"):
+        out, recs, _, _ = run(env, OverflowPolicy(limit=2))
+    assert out.ended_by == "context_length" and out.steps == 1 and len(recs) == 1
+    assert recs[0].weight_version is None and recs[0].response == "" and recs[0].is_trainable is True
+    assert not [c for c in env.calls if c[0] == "step"]
+    assert "first step" in caplog.text and "maximum context length is 64" in caplog.text
+
+
+def test_other_model_errors_still_end_the_attempt():
+    class Refusing(FakePolicy):
+        def complete(self, messages):
+            raise EpisodeError(MODEL_BAD_REQUEST, "HTTP 400: unknown parameter 'top_q'")
+
+    env = FakeEnv(None)
+    with pytest.raises(EpisodeError) as ei:
+        run(env, Refusing())
+    assert ei.value.reason == MODEL_BAD_REQUEST and env.closed == 1
 
 
 def test_finish_reason_length_records_final_step_without_env_step():

@@ -94,10 +94,12 @@ def test_records_fold_into_counters_and_histograms(settings, redis_client):
     steps = [StepRecord(job_id="j", env_id=f"e{i}", attempt=1, step_id=1, env_name="arithmetic", llm_model="m",
                         group_id="g", messages_json=b"[]", response="", step_reward=1.0, cumulative_reward=1.0,
                         terminated=True, truncated=False, episode_finished=True, is_trainable=True,
-                        env_latency_s=0.02, model_latency_s=0.3 if i < 3 else 7.0) for i in range(4)]
+                        env_latency_s=0.02, model_latency_s=0.3 if i < 3 else 7.0,
+                        prompt_tokens=10 * (i + 1), completion_tokens=None if i == 3 else 2) for i in range(4)]
     attempts = [
         AttemptRecord(job_id="j", episode_id="e0", attempt=1, status="completed", group_id="g", group_size=1,
-                      env_name="arithmetic", llm_model="m", started_at=now - 42, finished_at=now),
+                      env_name="arithmetic", llm_model="m", started_at=now - 42, finished_at=now,
+                      ended_by="context_length"),
         AttemptRecord(job_id="j", episode_id="e1", attempt=1, status="retrying", reason="model_unavailable",
                       group_id="g", group_size=1, env_name="arithmetic", llm_model="m", started_at=now - 3),
         AttemptRecord(job_id="j", episode_id="e1", attempt=2, status="failed", reason="model_unavailable",
@@ -119,6 +121,10 @@ def test_records_fold_into_counters_and_histograms(settings, redis_client):
     assert sample(fams, dur, dur + "_bucket", status="completed", le="60.0") == 1
     assert sample(fams, "interactor_episodes_finished", "interactor_episodes_finished_total", status="completed") == 1
     assert sample(fams, "interactor_episodes_finished", "interactor_episodes_finished_total", status="failed") == 1
+    assert sample(fams, "interactor_prompt_tokens", "interactor_prompt_tokens_total", model="m") == 100
+    assert sample(fams, "interactor_completion_tokens", "interactor_completion_tokens_total", model="m") == 6
+    ended = "interactor_episodes_ended"
+    assert sample(fams, ended, ended + "_total", env_name="arithmetic", ended_by="context_length") == 1
     fail = "interactor_attempt_failures"
     assert sample(fams, fail, fail + "_total", reason="model_unavailable") == 2
     assert sample(fams, fail, fail + "_total", reason="model_unavailable", outcome="failed") == 1

@@ -68,6 +68,36 @@ def test_completed_episode_publishes_steps_then_attempt(runtime, settings, redis
     assert redis_client.exists(Keys(settings.key_prefix).lease(ep.episode_id)) == 0
 
 
+@pytest.mark.parametrize("style", ["vllm", "llama.cpp"])
+def test_prompt_outgrowing_the_context_completes_the_episode_truncated(runtime, settings, redis_client, env_server,
+                                                                       style):
+    from examples.model_standin import start_in_thread
+
+    _, env_url = env_server
+    model, model_url = start_in_thread(context_tokens=120, overflow_style=style)
+    try:
+        job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1", message_cut=0,
+                              env_params={"low": 1, "high": 10**9, "max_turns": 40},
+                              llm_params={"max_tokens": 16})
+        assert runtime.run(job.job_id, ep.episode_id) == "completed"
+    finally:
+        model.shutdown()
+    recs = stream_records(redis_client, settings)
+    steps = [r for r in recs if isinstance(r, StepRecord)]
+    (closing,) = [r for r in recs if isinstance(r, AttemptRecord)]
+    assert len(steps) > 2 and model.stats()["context_overflows"] == 1
+    last = steps[-1]
+    assert (last.ended_by, last.truncated, last.is_trainable, last.response) == ("context_length", True, True, "")
+    assert not any(s.is_trainable for s in steps[:-1])  # the full history: only the last row is a sample
+    assert closing.status == "completed" and closing.ended_by == "context_length" and closing.steps == len(steps)
+    # usage from every answered step; the refused one has none.
+    assert closing.prompt_tokens == sum(s.prompt_tokens for s in steps[:-1]) > 0
+    assert closing.completion_tokens == sum(s.completion_tokens for s in steps[:-1]) > 0
+    assert last.prompt_tokens is None
+    assert Ledger(redis_client, Keys(settings.key_prefix)).state(job.job_id, ep.episode_id) == "done"
+    assert DeadLetterQueue(redis_client, settings).list(job_id=job.job_id) == []
+
+
 def test_duplicate_delivery_of_running_episode_is_dropped(runtime, settings, redis_client, env_server, model_server):
     _, env_url = env_server
     _, model_url = model_server

@@ -270,6 +270,8 @@ def test_results_numbers_and_tokens(store):
     assert j["steps"] == 2 + 2 + 1 + 1  # the failed episode keeps no trajectory
     assert j["mean_reward"] == pytest.approx((2.0 + 0.0 + 3.0) / 3)
     assert j["prompt_tokens"] == 100 and j["completion_tokens"] == 50
+    assert j["tokens_per_episode"] == pytest.approx(150 / 5)
+    assert j["ended_by"] == {"terminated": 3}
     assert r["by_env"]["alpha"]["completed"] == 2 and r["by_env"]["alpha"]["max"] == 2.0
     assert r["by_env"]["beta"] | {} == r["by_env"]["beta"] and r["by_env"]["beta"]["failed"] == 1
     g = r["groups"]

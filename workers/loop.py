@@ -2,6 +2,19 @@
 
 No broker, no Redis, no Celery here: ``run_episode`` takes an env port, a policy port, an
 episode hook and a ``publish`` callable, so every rule is unit-testable with plain objects.
+
+How an episode ends (``EpisodeOutcome.ended_by``, broker/records.py ``ENDED_BY``): the env
+terminates or truncates it, max_steps is reached, the env has no prompt left, or the model side
+cuts it off. The model side ends it in two ways, both recorded as a final step that is truncated,
+has reward 0, is trainable (``is_trainable``: a truncated step always is) and whose action never
+reaches the env:
+
+* ``length``: the answer was cut off (``finish_reason == "length"``); the step keeps it;
+* ``context_length``: the prompt outgrew the model's context window and the server refused it
+  (``broker.errors.ContextOverflow``). With the full history in every prompt (``message_cut <= 0``)
+  this is how a long episode ends, not a failure: its steps stay, and its group stays complete.
+  The step has no answer (``response`` empty) and carries the weight version of the last answer,
+  whose policy wrote the trajectory in its prompt.
 """
 
 from __future__ import annotations
@@ -13,7 +26,16 @@ from typing import Any, Callable, Protocol
 
 import orjson
 
-from broker.records import StepRecord
+from broker.errors import ContextOverflow
+from broker.records import (
+    CONTEXT_LENGTH,
+    ENDED_EMPTY_PROMPT,
+    ENDED_LENGTH,
+    ENDED_MAX_STEPS,
+    ENDED_TERMINATED,
+    ENDED_TRUNCATED,
+    StepRecord,
+)
 from workers.hooks import EpisodeHook
 
 log = logging.getLogger("interactor.loop")
@@ -29,7 +51,8 @@ class EnvPort(Protocol):
 
 
 class PolicyPort(Protocol):
-    # -> content, finish_reason, weight_version (and prompt_tokens, completion_tokens if known)
+    # -> content, finish_reason, weight_version (and prompt_tokens, completion_tokens if known);
+    # raises broker.errors.ContextOverflow when the server refuses a prompt longer than its context
     def complete(self, messages: list[dict]) -> Any: ...
 
 
@@ -51,7 +74,7 @@ class EpisodeOutcome:
     total_reward: float = 0.0
     steps: int = 0
     last_info: dict | None = None
-    ended_by: str = ""  # terminated | truncated | length | empty_prompt | max_steps
+    ended_by: str = ""  # one of broker.records.ENDED_BY
     prompt_tokens: int = 0  # sums of the server's usage over the steps (0 when it sends none)
     completion_tokens: int = 0
 
@@ -92,6 +115,7 @@ def run_episode(
     lease lost, worker shutting down). Every exception propagates after the env is closed.
     """
     out = EpisodeOutcome()
+    last_weight_version = None
     try:
         check()
         env.reset()
@@ -103,15 +127,21 @@ def run_episode(
             prompt_raw = _hook_handle(hook, cfg, step_id, prompt_raw)
             prompt = trim_messages(prompt_raw, cfg.message_cut)
             if not prompt:
-                out.ended_by = "empty_prompt"
+                out.ended_by = ENDED_EMPTY_PROMPT
                 break
 
             check()
             t0 = time.perf_counter()
-            completion = policy.complete(prompt)
+            try:
+                completion, overflow = policy.complete(prompt), None
+            except ContextOverflow as exc:
+                completion, overflow = None, exc
             model_s = time.perf_counter() - t0
-            action = completion.content or ""
-            finish_reason = completion.finish_reason or "stop"
+            if completion is not None:
+                last_weight_version = completion.weight_version
+                action, finish_reason = completion.content or "", completion.finish_reason or "stop"
+            else:
+                action, finish_reason = "", CONTEXT_LENGTH
             prompt_tokens = getattr(completion, "prompt_tokens", None)
             completion_tokens = getattr(completion, "completion_tokens", None)
             out.prompt_tokens += prompt_tokens or 0
@@ -119,18 +149,26 @@ def run_episode(
             common = dict(
                 job_id=cfg.job_id, env_id=cfg.episode_id, attempt=cfg.attempt, step_id=step_id,
                 env_name=cfg.env_name, llm_model=cfg.llm_model, group_id=cfg.group_id,
-                messages_json=orjson.dumps(prompt), response=action, weight_version=completion.weight_version,
+                messages_json=orjson.dumps(prompt), response=action, weight_version=last_weight_version,
                 finish_reason=finish_reason, model_latency_s=model_s, attempt_id=cfg.attempt_id,
                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             )
 
-            if finish_reason == "length":
-                # The answer was cut off: the env never sees it; the episode ends truncated.
+            if overflow is not None or finish_reason == "length":
+                # The model side ended it: the prompt did not fit, or the answer was cut off.
+                # The env never sees an action; the episode ends truncated.
                 out.steps = step_id
-                out.ended_by = "length"
+                out.ended_by = CONTEXT_LENGTH if overflow is not None else ENDED_LENGTH
+                if overflow is not None:
+                    log.log(logging.WARNING if step_id == 1 else logging.INFO,
+                            "episode %s step %d: the prompt outgrew the model's context; the episode ends "
+                            "truncated%s (%s)", cfg.episode_id, step_id,
+                            " at its first step (is max_tokens more than the context leaves?)" if step_id == 1 else "",
+                            overflow.args[0] if overflow.args else overflow)
                 publish(StepRecord(**common, step_reward=0.0, cumulative_reward=out.total_reward,
                                    terminated=True, truncated=True, episode_finished=True,
-                                   is_trainable=True, env_latency_s=env_s, ended_by="length"))
+                                   is_trainable=is_trainable(cfg.message_cut, True, True), env_latency_s=env_s,
+                                   ended_by=out.ended_by))
                 break
 
             check()
@@ -143,7 +181,8 @@ def run_episode(
             out.last_info = result.info if isinstance(result.info, dict) else None
             done = bool(result.terminated or result.truncated)
             last = done or step_id == cfg.max_steps
-            ended_by = ("terminated" if result.terminated else "truncated") if done else "max_steps" if last else ""
+            ended_by = ((ENDED_TERMINATED if result.terminated else ENDED_TRUNCATED) if done
+                        else ENDED_MAX_STEPS if last else "")
             publish(StepRecord(**common, step_reward=reward, cumulative_reward=out.total_reward,
                                terminated=bool(result.terminated), truncated=bool(result.truncated),
                                episode_finished=last,
@@ -156,7 +195,7 @@ def run_episode(
                 out.ended_by = ended_by
                 break
         else:
-            out.ended_by = "max_steps"
+            out.ended_by = ENDED_MAX_STEPS
         return out
     finally:
         try:

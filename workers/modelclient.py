@@ -8,8 +8,10 @@ Retry rule: a chat completion has no side effects we care about, so 429, 5xx, co
 and timeouts are retried: at most ``1 + settings.llm_retries`` tries, capped exponential back-off
 with full jitter (``llm_backoff_initial_s`` .. ``llm_backoff_max_s``), a ``Retry-After`` header
 (seconds or HTTP date) replacing the back-off when present, capped at ``llm_backoff_max_s``.
-Exhausted: ``MODEL_UNAVAILABLE`` (transient). Any other 4xx: ``MODEL_BAD_REQUEST`` at once
-(permanent: context too long, bad parameters). Not JSON, no choices, wrong types, or an answer
+Exhausted: ``MODEL_UNAVAILABLE`` (transient). An error answer saying that the prompt is longer
+than the model's context window (:func:`context_overflow`): ``ContextOverflow`` at once, which
+the step loop turns into the episode's truncated end. Any other 4xx: ``MODEL_BAD_REQUEST`` at once
+(permanent: a malformed request, a bad parameter). Not JSON, no choices, wrong types, or an answer
 larger than ``settings.max_response_bytes``: ``MODEL_MALFORMED`` (permanent).
 
 Deadline: as in :mod:`workers.envclient`, ``deadline`` is an absolute ``time.monotonic()``; no
@@ -28,7 +30,14 @@ from typing import Any
 import orjson
 import requests
 
-from broker.errors import EPISODE_TIMEOUT, MODEL_BAD_REQUEST, MODEL_MALFORMED, MODEL_UNAVAILABLE, EpisodeError
+from broker.errors import (
+    EPISODE_TIMEOUT,
+    MODEL_BAD_REQUEST,
+    MODEL_MALFORMED,
+    MODEL_UNAVAILABLE,
+    ContextOverflow,
+    EpisodeError,
+)
 from broker.settings import Secret, Settings, redact_url
 from workers.http import (
     HttpPool,
@@ -133,6 +142,11 @@ class ModelClient:
             if reply.ok:
                 return reply
             text = error_text(reply, scrub=key)
+            if reply.status not in _OUTAGE_STATUSES:
+                server = context_overflow(reply.body)
+                if server:
+                    raise ContextOverflow(f"{what}: the prompt is longer than the model's context ({server}): "
+                                          f"HTTP {reply.status}: {text}", server=server, status=reply.status)
             if reply.status == 429 or reply.status >= 500:
                 raise Retryable(
                     EpisodeError(MODEL_UNAVAILABLE, f"{what}: HTTP {reply.status}: {text}", status=reply.status,
@@ -152,6 +166,64 @@ class ModelClient:
             logger=log,
         )
         return _parse(reply, what, tries)
+
+
+# How each server says that a prompt does not fit the model's context window (all answer HTTP
+# 400). A sign is (server, field, text): for "code" and "type" the error object's field equals
+# ``text``; for "message" the error message contains it (case ignored). The error object is
+# the answer's ``error`` (OpenAI, llama.cpp) or the answer itself (vLLM, SGLang). Only the
+# server's own words count: a 400 that says nothing of the context stays a bad request.
+CONTEXT_OVERFLOW_SIGNS: tuple[tuple[str, str, str], ...] = (
+    # OpenAI: {"error": {"message": "This model's maximum context length is 8192 tokens. However,
+    # your messages resulted in 9000 tokens. ...", "type": "invalid_request_error",
+    # "param": "messages", "code": "context_length_exceeded"}}
+    ("OpenAI", "code", "context_length_exceeded"),
+    # llama.cpp llama-server: {"error": {"code": 400, "message": "request (2057 tokens) exceeds the
+    # available context size (2048 tokens), try increasing it", "type": "exceed_context_size_error"}};
+    # older builds: "the request exceeds the available context size, try increasing it".
+    ("llama.cpp", "type", "exceed_context_size_error"),
+    ("llama.cpp", "message", "exceeds the available context size"),
+    # vLLM: {"object": "error", "message": "This model's maximum context length is 4096 tokens.
+    # However, you requested 5000 tokens (4000 in the messages, 1000 in the completion). ...",
+    # "type": "BadRequestError", "code": 400} (newer: the same under "error"); its engine's own
+    # check: "The decoder prompt (length 5000) is longer than the maximum model length of 4096."
+    ("vLLM", "message", "maximum context length is"),
+    ("vLLM", "message", "is longer than the maximum model length"),
+    # SGLang: {"object": "error", "message": "The input (5000 tokens) is longer than the model's
+    # context length (4096 tokens).", ...}; with max_tokens counted in: "Requested token count
+    # exceeds the model's maximum context length of 4096 tokens. You requested a total of ..."
+    ("SGLang", "message", "is longer than the model's context length"),
+    ("SGLang", "message", "exceeds the model's maximum context length"),
+)
+# 429 and 502/503/504 are a busy or absent server whatever the body says (a proxy's page).
+_OUTAGE_STATUSES = frozenset({429, 502, 503, 504})
+
+
+def context_overflow(body: bytes) -> str | None:
+    """The server whose context-overflow wording the error answer ``body`` carries (a name from
+    :data:`CONTEXT_OVERFLOW_SIGNS`), or None when it is some other error."""
+    try:
+        obj: Any = parse_json(body)
+    except ValueError:
+        obj = body.decode("utf-8", "replace")  # a plain-text error page
+    objects: list[dict] = []
+    messages: list[str] = []
+    for candidate in (obj, obj.get("error") if isinstance(obj, dict) else None):
+        if isinstance(candidate, dict):
+            objects.append(candidate)
+            for key in ("message", "detail"):
+                if isinstance(candidate.get(key), str):
+                    messages.append(candidate[key])
+        elif isinstance(candidate, str):
+            messages.append(candidate)
+    lowered = [m.lower() for m in messages]
+    for server, where, sign in CONTEXT_OVERFLOW_SIGNS:
+        if where == "message":
+            if any(sign.lower() in m for m in lowered):
+                return server
+        elif any(o.get(where) == sign for o in objects):
+            return server
+    return None
 
 
 def _parse(reply: Reply, what: str, tries: int) -> Completion:

@@ -370,6 +370,11 @@ class ResultStore:
         (mean_reward,) = self.query(
             "SELECT AVG(total_reward) FROM episodes WHERE job_id = ? AND status = 'completed'", (job_id,))[0]
         (announced,) = self.query("SELECT COUNT(*) FROM job_environments WHERE job_id = ?", (job_id,))[0]
+        # Why the completed episodes ended (broker.records.ENDED_BY): a prompt outgrowing the
+        # model's context shows here as context_length.
+        ended_by = {why or "unknown": int(n) for why, n in self.query(
+            "SELECT ended_by, COUNT(*) FROM episodes WHERE job_id = ? AND status = 'completed' GROUP BY ended_by "
+            "ORDER BY COUNT(*) DESC, ended_by", (job_id,))}
         by_env = {}
         for env, n, comp, fail, mean, lo, hi, pt, ct in self.query(
             "SELECT env_name, COUNT(*), SUM(CASE WHEN status = 'completed' THEN 1 ELSE 0 END), "
@@ -417,6 +422,7 @@ class ResultStore:
                 "completion_tokens": int(c_tok),
                 "tokens_per_episode": tokens / started if started else None,
                 "tokens_per_s": tokens / span if span else None,
+                "ended_by": ended_by,
             },
             "by_env": by_env,
             "groups": {
