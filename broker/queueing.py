@@ -1,4 +1,15 @@
-"""Sending episode tasks: tens of thousands per second.
+"""kombu's Redis transport, as far as interactor needs to know it: sending episode tasks
+fast, and reading what is queued or in flight (sweeper, reconcile, metrics, status).
+
+Layout (kombu.transport.redis; ``tests/test_metrics.py`` holds us to it):
+
+* queue ``q`` is the list ``q``; priority ``p`` (3, 6, 9) of it is ``q\x06\x16p``
+  (:func:`sub_queues`). Producers LPUSH, workers BRPOP: the oldest message is at index -1.
+* ``unacked`` (hash tag -> [message, exchange, routing key]) and ``unacked_index`` (zset tag ->
+  delivered at) hold delivered, unacknowledged messages: global keys, not prefixed.
+* ``_kombu.binding.<exchange>`` sets name the queues a worker declared.
+
+Sending: tens of thousands of tasks per second.
 
 ``app.send_task`` costs about 1 ms a message in Celery's own Python, which makes a 100k-episode
 job take minutes to enqueue. The message is small and always the same shape (Celery task
@@ -17,12 +28,19 @@ import binascii
 import json
 import os
 import socket
+import time
 from typing import Iterable
 
 import msgpack
 import redis
 
 from broker.app import EPISODE_TASK
+
+PRIORITY_SEP = "\x06\x16"  # kombu's Channel.sep
+PRIORITY_STEPS = (0, 3, 6, 9)
+UNACKED_KEY = "unacked"
+UNACKED_INDEX_KEY = "unacked_index"
+BINDING_PREFIX = "_kombu.binding."
 
 _ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -161,3 +179,71 @@ def task_args(envelope) -> tuple[str, str] | None:
         return str(args[0]), str(args[1])
     except (ValueError, KeyError, IndexError, TypeError, msgpack.UnpackException):
         return None
+
+
+# --- reading the transport ---------------------------------------------------------------
+def sub_queues(queue: str) -> list[tuple[int, str]]:
+    """``[(priority, list name)]`` of one Celery queue."""
+    return [(p, queue if p == 0 else f"{queue}{PRIORITY_SEP}{p}") for p in PRIORITY_STEPS]
+
+
+def declared_queues(client: redis.Redis) -> set[str]:
+    """Queues some worker declared (kombu's binding sets), Celery's own control queues aside."""
+    found = set()
+    for key in client.scan_iter(match=BINDING_PREFIX + "*", count=1000):
+        try:
+            members = client.smembers(key)
+        except redis.ResponseError:  # not a binding set
+            continue
+        for m in members:
+            q = (m.decode(errors="replace") if isinstance(m, bytes) else m).split(PRIORITY_SEP)[-1]
+            if q and not q.endswith(".pidbox") and not q.startswith("celery@") and "reply.celery" not in q:
+                found.add(q)
+    return found
+
+
+def inflight_per_queue(client: redis.Redis) -> dict[str, int]:
+    """Episode tasks delivered to a worker and not acknowledged yet (reserved or running), per
+    queue (routing key); other Celery apps' messages in the same Redis are not counted."""
+    out: dict[str, int] = {}
+    for _, raw in client.hscan_iter(UNACKED_KEY, count=1000):
+        try:
+            msg, _exchange, routing_key = json.loads(raw)
+            ours = msg["headers"]["task"] == EPISODE_TASK
+        except (ValueError, TypeError, KeyError):
+            continue
+        if ours and routing_key:
+            out[routing_key] = out.get(routing_key, 0) + 1
+    return out
+
+
+def waiting_episodes(client: redis.Redis, queues: list[str], *, unacked_grace_s: float) -> set[tuple[str, str]]:
+    """``(job_id, episode_id)`` of every task message that will be delivered or is being started.
+
+    Counted: messages in the queue lists (every priority sub-queue) and messages delivered to
+    a worker less than ``unacked_grace_s`` ago. An older unacked message whose episode never
+    started belongs to a worker that died before its reservation was written; kombu would only
+    restore it after the visibility timeout, so it does not count.
+    """
+    found: set[tuple[str, str]] = set()
+    names = set(queues)
+    for q in queues:
+        names.update(k.decode() for k in client.scan_iter(match=f"{q}{PRIORITY_SEP}*"))
+    for q in names:
+        for raw in client.lrange(q, 0, -1):
+            args = decode_task_args(raw)
+            if args:
+                found.add(args)
+    delivered_at = {tag.decode(): score for tag, score in client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True)}
+    cutoff = time.time() - unacked_grace_s
+    for tag, raw in client.hscan_iter(UNACKED_KEY):
+        if delivered_at.get(tag.decode(), 0.0) < cutoff:
+            continue
+        try:
+            envelope = json.loads(raw)[0]
+        except (ValueError, IndexError, TypeError, KeyError):
+            continue
+        args = task_args(envelope)
+        if args:
+            found.add(args)
+    return found

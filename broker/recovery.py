@@ -12,7 +12,6 @@ depend on any one process being up.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -24,7 +23,7 @@ from broker import errors
 from broker.duty import Duty
 from broker.keys import Keys, env_instance_id, member, split_member
 from broker.ledger import Ledger
-from broker.queueing import decode_task_args, push_episodes, send_episodes, task_args
+from broker.queueing import push_episodes, send_episodes, waiting_episodes
 from broker.records import (
     ABANDONED,
     ATTEMPT_FAILED,
@@ -257,47 +256,12 @@ class SweepDuty(Duty):
             raise
 
 
-KOMBU_UNACKED, KOMBU_UNACKED_INDEX = "unacked", "unacked_index"  # kombu's Redis transport keys
-
-
-def waiting_members(client: redis.Redis, queues: list[str], *, unacked_grace_s: float) -> set[str]:
-    """Episodes with a task message that will be delivered or is being started.
-
-    Counted: messages in the queue lists (every priority sub-queue) and messages delivered to
-    a worker less than ``unacked_grace_s`` ago (kombu's unacked hash). An older unacked message
-    whose episode never started belongs to a worker that died before its reservation was
-    written; kombu would only restore it after the visibility timeout, so it does not count.
-    """
-    found: set[str] = set()
-    names = set(queues)
-    for q in queues:
-        names.update(k.decode() for k in client.scan_iter(match=f"{q}\x06\x16*"))
-    for q in names:
-        for raw in client.lrange(q, 0, -1):
-            args = decode_task_args(raw)
-            if args:
-                found.add(member(*args))
-    delivered_at = {tag.decode(): score for tag, score in client.zrange(KOMBU_UNACKED_INDEX, 0, -1, withscores=True)}
-    cutoff = time.time() - unacked_grace_s
-    for tag, raw in client.hscan_iter(KOMBU_UNACKED):
-        if delivered_at.get(tag.decode(), 0.0) < cutoff:
-            continue
-        try:
-            envelope = json.loads(raw)[0]
-        except (ValueError, IndexError, TypeError, KeyError):
-            continue
-        args = task_args(envelope)
-        if args:
-            found.add(member(*args))
-    return found
-
-
 def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: bool = False) -> list[str]:
     """Re-enqueue episodes of a job that nothing will ever run again.
 
     An episode is accounted for when it is done or failed (dead-lettered), running (a dead
     worker's lease is the sweeper's business), waiting in the retry schedule, reserved by a
-    live worker, or has a task message waiting (see ``waiting_members``). Anything else was lost
+    live worker, or has a task message waiting (see ``broker.queueing.waiting_episodes``). Anything else was lost
     on the way: a worker killed between receiving and reserving, a message popped by BRPOP
     while Redis went down, a crash between a ledger write and a send, a flushed queue. It is
     sent again; a duplicate message, should the old one resurface, is dropped by the ledger.
@@ -309,7 +273,8 @@ def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: 
     scheduled = {m.decode() for m in client.zrange(keys.retry, 0, -1)}
     scheduled |= {m.decode() for m in client.zrange(keys.reserved, 0, -1)}
     queues = sorted(set(settings.served_queues) | ledger.job_queues(job_id))
-    accounted = waiting_members(client, queues, unacked_grace_s=settings.lease_ttl_s) | scheduled
+    waiting = waiting_episodes(client, queues, unacked_grace_s=settings.lease_ttl_s)
+    accounted = {member(*w) for w in waiting} | scheduled
     lost = [(episode_id, state) for episode_id, state in ledger.states(job_id).items()
             if state in (QUEUED, RETRYING) and member(job_id, episode_id) not in accounted]
     if dry_run:

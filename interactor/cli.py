@@ -162,7 +162,7 @@ def cmd_consumer(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     store = open_store(settings.results_store)
     client = _redis(settings)
-    from interactor.metrics import StatsRecorder
+    from consumer.stats import StatsRecorder
 
     if args.metrics_port:
         from interactor.metrics import FleetReader, registry, serve

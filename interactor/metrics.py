@@ -3,63 +3,44 @@
 Two sources, both in Redis so that any process can serve them (``interactor metrics``, the
 consumer with ``--metrics-port``) and every replica shows the same fleet-wide figures:
 
-* **Live state**, read at scrape time: queue depth per queue and per priority sub-queue (kombu's
-  Redis transport keeps priority ``p`` of queue ``q`` in the list ``q\\x06\\x16p`` for p in 3, 6,
-  9), messages in flight (kombu's ``unacked`` hash), the ledger (episodes per state, per job),
+* **Live state**, read at scrape time: queue depth per queue and per priority sub-queue, messages
+  in flight (kombu's layout is known in broker/queueing.py), the ledger (episodes per state, per job),
   leases, retries, dead letters, the results stream and its consumer group.
 * **Counters and histograms of what happened**, folded from the records the consumer commits
-  (:class:`StatsRecorder` is its ``observers`` hook) into the ``<prefix>:stats`` hash: steps,
-  per-step env and model latency, episode duration, finished episodes, failures by reason.
-  A batch claimed again after a consumer crash is counted again (rare; the database is exact).
+  (consumer/stats.py's ``StatsRecorder``, its ``observers`` hook) into the ``<prefix>:stats``
+  hash: steps, per-step env and model latency, episode duration, finished episodes, failures by
+  reason, tokens.
 
 Metric names are listed in :data:`METRIC_NAMES`; deploy/grafana and docs/deployment.md use them.
 """
 
 from __future__ import annotations
 
-import bisect
-import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import redis
 
 from broker.keys import Keys
-from broker.records import LEDGER_STATES, AttemptRecord, StepRecord
+from broker.queueing import PRIORITY_SEP, declared_queues, inflight_per_queue, sub_queues
+from broker.records import LEDGER_STATES
 from broker.settings import Settings, redact_url
+from consumer.stats import (
+    COUNTERS,
+    HISTOGRAMS,
+    RATE_WINDOW_S,
+    SAMPLES_KEEP_S,
+    Stats,
+    read_stats,
+    steps_rate,
+)
 
 log = logging.getLogger("interactor.metrics")
 
-# kombu.transport.redis: Channel.sep and PRIORITY_STEPS (tests/test_metrics.py holds us to them).
-PRIORITY_SEP = "\x06\x16"
-PRIORITY_STEPS = (0, 3, 6, 9)
-UNACKED_KEY = "unacked"  # kombu's hash of delivered, unacknowledged messages (global, unprefixed)
-BINDING_PREFIX = "_kombu.binding."
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-DURATION_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0)
-RATE_WINDOW_S = 15.0  # steps/s is measured over this window
-SAMPLES_KEEP_S = 300.0
 MAX_JOBS_SCANNED = 1000  # the most recent jobs looked at per snapshot
 RECENT_FINISHED_JOBS = 5  # finished jobs still shown per snapshot (besides every active one)
-
-# Counters: name -> label names. Histograms: name -> (label names, buckets).
-COUNTERS = {
-    "steps": ("env_name",),
-    "episodes_finished": ("env_name", "status"),
-    "episodes_ended": ("env_name", "ended_by"),
-    "attempt_failures": ("reason", "outcome"),
-    "prompt_tokens": ("model",),
-    "completion_tokens": ("model",),
-}
-HISTOGRAMS = {
-    "step_latency_seconds": (("part", "env_name"), LATENCY_BUCKETS),
-    "episode_duration_seconds": (("env_name", "status"), DURATION_BUCKETS),
-}
-_STEPS_FIELD = "n|steps"  # all steps, the value the rate samples follow
 
 METRIC_NAMES = {
     # live state
@@ -95,194 +76,8 @@ METRIC_NAMES = {
 }
 
 
-def sub_queues(queue: str) -> list[tuple[int, str]]:
-    """``[(priority, list name)]`` of one Celery queue on kombu's Redis transport."""
-    return [(p, queue if p == 0 else f"{queue}{PRIORITY_SEP}{p}") for p in PRIORITY_STEPS]
-
-
-def _labels_field(values: Iterable[Any]) -> str:
-    return json.dumps([str(v) for v in values], separators=(",", ":"))
-
-
-# --- the consumer side: records -> Redis counters -------------------------------------------
-class StatsRecorder:
-    """An ``Ingestor`` observer: folds each committed batch into ``<prefix>:stats``.
-
-    One pipeline per batch (HINCRBY/HINCRBYFLOAT on a few dozen fields), so it costs the
-    consumer next to nothing however large the batch.
-    """
-
-    def __init__(self, client: redis.Redis, settings: Settings):
-        self.r = client
-        self.keys = Keys(settings.key_prefix)
-        self._last_sample = 0.0
-
-    def __call__(self, records: list) -> None:
-        # Tallied per label set first, then one field name per distinct label set: a batch of
-        # hundreds of steps costs a few dict updates each (field names are built once).
-        steps = 0
-        per_env: dict[str, int] = {}
-        hist: dict[tuple, list] = {}  # (name, labels) -> [bucket counts..., sum]
-        counts: dict[tuple, int] = {}  # (name, labels) -> n
-        tokens: dict[tuple, int] = {}  # (name, model) -> n
-
-        def observe(name: str, labels: tuple, value: float) -> None:
-            h = hist.get((name, labels))
-            if h is None:
-                h = hist[(name, labels)] = [0] * (len(HISTOGRAMS[name][1]) + 1) + [0.0]
-            h[bisect.bisect_left(HISTOGRAMS[name][1], value)] += 1  # index len(buckets) is +Inf
-            h[-1] += value
-
-        for rec in records:
-            t = type(rec)
-            if t is StepRecord:
-                steps += 1
-                env = rec.env_name or ""
-                per_env[env] = per_env.get(env, 0) + 1
-                observe("step_latency_seconds", ("env", env), max(0.0, float(rec.env_latency_s or 0.0)))
-                observe("step_latency_seconds", ("model", env), max(0.0, float(rec.model_latency_s or 0.0)))
-                if rec.prompt_tokens:
-                    key = ("prompt_tokens", rec.llm_model or "")
-                    tokens[key] = tokens.get(key, 0) + int(rec.prompt_tokens)
-                if rec.completion_tokens:
-                    key = ("completion_tokens", rec.llm_model or "")
-                    tokens[key] = tokens.get(key, 0) + int(rec.completion_tokens)
-            elif t is AttemptRecord:
-                env = rec.env_name or ""
-                if rec.status in ("completed", "failed"):
-                    key = ("episodes_finished", (env, rec.status))
-                    counts[key] = counts.get(key, 0) + 1
-                if rec.status == "completed":
-                    key = ("episodes_ended", (env, rec.ended_by or "unknown"))
-                    counts[key] = counts.get(key, 0) + 1
-                    if rec.started_at > 0 and rec.finished_at >= rec.started_at:
-                        observe("episode_duration_seconds", (env, rec.status), rec.finished_at - rec.started_at)
-                if rec.status != "completed":
-                    key = ("attempt_failures", (rec.reason or "unknown", rec.status))
-                    counts[key] = counts.get(key, 0) + 1
-        for env, n in per_env.items():
-            counts[("steps", (env,))] = n
-        for (name, model), n in tokens.items():
-            counts[(name, (model,))] = n
-        if not counts and not hist:
-            return
-        pipe = self.r.pipeline(transaction=False)
-        for (name, labels), n in counts.items():
-            pipe.hincrby(self.keys.stats, f"c|{name}|{_labels_field(labels)}", n)
-        for (name, labels), h in hist.items():
-            base = f"h|{name}|{_labels_field(labels)}|"
-            for i, n in enumerate(h[:-1]):
-                if n:
-                    pipe.hincrby(self.keys.stats, base + str(i), n)
-            pipe.hincrbyfloat(self.keys.stats, base + "sum", h[-1])
-        pipe.hincrby(self.keys.stats, _STEPS_FIELD, steps)
-        total = int(pipe.execute()[-1])
-        self._sample(total, steps)
-
-    def _sample(self, total: int, added: int) -> None:
-        now = time.time()
-        pipe = self.r.pipeline(transaction=False)
-        if now - self._last_sample > RATE_WINDOW_S:
-            # Idle for a while: mark where this burst started, so its first batch counts.
-            pipe.zadd(self.keys.stats_samples, {f"{now - 0.001:.3f}:{total - added}": now - 0.001})
-        pipe.zadd(self.keys.stats_samples, {f"{now:.3f}:{total}": now})
-        pipe.zremrangebyscore(self.keys.stats_samples, "-inf", now - SAMPLES_KEEP_S)
-        pipe.execute()
-        self._last_sample = now
-
-
-def steps_rate(samples: list[tuple[float, int]], now: float, window: float = RATE_WINDOW_S) -> float:
-    """Steps per second over the last ``window`` from ``(ts, total)`` samples (any order)."""
-    if not samples:
-        return 0.0
-    samples = sorted(samples)
-    latest = samples[-1][1]
-    start = now - window
-    base = None
-    for ts, n in samples:
-        if ts <= start:
-            base = (ts, n)
-        else:
-            break
-    if base is None:
-        base = samples[0]
-        if len(samples) == 1:
-            return 0.0
-    dt = now - base[0]
-    return max(0.0, (latest - base[1]) / dt) if dt > 0 else 0.0
-
-
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int]  # per bucket (not cumulative); the last is +Inf
-    sum: float = 0.0
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        out, acc = [], 0
-        for i, c in enumerate(self.counts):
-            acc += c
-            le = "+Inf" if i == len(self.buckets) else _fmt_le(self.buckets[i])
-            out.append((le, acc))
-        return out
-
-    def quantile(self, q: float) -> float | None:
-        """Bucket upper bound at quantile ``q`` (as coarse as the buckets); None when empty."""
-        total = self.count
-        if not total:
-            return None
-        rank, acc = q * total, 0
-        for i, c in enumerate(self.counts):
-            acc += c
-            if acc >= rank:
-                return self.buckets[i] if i < len(self.buckets) else math.inf
-        return math.inf
-
-
 def _s(x) -> str:
     return x.decode(errors="replace") if isinstance(x, bytes) else str(x)
-
-
-def _fmt_le(x: float) -> str:
-    return repr(float(x))
-
-
-@dataclass
-class Stats:
-    steps_total: int = 0
-    counters: dict[str, dict[tuple, float]] = field(default_factory=dict)
-    histograms: dict[str, dict[tuple, Histogram]] = field(default_factory=dict)
-
-
-def read_stats(raw: dict) -> Stats:
-    st = Stats(counters={n: {} for n in COUNTERS}, histograms={n: {} for n in HISTOGRAMS})
-    for k, v in raw.items():
-        k = k.decode() if isinstance(k, bytes) else k
-        v = v.decode() if isinstance(v, bytes) else v
-        if k == _STEPS_FIELD:
-            st.steps_total = int(float(v))
-            continue
-        parts = k.split("|")
-        try:
-            if parts[0] == "c" and len(parts) == 3 and parts[1] in COUNTERS:
-                st.counters[parts[1]][tuple(json.loads(parts[2]))] = float(v)
-            elif parts[0] == "h" and len(parts) == 4 and parts[1] in HISTOGRAMS:
-                buckets = HISTOGRAMS[parts[1]][1]
-                h = st.histograms[parts[1]].setdefault(tuple(json.loads(parts[2])),
-                                                       Histogram(buckets, [0] * (len(buckets) + 1)))
-                if parts[3] == "sum":
-                    h.sum = float(v)
-                else:
-                    i = int(parts[3])
-                    if 0 <= i <= len(buckets):
-                        h.counts[i] += int(float(v))
-        except (ValueError, TypeError):
-            log.debug("ignoring malformed stats field %r", k)
-    return st
 
 
 # --- the reading side: one snapshot of the fleet ---------------------------------------------
@@ -326,19 +121,6 @@ class FleetReader:
                 self._not_queues.add(name)
         return found
 
-    def _declared_queues(self) -> set[str]:
-        found = set()
-        for key in self.r.scan_iter(match=BINDING_PREFIX + "*", count=1000):
-            try:
-                members = self.r.smembers(key)
-            except redis.ResponseError:  # not a binding set
-                continue
-            for m in members:
-                q = (m.decode(errors="replace") if isinstance(m, bytes) else m).split(PRIORITY_SEP)[-1]
-                if q and not q.endswith(".pidbox") and not q.startswith("celery@") and "reply.celery" not in q:
-                    found.add(q)
-        return found
-
     def queues(self, inflight: dict[str, int] | None = None) -> list[str]:
         qs = set(self.settings.served_queues) | {self.settings.queue} | set(self.extra_queues) | self._seen
         qs |= set(inflight or ())
@@ -346,7 +128,7 @@ class FleetReader:
         if now - self._last_scan >= self.rescan_s:
             self._last_scan = now
             try:
-                qs |= self._declared_queues() | self._scan_task_lists()
+                qs |= declared_queues(self.r) | self._scan_task_lists()
             except redis.ResponseError as exc:  # e.g. SCAN TYPE on a Redis older than 6
                 log.debug("queue discovery: %s", exc)
         if len(qs) < 10_000:
@@ -369,18 +151,7 @@ class FleetReader:
 
     def inflight(self) -> dict[str, int]:
         """Messages delivered to a worker and not acknowledged yet (reserved or running), per queue."""
-        from broker.app import EPISODE_TASK
-
-        out: dict[str, int] = {}
-        for _, raw in self.r.hscan_iter(UNACKED_KEY, count=1000):
-            try:
-                msg, _exchange, routing_key = json.loads(raw)
-                ours = msg["headers"]["task"] == EPISODE_TASK  # not another Celery app's
-            except (ValueError, TypeError, KeyError):
-                continue
-            if ours and routing_key:
-                out[routing_key] = out.get(routing_key, 0) + 1
-        return out
+        return inflight_per_queue(self.r)
 
     # jobs --------------------------------------------------------------------------------
     def job_counts(self, job_ids: list[str]) -> dict[str, dict[str, int]]:

@@ -114,7 +114,7 @@ def _failures(st) -> dict[str, int]:
 
 
 def _latency_line(st) -> str:
-    from interactor.metrics import Histogram
+    from consumer.stats import Histogram
 
     parts = []
     for part in ("env", "model"):

@@ -20,7 +20,8 @@ import yaml
 from broker.settings import Settings
 from interactor.autoscale import AUTOSCALER_METRIC_NAMES
 from interactor.cli import build_parser
-from interactor.metrics import METRIC_NAMES, sub_queues
+from broker.queueing import sub_queues
+from interactor.metrics import METRIC_NAMES
 from producer.taskfile import plan_job
 from tests.conftest import ROOT
 

@@ -17,16 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker.app import EPISODE_TASK, make_app
 from broker.embedded import free_port
 from broker.records import AttemptRecord, StepRecord
-from interactor.metrics import (
-    METRIC_NAMES,
-    PRIORITY_SEP,
-    PRIORITY_STEPS,
-    FleetReader,
-    StatsRecorder,
-    exposition,
-    steps_rate,
-    sub_queues,
-)
+from broker.queueing import PRIORITY_SEP, PRIORITY_STEPS, sub_queues
+from consumer.stats import StatsRecorder, steps_rate
+from interactor.metrics import METRIC_NAMES, FleetReader, exposition
 from producer.enqueue import submit
 from tests.conftest import ROOT, interruptible, wait_for
 from tests.storecheck import db_rows
