@@ -44,6 +44,7 @@ from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.settings import Settings
+from interactor.children import role_command, spawn, spawn_role
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -243,16 +244,12 @@ class Cluster:
         self.consumer_p = self._spawn([py, "-m", "bench.consumer", str(self.latency_file)], env, "consumer")
         for i in range(spec.workers):
             self.workers.append(self._spawn(
-                [py, "-m", "interactor.cli", "worker", "--name", f"w{i + 1}@%h", "--loglevel", "INFO"], env,
+                role_command("worker", f"w{i + 1}", "--loglevel", "INFO"), env,
                 f"worker{i + 1}"))
         return s
 
     def _spawn(self, cmd: list[str], env: dict, name: str) -> subprocess.Popen:
-        logf = open(self.logs / f"{name}.log", "ab")
-        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                             cwd=self.cwd, start_new_session=True)
-        logf.close()
-        return p
+        return spawn(cmd, env=env, log_path=self.logs / f"{name}.log", cwd=self.cwd)
 
     def roles(self) -> dict[str, list[psutil.Process]]:
         return {
@@ -552,10 +549,8 @@ def run_fleet_ingest(n: int, work: Path, *, backend: str, consumers: int,
             client.xgroup_create(keys.results, GROUP, id="0", mkstream=True)
             env = _child_env(settings, None)
             for i in range(consumers):
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "interactor.cli", "consumer", "--name", f"bench-c{i + 1}"], env=env,
-                    cwd=str(ROOT), stdout=open(folder / f"consumer{i + 1}.log", "ab"), stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True))
+                procs.append(spawn_role("consumer", f"bench-c{i + 1}", env=env, cwd=str(ROOT),
+                                        log_path=folder / f"consumer{i + 1}.log"))
             deadline = time.monotonic() + 60
             while sum(1 for i in range(consumers) if "reading" in (folder / f"consumer{i + 1}.log").read_text(
                     errors="replace")) < consumers:

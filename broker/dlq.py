@@ -26,7 +26,7 @@ class DeadLetterQueue:
         self.r = client
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
-        self.ledger = Ledger(client, self.keys, settings.lease_ttl_s)
+        self.ledger = Ledger.for_settings(client, settings)
 
     def __len__(self) -> int:
         return int(self.r.hlen(self.keys.dlq))
@@ -90,7 +90,7 @@ class DeadLetterQueue:
         # A fresh budget of attempts on top of those already used.
         used = self.ledger.attempts(job_id, episode_id)
         self.r.hset(self.keys.job_attempt_limit(job_id), episode_id, used + max_attempts)
-        send_episodes(self.r, [(job_id, episode_id, queue or self.settings.queue)])
+        send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(queue))])
         return True
 
     def purge(self, letters: Iterable[DeadLetter]) -> int:

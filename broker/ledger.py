@@ -41,6 +41,7 @@ from broker.records import (
     new_attempt_id,
     unpack,
 )
+from broker.settings import Settings
 
 ANNOUNCE_CHUNK = 1000  # episodes per EpisodesEnqueued record
 
@@ -333,6 +334,11 @@ class Ledger:
         for raw in announcements:
             pipe.xadd(k.results, {"r": raw})
         pipe.execute()
+
+    @classmethod
+    def for_settings(cls, client: redis.Redis, settings: Settings) -> "Ledger":
+        """The ledger as every role uses it: the settings' key prefix and lease TTL."""
+        return cls(client, Keys(settings.key_prefix), settings.lease_ttl_s)
 
     def job_ids(self) -> list[str]:
         return [j.decode() for j in self.r.zrange(self.k.jobs, 0, -1)]

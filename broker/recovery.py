@@ -63,7 +63,7 @@ class Sweeper:
         self.r = client
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
-        self.ledger = Ledger(client, self.keys, settings.lease_ttl_s)
+        self.ledger = Ledger.for_settings(client, settings)
         self._last_reconcile = time.monotonic()
         self._last_housekeeping = 0.0
         self._reconcile_rounds = 0
@@ -131,7 +131,7 @@ class Sweeper:
             else:
                 record = AttemptRecord(**base, status=ABANDONED, error="worker lost (lease expired)")
                 if self.ledger.reclaim(job_id, episode_id, QUEUED, record):
-                    send_episodes(self.r, [(job_id, episode_id, spec.queue or self.settings.queue)])
+                    send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
                     report.reclaimed.append(m)
                     self._orphaned(spec, attempt, attempt_id)
                     log.warning("episode %s: worker lost on attempt %d; re-queued", episode_id, attempt)
@@ -150,7 +150,7 @@ class Sweeper:
                 continue
             job_id, episode_id = split_member(m)
             spec = self.ledger.episode_spec(job_id, episode_id)
-            send_episodes(self.r, [(job_id, episode_id, (spec.queue if spec else "") or self.settings.queue)])
+            send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
             report.resent.append(m)
             log.warning("episode %s: received by a worker that died before starting it; sent again", episode_id)
 
@@ -228,7 +228,7 @@ class Sweeper:
             if not self.ledger.move(job_id, episode_id, QUEUED, [RETRYING]):
                 continue  # started early by a duplicate delivery, or finished meanwhile
             spec = self.ledger.episode_spec(job_id, episode_id)
-            send_episodes(self.r, [(job_id, episode_id, (spec.queue if spec else "") or self.settings.queue)])
+            send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
             report.retried.append(m)
 
 
@@ -267,7 +267,7 @@ def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: 
     sent again; a duplicate message, should the old one resurface, is dropped by the ledger.
     """
     keys = Keys(settings.key_prefix)
-    ledger = Ledger(client, keys, settings.lease_ttl_s)
+    ledger = Ledger.for_settings(client, settings)
     # Order matters: schedules first, queues next, states last, so that an episode moving
     # along meanwhile is seen in at least one place.
     scheduled = {m.decode() for m in client.zrange(keys.retry, 0, -1)}
@@ -282,7 +282,7 @@ def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: 
     # Batched: a guarded move each (pipelined), the specs in one read, one push per queue.
     moved = [e for (e, _), ok in zip(lost, ledger.move_many(job_id, lost, QUEUED)) if ok]
     specs = ledger.episode_specs(job_id, moved)
-    push_episodes(client, ((job_id, e, (specs[e].queue if e in specs else "") or settings.queue) for e in moved))
+    push_episodes(client, ((job_id, e, settings.queue_for(specs.get(e))) for e in moved))
     if moved:
         log.warning("reconcile %s: re-enqueued %d lost episodes", job_id, len(moved))
     return moved

@@ -271,6 +271,12 @@ class Settings:
     def results_store_shown(self) -> str:
         return redact_url(self.results_store)
 
+    def queue_for(self, spec: Any = None) -> str:
+        """The queue an episode's task goes to: its spec's own (a task-file entry's ``queue``),
+        else the default. ``spec`` is an EpisodeSpec, a queue name, or None (spec lost)."""
+        own = spec if isinstance(spec, str) else getattr(spec, "queue", "")
+        return own or self.queue
+
     @property
     def served_queues(self) -> list[str]:
         return [q.strip() for q in self.queues.split(",") if q.strip()] or [self.queue]

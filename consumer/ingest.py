@@ -54,7 +54,7 @@ class Ingestor:
         self.store = store
         self.keys = Keys(settings.key_prefix)
         self.stream = self.keys.results
-        self.ledger = Ledger(client, self.keys, settings.lease_ttl_s)
+        self.ledger = Ledger.for_settings(client, settings)
         self.dlq = DeadLetterQueue(client, settings)
         # Stable per host: a restarted consumer re-reads its own pending entries at once instead
         # of waiting for them to idle long enough for XAUTOCLAIM.
@@ -256,7 +256,7 @@ class Ingestor:
                 continue
             spec = self.ledger.episode_spec(job_id, episode_id)
             if self.ledger.move(job_id, episode_id, QUEUED, [DONE]):
-                push_episodes(self.r, [(job_id, episode_id, (spec.queue if spec else "") or self.settings.queue)])
+                push_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
             reopened.append(episode_id)
             log.error("episode %s: attempt %s completed but some of its steps were lost in Redis; re-queued",
                       episode_id, attempt_id)

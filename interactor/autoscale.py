@@ -23,7 +23,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import redis
 
 from broker.keys import Keys
 from broker.settings import Settings
+from interactor.children import spawn_role
 from interactor.metrics import FleetReader
 
 log = logging.getLogger("interactor.autoscale")
@@ -178,19 +178,9 @@ class LocalScaler:
     def _spawn(self) -> WorkerProc:
         self._seq += 1
         name = f"{self.name}-{self._seq}"
-        cmd = [sys.executable, "-m", "interactor.cli", "worker", "--name", f"{name}@%h",
-               "--queues", ",".join(self.settings.served_queues)]
-        out = None
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        try:
-            # Own session: a Ctrl-C meant for the autoscaler must not cold-stop the workers.
-            proc = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT if out else None, start_new_session=True)
-        finally:
-            if out:
-                out.close()
+        # Own session (children.spawn): a Ctrl-C meant for the autoscaler must not cold-stop them.
+        proc = spawn_role("worker", name, env=self.env, extra=["--queues", ",".join(self.settings.served_queues)],
+                          log_path=os.path.join(self.log_dir, f"{name}.log") if self.log_dir else None)
         w = WorkerProc(name, proc, self.clock())
         log.info("started worker %s (pid %d)", name, proc.pid)
         return w

@@ -28,9 +28,9 @@ def cmd_bench(args) -> int:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from bench.run import BenchConfig, run, write
-    from interactor.cli import _settings
+    from interactor.common import settings_from_args
 
-    base = _settings(args)
+    base = settings_from_args(args)
     kw = {}
     for name in ("pool_level", "workers", "model_latency_ms", "env_latency_ms", "steps", "ingest_records",
                  "enqueue_episodes", "out", "png", "work", "src"):

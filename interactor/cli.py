@@ -25,49 +25,17 @@ import signal
 import sys
 import threading
 
-from broker.settings import Settings, SettingsError
+from broker.settings import SettingsError
+from interactor.children import die_with_parent, spawn, stop_event
+from interactor.common import SETTING_FLAGS, add_setting_flags, redis_for, settings_from_args
 
 log = logging.getLogger("interactor")
 
-# flag -> settings field; every flag is optional and overrides INTERACTOR_* variables.
-SETTING_FLAGS = {
-    "--redis-url": "redis_url", "--run-dir": "run_dir", "--db": "db_path", "--store": "store_url",
-    "--queue": "queue",
-    "--queues": "queues", "--llm-base-url": "llm_base_url", "--model": "model",
-    "--temperature": "temperature", "--env-base-url": "env_base_url", "--max-steps": "max_steps",
-    "--message-cut": "message_cut", "--episode-budget": "episode_budget_s", "--max-attempts": "max_attempts",
-    "--lease-ttl": "lease_ttl_s", "--concurrency": "concurrency", "--pool": "pool",
-    "--episode-hook": "episode_hook", "--llm-params": "llm_params", "--shutdown-grace": "shutdown_grace_s",
-    "--llm-retries": "llm_retries", "--env-retries": "env_retries", "--key-prefix": "key_prefix",
-    "--max-tokens": "llm_max_tokens", "--top-p": "llm_top_p", "--stop": "llm_stop",
-    "--llm-connect-timeout": "llm_connect_timeout_s", "--llm-timeout": "llm_read_timeout_s",
-    "--llm-max-connections": "llm_max_connections", "--llm-max-concurrency": "llm_max_concurrency",
-    "--llm-startup-jitter": "llm_startup_jitter_s",
-    "--experience-dir": "experience_dir", "--experience-top-k": "experience_top_k",
-}
-
-
-def _add_setting_flags(p: argparse.ArgumentParser, names: list[str]) -> None:
-    for flag in names:
-        p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None)
-
-
-def _settings(args: argparse.Namespace) -> Settings:
-    overrides = {field: getattr(args, field) for field in SETTING_FLAGS.values() if getattr(args, field, None) is not None}
-    if getattr(args, "llm_session_routing", False):
-        overrides["llm_session_routing"] = True
-    return Settings.from_env(**overrides)
-
-
-def _redis(settings: Settings):
-    from broker.redisconn import connect
-
-    return connect(settings)
 
 
 # --- roles --------------------------------------------------------------------------------
 def cmd_worker(args) -> int:
-    settings = _settings(args)
+    settings = settings_from_args(args)
     if not settings.redis_url:
         raise SettingsError("the worker needs REDIS_URL (or --redis-url)")
     os.environ.update(settings.as_environ())  # workers.tasks reads its settings at import
@@ -119,8 +87,7 @@ def _supervise_worker(argv: list[str]) -> int:
     while True:
         # Own session: a terminal's Ctrl-C reaches only us, and we pass it on once (Celery reads
         # a second SIGINT as "cold shutdown"). The child dies with us (parent-death signal).
-        child[:] = [subprocess.Popen([sys.executable, "-m", "interactor.cli", *argv], env=env,
-                                     start_new_session=True, preexec_fn=_die_with_parent)]
+        child[:] = [spawn([sys.executable, "-m", "interactor.cli", *argv], env=env, preexec_fn=die_with_parent)]
         code = child[0].wait()
         if stopping.is_set():
             return code
@@ -143,25 +110,14 @@ def _raise_open_files_limit() -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def cmd_consumer(args) -> int:
     from consumer.ingest import Ingestor
     from consumer.storage import open_store
 
-    settings = _settings(args)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    settings = settings_from_args(args)
+    stop = stop_event()
     store = open_store(settings.results_store)
-    client = _redis(settings)
+    client = redis_for(settings)
     from consumer.stats import StatsRecorder
 
     if args.metrics_port:
@@ -180,8 +136,8 @@ def cmd_consumer(args) -> int:
 def cmd_submit(args) -> int:
     from producer.enqueue import submit
 
-    settings = _settings(args)
-    sub = submit(_redis(settings), settings, args.tasks, job_id=args.job_id)
+    settings = settings_from_args(args)
+    sub = submit(redis_for(settings), settings, args.tasks, job_id=args.job_id)
     print(json.dumps({"job_id": sub.job.job_id, "episodes": sub.job.episodes, "groups": sub.job.groups,
                       "enqueue_s": round(sub.enqueue_s, 3)}))
     return 0
@@ -192,14 +148,14 @@ def cmd_run(args) -> int:
 
     if not args.tasks and not args.resume:
         raise SettingsError("name task files to run, or --resume JOB")
-    return run_local(_settings(args), args.tasks, workers=args.workers, job_id=args.job_id, resume=args.resume,
+    return run_local(settings_from_args(args), args.tasks, workers=args.workers, job_id=args.job_id, resume=args.resume,
                      ui=_ui_address(args))
 
 
 def cmd_demo(args) -> int:
     from interactor.localrun import run_demo
 
-    return run_demo(_settings(args), workers=args.workers, ui=_ui_address(args))
+    return run_demo(settings_from_args(args), workers=args.workers, ui=_ui_address(args))
 
 
 def _ui_address(args) -> tuple[str, int] | None:
@@ -220,7 +176,7 @@ def cmd_results(args) -> int:
     from consumer.storage import open_store
     from interactor.report import print_groups, print_results
 
-    settings = _settings(args)
+    settings = settings_from_args(args)
     store = open_store(settings.results_store, readonly=True)
     try:
         if args.job not in store.job_ids():
@@ -243,7 +199,7 @@ def cmd_results(args) -> int:
 def cmd_export(args) -> int:
     from consumer.export import export_training
 
-    settings = _settings(args)
+    settings = settings_from_args(args)
     out = args.out or os.path.join(settings.run_dir, f"{args.job}.{args.format}")
     env_names = [n.strip() for item in (args.env_name or []) for n in item.split(",") if n.strip()]
     if args.max_staleness is not None and args.max_staleness < 0:
@@ -264,8 +220,8 @@ def cmd_export(args) -> int:
 def cmd_dlq(args) -> int:
     from broker.dlq import DeadLetterQueue
 
-    settings = _settings(args)
-    dlq = DeadLetterQueue(_redis(settings), settings)
+    settings = settings_from_args(args)
+    dlq = DeadLetterQueue(redis_for(settings), settings)
     if args.dlq_cmd == "list":
         letters = dlq.list(job_id=args.job, reason=args.reason)
         if args.json:
@@ -313,8 +269,8 @@ def _select_letters(dlq, args):
 def cmd_reconcile(args) -> int:
     from broker.recovery import reconcile
 
-    settings = _settings(args)
-    lost = reconcile(_redis(settings), settings, args.job, dry_run=args.dry_run)
+    settings = settings_from_args(args)
+    lost = reconcile(redis_for(settings), settings, args.job, dry_run=args.dry_run)
     verb = "would re-enqueue" if args.dry_run else "re-enqueued"
     print(f"{verb} {len(lost)} episodes" + (": " + " ".join(lost[:20]) if lost else ""))
     return 0
@@ -341,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name, fn, help_, flags=ALL):
         sp = sub.add_parser(name, help=help_)
-        _add_setting_flags(sp, flags)
+        add_setting_flags(sp, flags)
         sp.add_argument("--llm-session-routing", action="store_true",
                         help="model base URL becomes {llm-base-url}/{episode_id}")
         sp.set_defaults(fn=fn)

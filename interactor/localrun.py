@@ -9,17 +9,16 @@ what they run, the consumer commits what it holds) and say what was left.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from broker.embedded import EmbeddedRedis
-from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.redisconn import connect
 from broker.settings import Settings, redact_url
+from interactor.children import spawn_role, terminate
 from interactor.report import print_left, print_results, progress_line
 
 
@@ -44,11 +43,7 @@ class LocalFleet:
 
     def _spawn(self, name: str) -> None:
         role = "consumer" if name == "consumer" else "worker"
-        cmd = [sys.executable, "-m", "interactor.cli", role, "--name", name if role == "consumer" else f"{name}@%h"]
-        log = open(self.log_dir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        self.procs[name] = spawn_role(role, name, env=self.env, log_path=self.log_dir / f"{name}.log")
 
     def start(self) -> None:
         self._spawn("consumer")
@@ -64,21 +59,9 @@ class LocalFleet:
 
     def stop(self, grace_s: float) -> None:
         # Workers first (they hand back or finish episodes), then the consumer drains.
-        self._terminate([p for n, p in self.procs.items() if n != "consumer"], grace_s)
-        self._terminate([p for n, p in self.procs.items() if n == "consumer"], 30)
+        terminate([p for n, p in self.procs.items() if n != "consumer"], grace_s)
+        terminate([p for n, p in self.procs.items() if n == "consumer"], 30)
 
-    @staticmethod
-    def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
 
 
 def run_local(settings: Settings, tasks: list[str], *, workers: int | None = None, job_id: str | None = None,
@@ -102,7 +85,7 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
     else:
         print(f"Redis at {redact_url(settings.redis_url)}")
     client = connect(settings)
-    ledger = Ledger(client, Keys(settings.key_prefix), settings.lease_ttl_s)
+    ledger = Ledger.for_settings(client, settings)
     fleet = LocalFleet(settings, workers, run_dir / "logs")
     browser = None
     interrupted = False

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
-import threading
 import time
+
+from interactor.children import stop_event, wait_for_signal
 
 log = logging.getLogger("interactor.ops")
 
@@ -45,37 +45,29 @@ def register(sub, add) -> None:
 
 # --- metrics --------------------------------------------------------------------------------
 def cmd_metrics(args) -> int:
-    from interactor.cli import _redis, _settings
+    from interactor.common import redis_for, settings_from_args
     from interactor.metrics import FleetReader, exposition, registry, serve
 
-    settings = _settings(args)
-    reader = FleetReader(_redis(settings), settings, extra_queues=args.extra_queues.split(","))
+    settings = settings_from_args(args)
+    reader = FleetReader(redis_for(settings), settings, extra_queues=args.extra_queues.split(","))
     if args.once:
         sys.stdout.write(exposition(reader))
         return 0
     server, _ = serve(registry(reader), args.host, args.port)
     log.info("metrics on http://%s:%d/metrics", args.host, server.server_port)
     print(f"serving metrics on http://{args.host}:{server.server_port}/metrics", flush=True)
-    _wait_for_signal()
+    wait_for_signal()
     server.shutdown()
     return 0
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
-
-
 # --- status ---------------------------------------------------------------------------------
 def cmd_status(args) -> int:
-    from interactor.cli import _redis, _settings
+    from interactor.common import redis_for, settings_from_args
     from interactor.metrics import FleetReader
 
-    settings = _settings(args)
-    reader = FleetReader(_redis(settings), settings)
+    settings = settings_from_args(args)
+    reader = FleetReader(redis_for(settings), settings)
     if not args.watch:
         snap = reader.snapshot(args.job)
         if args.json:
@@ -185,10 +177,10 @@ def render_status(snap: dict) -> str:
 def cmd_autoscale(args) -> int:
     from broker.settings import SettingsError
     from interactor.autoscale import LocalScaler, Policy, autoscaler_registry
-    from interactor.cli import _redis, _settings
+    from interactor.common import redis_for, settings_from_args
     from interactor.metrics import serve
 
-    settings = _settings(args)
+    settings = settings_from_args(args)
     if not settings.redis_url:
         raise SettingsError("the autoscaler needs REDIS_URL (or --redis-url)")
     try:
@@ -197,12 +189,9 @@ def cmd_autoscale(args) -> int:
                         scale_down_cooldown_s=args.cooldown)
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
-    scaler = LocalScaler(settings, policy, client=_redis(settings), name=args.name, log_dir=args.log_dir)
+    scaler = LocalScaler(settings, policy, client=redis_for(settings), name=args.name, log_dir=args.log_dir)
     if args.metrics_port:
         server, _ = serve(autoscaler_registry(scaler), args.metrics_host, args.metrics_port)
         log.info("autoscaler metrics on http://%s:%d/metrics", args.metrics_host, server.server_port)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    scaler.run(stop, args.interval)
+    scaler.run(stop_event(), args.interval)
     return 0

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import redis
 
-from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
 from broker.records import JobSpec
@@ -65,8 +64,8 @@ def submit_plan(client: redis.Redis, settings: Settings, planned: PlannedJob) ->
     job_id = planned.episodes[0].job_id if planned.episodes else new_job_id()
     job = job_spec(settings, job_id, planned)
     t0 = time.perf_counter()
-    Ledger(client, Keys(settings.key_prefix), settings.lease_ttl_s).create_job(job, planned.episodes)
-    push_episodes(client, ((job_id, e.episode_id, e.queue or settings.queue) for e in planned.episodes))
+    Ledger.for_settings(client, settings).create_job(job, planned.episodes)
+    push_episodes(client, ((job_id, e.episode_id, settings.queue_for(e)) for e in planned.episodes))
     dt = time.perf_counter() - t0
     log.debug("job %s: %d episodes in %d groups enqueued in %.2fs", job_id, len(planned.episodes), planned.groups, dt)
     return Submitted(job, planned, dt)

@@ -18,7 +18,6 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import decode_task_args
 from broker.records import AttemptRecord, EpisodeSpec, JobSpec, StepRecord, unpack
-from broker.recovery import Sweeper
 from workers.runner import WorkerRuntime
 
 

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from broker.settings import Settings
-from interactor.cli import _settings, build_parser
+from interactor.cli import build_parser
+from interactor.common import settings_from_args as _settings
 from producer.enqueue import job_spec
 from producer.taskfile import PlannedJob
 from tests.conftest import ROOT, wait_for

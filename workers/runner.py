@@ -89,7 +89,7 @@ class WorkerRuntime:
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.redis = connect(settings)
         self.keys = Keys(settings.key_prefix)
-        self.ledger = Ledger(self.redis, self.keys, settings.lease_ttl_s)
+        self.ledger = Ledger.for_settings(self.redis, settings)
         self.env = EnvClient(settings)
         self.model = ModelClient(settings, session=limits.model_session(settings))
         self.model_gate = limits.shared_gate(settings.llm_max_concurrency)  # None: no cap
@@ -334,7 +334,7 @@ class WorkerRuntime:
             record = AttemptRecord(**base, status=ABANDONED, reason=exc.reason, error_class=error_class, error=message)
             self.ledger.grant_extra_attempt(lease.job_id, lease.episode_id, job.max_attempts)
             if self._finish(lease, record, QUEUED):
-                send_episodes(self.redis, [(lease.job_id, lease.episode_id, spec.queue or self.settings.queue)])
+                send_episodes(self.redis, [(lease.job_id, lease.episode_id, self.settings.queue_for(spec))])
             return errors.WORKER_SHUTDOWN
         if exc.transient and outage_seen and lease.attempt < job.max_attempts + OUTAGE_EXTRA_ATTEMPTS:
             # Ended by a server going down (or by what its restart lost): not counted.

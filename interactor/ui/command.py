@@ -18,10 +18,10 @@ def register(sub, add) -> None:
 
 
 def cmd_ui(args) -> int:
-    from interactor.cli import _settings
+    from interactor.common import settings_from_args
     from interactor.ui.server import UIServer, open_source
 
-    settings = _settings(args)
+    settings = settings_from_args(args)
     source = open_source(settings)
     server = UIServer(source, args.host, args.port, allow_actions=args.allow_actions,
                       allow_hosts=tuple(args.allow_host))

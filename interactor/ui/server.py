@@ -6,7 +6,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import secrets
-import signal
 import threading
 
 from broker.settings import Settings, SettingsError
@@ -97,9 +96,9 @@ class UIServer:
 
     def serve_until_signal(self) -> None:
         """The foreground: until SIGINT or SIGTERM."""
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        from interactor.children import stop_event
+
+        stop = stop_event()
         self.start()
         while not stop.wait(1.0):
             pass
