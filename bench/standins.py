@@ -3,8 +3,8 @@
 The bundled examples (examples/envserver.py, examples/model_standin.py) run a thread per
 keep-alive connection and parse every request with ``http.server``: at 1,000 concurrent
 episodes they cost about as much CPU as the system under test, on the same two cores, and the
-figures would measure them instead of us. These speak the same wire protocol (PROTOCOL.md
-sections 1 and 2) from one asyncio loop: a request costs some tens of microseconds, and a
+figures would measure them instead of us. These speak the same wire protocol (docs/protocol.md,
+environment server and model endpoint) from one asyncio loop: a request costs some tens of microseconds, and a
 latency is a timer, not a sleeping thread.
 
 Env ``countdown``: ``env_param`` ``steps`` (20), ``system_bytes`` (1500), ``turn_bytes`` (300),

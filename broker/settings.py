@@ -105,7 +105,7 @@ class Settings:
     env_backoff_max_s: float = 10.0
     max_response_bytes: int = 32 * 1024 * 1024  # a larger env/model answer is malformed
 
-    # --- the step loop (PROTOCOL.md section 3) -----------------------------------------
+    # --- the step loop (docs/protocol.md#step-loop) -----------------------------------------
     max_steps: int = 1000
     message_cut: int = 3
     episode_budget_s: float = 3600.0  # wall clock per attempt, enforced by the loop itself

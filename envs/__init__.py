@@ -1,7 +1,7 @@
 """Environment adapters: existing environment libraries behind the env-class contract
 (:mod:`envs.base`), usable both ways:
 
-* over HTTP: ``interactor serve-env`` hosts them (PROTOCOL.md section 1) for any worker fleet;
+* over HTTP: ``interactor serve-env`` hosts them (docs/protocol.md#environment-server) for any worker fleet;
 * in process: a task entry with ``env_class: envs.textarena_env:TextArenaEnv``
   (``transport: inproc``) runs them inside the worker.
 

@@ -1,7 +1,7 @@
 """The environment class contract shared by both transports, and small helpers for adapters.
 
 An environment class (what ``env_class: module:Class`` names in a task file, and what
-``interactor serve-env`` hosts behind PROTOCOL.md section 1) looks like this::
+``interactor serve-env`` hosts behind docs/protocol.md#environment-server) looks like this::
 
     class MyEnv:
         def __init__(self, env_name: str = ""): ...          # env_name keyword is optional

@@ -1,6 +1,6 @@
-"""``interactor serve-env``: env classes (adapters or your own) behind PROTOCOL.md section 1.
+"""``interactor serve-env``: env classes (adapters or your own) behind docs/protocol.md#environment-server.
 
-The HTTP plumbing is the bundled stand-in's (:mod:`examples.envserver`); what differs is that
+The HTTP plumbing is :mod:`envs.http`, shared with the example server; what differs is that
 instances are env classes (:mod:`envs.base`), found by env_name in a registry
 (exact name, else the part before the first dot), each with its own lock, so that a slow
 instance holds up only its own episode.

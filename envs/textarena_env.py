@@ -12,7 +12,7 @@ Parameters (``env_params``; a dataset row's keys override them):
 ``kwargs``
     keyword arguments for the game's constructor (``{max_turns: 8}``).
 
-The conversation is the env's (PROTOCOL.md section 1): the game's rules (its PROMPT
+The conversation is the env's (docs/protocol.md#environment-server): the game's rules (its PROMPT
 observations) are the system message, so that trimming by ``message_cut`` keeps them; every
 later game message (hints, boards, invalid-move notices) is a user turn, and each action the
 assistant turn before it. Actions go through the game's own action wrappers (e.g. textarena's

@@ -1,4 +1,4 @@
-"""A STAND-IN for an OpenAI-compatible chat-completions server (PROTOCOL.md section 2).
+"""A STAND-IN for an OpenAI-compatible chat-completions server (docs/protocol.md#model-endpoint).
 
 This is not a model.  It is a small scripted policy behind the OpenAI wire format so the
 demo, the tests and the benchmarks run without a GPU.  For real runs point

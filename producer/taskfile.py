@@ -1,4 +1,4 @@
-"""Task files (PROTOCOL.md section 4): read, validate and expand them into episode specs.
+"""Task files (docs/protocol.md#task-files): read, validate and expand them into episode specs.
 
 A task file is YAML::
 

@@ -1,4 +1,4 @@
-"""Unit tests of the step loop (PROTOCOL.md section 3) with plain Python ports, no broker."""
+"""Unit tests of the step loop (docs/protocol.md#step-loop) with plain Python ports, no broker."""
 
 from __future__ import annotations
 

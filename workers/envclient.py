@@ -1,4 +1,4 @@
-"""HTTP client for environment servers (PROTOCOL.md section 1), shared by the threads of a worker.
+"""HTTP client for environment servers (docs/protocol.md#environment-server), shared by the threads of a worker.
 
 Every call takes ``deadline``, an absolute ``time.monotonic()`` value: the attempt's wall-clock
 budget. Each request uses ``timeout=(min(connect, remaining), min(read, remaining))``; when no

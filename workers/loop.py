@@ -1,4 +1,4 @@
-"""The step loop: PROTOCOL.md section 3, as a plain function over small ports.
+"""The step loop: docs/protocol.md#step-loop, as a plain function over small ports.
 
 No broker, no Redis, no Celery here: ``run_episode`` takes an env port, a policy port, an
 episode hook and a ``publish`` callable, so every rule is unit-testable with plain objects.

@@ -1,4 +1,4 @@
-"""HTTP client for the policy: any OpenAI-compatible chat-completions endpoint (PROTOCOL.md §2).
+"""HTTP client for the policy: any OpenAI-compatible chat-completions endpoint (docs/protocol.md#model-endpoint).
 
 ``complete`` POSTs ``{base_url}/chat/completions`` with ``{"model", "messages", "temperature",
 **params}`` (``params`` carries ``max_tokens``, ``top_p``, ``stop`` and any extra body fields) and
