@@ -54,10 +54,10 @@ from broker.errors import (
     EPISODE_TIMEOUT,
     EpisodeError,
 )
-from broker.settings import Settings, redact_url
+from broker.settings import redact_url
 from workers.http import (
     ERROR_TEXT_CHARS,
-    HttpPool,
+    PooledClient,
     Reply,
     Retryable,
     TooLarge,
@@ -66,7 +66,6 @@ from workers.http import (
     dumps,
     error_text,
     is_timeout,
-    make_session,
     never_reached_server,
     parse_json,
     remaining,
@@ -161,23 +160,8 @@ def check_step_answer(obj: Any, what: str) -> StepResult:
     )
 
 
-class EnvClient:
+class EnvClient(PooledClient):
     """Calls environment servers. One instance per worker process, shared by its threads."""
-
-    def __init__(self, settings: Settings, *, session: requests.Session | None = None):
-        self.settings = settings
-        self.http = HttpPool(session or make_session(settings))
-
-    @property
-    def session(self) -> requests.Session:
-        return self.http.session
-
-    def shutdown(self) -> None:
-        """Close the connection pool (``close`` is the environment call)."""
-        self.http.close()
-
-    def __repr__(self) -> str:
-        return "EnvClient()"
 
     # ---- the protocol calls ------------------------------------------------------------
 

@@ -724,3 +724,23 @@ def run_with_retries(
         retry_error_callback=give_up,
     )
     return retrying(replay)
+
+
+class PooledClient:
+    """What the env and model clients share: one per worker process, used by all its threads,
+    over one connection pool (``HttpPool``) built from the settings."""
+
+    def __init__(self, settings: Settings, *, session: requests.Session | None = None):
+        self.settings = settings
+        self.http = HttpPool(session or make_session(settings))
+
+    @property
+    def session(self) -> requests.Session:
+        return self.http.session
+
+    def shutdown(self) -> None:
+        """Close the connection pool."""
+        self.http.close()
+
+    def __repr__(self) -> str:  # never the settings: they hold the API key
+        return f"{type(self).__name__}()"

@@ -38,16 +38,15 @@ from broker.errors import (
     ContextOverflow,
     EpisodeError,
 )
-from broker.settings import Secret, Settings, redact_url
+from broker.settings import Secret, redact_url
 from workers.http import (
-    HttpPool,
+    PooledClient,
     Reply,
     Retryable,
     TooLarge,
     deadline_passed,
     describe,
     error_text,
-    make_session,
     parse_json,
     retry_after_s,
     run_with_retries,
@@ -69,22 +68,8 @@ class Completion:
     completion_tokens: int | None = None  # usage.completion_tokens, likewise
 
 
-class ModelClient:
+class ModelClient(PooledClient):
     """Calls the policy endpoint. One instance per worker process, shared by its threads."""
-
-    def __init__(self, settings: Settings, *, session: requests.Session | None = None):
-        self.settings = settings
-        self.http = HttpPool(session or make_session(settings))
-
-    @property
-    def session(self) -> requests.Session:
-        return self.http.session
-
-    def shutdown(self) -> None:
-        self.http.close()
-
-    def __repr__(self) -> str:
-        return "ModelClient()"
 
     def complete(
         self,
