@@ -105,6 +105,35 @@ def test_trim_keeps_everything_not_acknowledged(settings, redis_client, tmp_path
     store.close()
 
 
+def test_trim_honours_a_live_tap_but_not_a_forgotten_one(settings, redis_client, tmp_path, monkeypatch):
+    """Another consumer group (a trainer tapping the stream) holds the trim floor while its
+    consumers read; once they have been idle for STALE_GROUP_S, or it has none, it no longer
+    does (review L3: a forgotten tap must not grow the stream until workers stop)."""
+    import consumer.ingest as ingest
+
+    keys = Keys(settings.key_prefix)
+    store = open_store(str(tmp_path / "tap.sqlite"))
+    ing = Ingestor(redis_client, settings.replace(consumer_batch=100), store, name="c1")
+    rec = StepRecord("j", "e", 1, 1, "env", "m", "g", b"[]", "x", 0.0, 0.0, False, False, False, True)
+    for i in range(20):
+        rec.step_id = i + 1
+        redis_client.xadd(keys.results, {"r": rec.pack()})
+    redis_client.xgroup_create(keys.results, "trainer-tap", id="0")
+    redis_client.xreadgroup("trainer-tap", "t1", {keys.results: ">"}, count=5)  # read 5, acked none
+    redis_client.xgroup_create(keys.results, "forgotten", id="0")  # never had a consumer
+    assert ing.poll_once(block_ms=10) == 20
+    ing.trim()
+    left = [int(unpack(f[b"r"]).step_id) for _, f in redis_client.xrange(keys.results)]
+    assert left == list(range(1, 21))  # the live tap's pending entries hold the floor
+    monkeypatch.setattr(ingest, "STALE_GROUP_S", 0.2)
+    time.sleep(0.3)
+    ing.trim()
+    # Trimmed up to the last entry our own group was given (XTRIM MINID keeps that one).
+    left = [int(unpack(f[b"r"]).step_id) for _, f in redis_client.xrange(keys.results)]
+    assert left == [20]
+    store.close()
+
+
 def test_backpressure_holds_workers_until_the_consumer_catches_up(settings, redis_client, env_server, model_server,
                                                                   tmp_path):
     _, env_url = env_server
@@ -305,3 +334,33 @@ def test_dead_workers_episodes_rerun_within_the_lease_bound(settings, procs, env
         assert s.visibility_timeout_s > 10 * bound  # so this was not the broker's redelivery
     finally:
         slow.shutdown()
+
+
+def test_instances_of_dead_lettered_lost_attempts_are_closed(settings, redis_client, env_server):
+    """A worker died mid-episode on its last attempt: the sweeper dead-letters the episode and
+    names its env instance as an orphan, which a worker's OrphanCloser closes (review L7: no
+    later attempt would ever touch that instance again)."""
+    from broker.keys import env_instance_id
+    from broker.recovery import Sweeper
+    from workers.envclient import EnvClient
+    from workers.orphans import OrphanCloser
+
+    env, env_url = env_server
+    s = settings.replace(lease_ttl_s=2)
+    job, (ep,) = make_job(redis_client, s, env_url=env_url, llm_url="http://127.0.0.1:9/v1", max_attempts=1)
+    ledger = Ledger.for_settings(redis_client, s)
+    started = ledger.start(job.job_id, ep.episode_id, "doomed-worker")
+    assert started.status == "ok"
+    lease = started.lease
+    instance = env_instance_id(ep.episode_id, lease.attempt, lease.attempt_id)
+    client = EnvClient(s)
+    client.reset(env_url, ep.env_name, instance, ep.env_params, ep.seed, deadline=time.monotonic() + 10)
+    live_before = env.stats()["live"]
+    # The worker is gone: no renewal. After the TTL and its grace the sweeper gives up on it.
+    report = wait_for(lambda: (r := Sweeper(redis_client, s).tick()) and r.dead and r, 15, what="dead-lettered")
+    assert report.dead == [f"{job.job_id} {ep.episode_id}"]
+    closer = OrphanCloser(redis_client, Keys(s.key_prefix), client)
+    closer.tick()
+    assert env.stats()["live"] == live_before - 1
+    assert redis_client.llen(Keys(s.key_prefix).orphans) == 0
+    client.shutdown()
