@@ -49,6 +49,7 @@ class GuessNumberEnv:
         self.low = _int_param(params, "low", 1)
         self.high = _int_param(params, "high", 100)
         self.max_turns = _int_param(params, "max_turns", 10)
+        self.feedback_pad = _int_param(params, "feedback_pad", 0)  # filler words per feedback
         if self.low > self.high:
             raise EnvError(f"env_param 'low' ({self.low}) must be <= 'high' ({self.high})")
         if self.max_turns < 1:
@@ -113,6 +114,8 @@ class GuessNumberEnv:
         elif truncated:
             feedback += f" No guesses left; the number was {self.target}."
         self.done = terminated or truncated
+        if self.feedback_pad > 0:
+            feedback += " (" + " ".join(["filler"] * self.feedback_pad) + ")"
         self.pending.extend([_msg("assistant", action), _msg("user", feedback)])
         self.served = False
         info: dict[str, Any] = {"turn": self.turns, "result": result}

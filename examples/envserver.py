@@ -20,7 +20,9 @@ Environments:
     (``env_param["dataset"]``) may override any of them.  The target comes from
     ``random.Random(seed)``.  The env owns the conversation and, like real
     environments, ``get_task_prompt`` is *not* idempotent: asking twice without
-    a step in between appends a user nudge to the history.
+    a step in between appends a user nudge to the history.  ``feedback_pad`` (0)
+    adds that many filler words to each feedback message, for prompts that grow
+    as fast as a verbose real environment's (tests of context limits).
 
 ``arithmetic`` (single-turn)
     env_param ``dataset`` = ``{"question": str, "answer": number or str}``.

@@ -149,7 +149,8 @@ def real_settings(settings, llama):
                             outage_budget_s=120, concurrency=4)
 
 
-def guess_tasks(tmp_path, env_url: str, name: str, *, guess: int, max_turns: int, arith: int = 2) -> str:
+def guess_tasks(tmp_path, env_url: str, name: str, *, guess: int, max_turns: int, arith: int = 2,
+                feedback_pad: int = 0) -> str:
     """``guess`` guess_number episodes in one group, ``arith`` arithmetic ones in another."""
     data = tmp_path / "arith.jsonl"
     data.write_text(json.dumps({"question": "What is 7 + 5?", "answer": 12}) + "\n")
@@ -158,7 +159,7 @@ def guess_tasks(tmp_path, env_url: str, name: str, *, guess: int, max_turns: int
         environments:
           - env_name: guess_number
             base_url: {env_url}
-            env_params: {{low: 1, high: 1000000, max_turns: {max_turns}}}
+            env_params: {{low: 1, high: 1000000, max_turns: {max_turns}, feedback_pad: {feedback_pad}}}
             env_num: {guess}
           - env_name: arithmetic
             base_url: {env_url}
@@ -216,11 +217,15 @@ def test_cut_and_full_history_episodes_all_complete_with_tokens(real_settings, p
     slot's context and ends completed and truncated, its steps kept, its group complete."""
     _, env_url = env_server
     cut = real_settings.replace(message_cut=3)
-    full = real_settings.replace(message_cut=0)
+    # Full history, greedy (the same answers every run), and feedback padded past the slot: a
+    # game that gets its first guess answered outgrows the context at its second prompt, so the
+    # server's own 400 ends it; a rambling first answer cut at max_tokens ends it ("length").
+    full = real_settings.replace(message_cut=0, temperature=0.0)
     procs.settings = real_settings
     t0 = time.monotonic()
     job_cut = submit(redis_client, cut, [guess_tasks(tmp_path, env_url, "cut", guess=2, max_turns=5)]).job.job_id
-    job_full = submit(redis_client, full, [guess_tasks(tmp_path, env_url, "full", guess=4, max_turns=200)]).job.job_id
+    job_full = submit(redis_client, full, [guess_tasks(tmp_path, env_url, "full", guess=4, max_turns=200,
+                                                       feedback_pad=CTX_SIZE)]).job.job_id
     procs.worker("w1")
     procs.consumer()
     wait_stored(real_settings, job_cut, 4, 600)
@@ -252,9 +257,12 @@ def test_cut_and_full_history_episodes_all_complete_with_tokens(real_settings, p
     finals = db_rows(db, "SELECT response, step_reward, is_truncated, is_trainable FROM session_steps "
                          "WHERE job_id = ? AND ended_by = 'context_length'", (job_full,))
     assert finals and all(f == ("", 0.0, 1, 1) for f in finals)
-    # A long game's prompt really did outgrow the slot: its last answered step used most of it.
-    (most,), = db_rows(db, "SELECT MAX(prompt_tokens) FROM session_steps WHERE job_id = ?", (job_full,))
-    assert most > llama.slot_context() // 2
+    # The prompt each of those final steps records is the one the server refused: longer than
+    # the slot (in words, fewer than its tokens).
+    refused = db_rows(db, "SELECT messages FROM session_steps WHERE job_id = ? AND ended_by = 'context_length'",
+                      (job_full,))
+    assert all(sum(len(str(m.get("content", "")).split()) for m in json.loads(msgs)) > llama.slot_context()
+               for (msgs,) in refused)
     # Exports: token counts and why each episode ended; one trainable row per full-history episode.
     out = tmp_path / "full.jsonl"
     export_training(db, job_full, out)
