@@ -60,6 +60,8 @@ METRIC_NAMES = {
     "interactor_results_consumers": "gauge",
     "interactor_results_poison": "gauge",
     "interactor_steps_per_second": "gauge",
+    "interactor_breaker_open": "gauge",
+    "interactor_breaker_open_seconds": "gauge",
     "interactor_jobs_active": "gauge",
     "interactor_job_episodes": "gauge",
     "interactor_job_size": "gauge",
