@@ -298,3 +298,20 @@ def test_api_key_goes_only_to_trusted_model_hosts(settings, redis_client, env_se
         rt.stop()
         rt2.stop()
         other.shutdown()
+
+
+def test_an_attempt_ended_by_redis_being_away_is_not_counted(runtime, settings, redis_client, env_server):
+    """Redis unreachable past the outage budget ends the attempt as broker_outage, however the
+    attempt noticed it (here its lease was never renewed, so no breaker saw anything): that is
+    our own outage, so even the last allowed attempt is retried, never dead-lettered."""
+    _, env_url = env_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url="http://127.0.0.1:9/v1", max_attempts=1)
+    started = runtime.ledger.start(job.job_id, ep.episode_id, runtime.name)
+    lease = started.lease
+    base = dict(job_id=job.job_id, episode_id=ep.episode_id, attempt=lease.attempt, group_id=ep.group_id,
+                group_size=ep.group_size, env_name=ep.env_name, llm_model=job.model, started_at=time.time(),
+                worker=runtime.name, attempt_id=lease.attempt_id)
+    err = errors.EpisodeError(errors.BROKER_OUTAGE, "lease not renewed for 900s", transient=True, outage=True)
+    assert runtime._close_error(lease, base, ep, job, err, "") == "retrying"
+    assert DeadLetterQueue(redis_client, settings).list(job_id=job.job_id) == []
+    assert Ledger(redis_client, Keys(settings.key_prefix)).states(job.job_id)[ep.episode_id] == "retrying"

@@ -29,6 +29,7 @@ import random
 import socket
 import time
 import traceback
+
 import redis
 
 from broker import errors
@@ -52,8 +53,7 @@ from broker.records import (
 )
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
-from broker.settings import Settings, redact_url
-from broker.settings import origin_of
+from broker.settings import Settings, origin_of, redact_url
 from workers import limits
 from workers.allowlist import HostAllowlist, env_class_allowlist, hook_allowlist
 from workers.breakers import BreakerBoard, BreakerHeartbeat
@@ -195,7 +195,7 @@ class WorkerRuntime:
             # Redis went away for longer than the client's retries: not the episode's doing.
             err = errors.EpisodeError(errors.BROKER_OUTAGE, f"Redis unreachable: {type(exc).__name__}: {exc}",
                                       transient=True, outage=True)
-            return self._close_error(lease, base, spec, job, err, "", outage_seen=True)
+            return self._close_error(lease, base, spec, job, err, "")
         except Exception as exc:
             err = errors.EpisodeError(errors.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", transient=False)
             err.__cause__ = exc
@@ -336,6 +336,9 @@ class WorkerRuntime:
             if self._finish(lease, record, QUEUED):
                 send_episodes(self.redis, [(lease.job_id, lease.episode_id, self.settings.queue_for(spec))])
             return errors.WORKER_SHUTDOWN
+        # Redis away is our own outage, however the attempt noticed it (a call's RedisError, or
+        # its lease not renewed past the outage budget): never counted against the episode.
+        outage_seen = outage_seen or exc.reason == errors.BROKER_OUTAGE
         if exc.transient and outage_seen and lease.attempt < job.max_attempts + OUTAGE_EXTRA_ATTEMPTS:
             # Ended by a server going down (or by what its restart lost): not counted.
             self.ledger.grant_extra_attempt(lease.job_id, lease.episode_id, job.max_attempts)
