@@ -53,27 +53,19 @@ def spawn_role(role: str, name: str, *, env: dict | None = None, log_path=None, 
     return spawn(role_command(role, name, *extra), env=env, log_path=log_path, cwd=cwd)
 
 
-def terminate(procs: Iterable[subprocess.Popen], grace_s: float, *, group: bool = False) -> None:
+def terminate(procs: Iterable[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM every process still running, wait up to ``grace_s`` for all of them, SIGKILL the
-    rest. ``group``: signal each child's whole process group (a worker's supervisor and its
-    Celery process, a prefork pool)."""
+    rest. (A worker's supervisor passes SIGTERM on to its Celery process, which dies with it.)"""
     procs = [p for p in procs if p is not None]
-
-    def send(p: subprocess.Popen, sig: int) -> None:
-        try:
-            os.killpg(p.pid, sig) if group else p.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
     for p in procs:
         if p.poll() is None:
-            send(p, signal.SIGTERM)
+            p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            send(p, signal.SIGKILL)
+            p.kill()
             p.wait(5)
 
 
