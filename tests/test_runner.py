@@ -315,3 +315,34 @@ def test_an_attempt_ended_by_redis_being_away_is_not_counted(runtime, settings, 
     assert runtime._close_error(lease, base, ep, job, err, "") == "retrying"
     assert DeadLetterQueue(redis_client, settings).list(job_id=job.job_id) == []
     assert Ledger(redis_client, Keys(settings.key_prefix)).states(job.job_id)[ep.episode_id] == "retrying"
+
+
+def test_closing_an_attempt_outlasts_redis_errors(runtime, settings, redis_client, env_server, monkeypatch):
+    """Redis still failing while an attempt closes (here: its first two writes) must not throw
+    the close away: the episode would be reclaimed as a lost worker, an attempt counted for our
+    own outage. The close path's Redis calls are retried like FINISH."""
+    import redis as redis_lib
+
+    _, env_url = env_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url="http://127.0.0.1:9/v1", max_attempts=1)
+    lease = runtime.ledger.start(job.job_id, ep.episode_id, runtime.name).lease
+    base = dict(job_id=job.job_id, episode_id=ep.episode_id, attempt=lease.attempt, group_id=ep.group_id,
+                group_size=ep.group_size, env_name=ep.env_name, llm_model=job.model, started_at=time.time(),
+                worker=runtime.name, attempt_id=lease.attempt_id)
+    failures = {"grant": 1, "limit": 1}
+
+    def flaky(name, real):
+        def call(*a, **kw):
+            if failures[name]:
+                failures[name] -= 1
+                raise redis_lib.ConnectionError("Connection refused (injected)")
+            return real(*a, **kw)
+        return call
+
+    monkeypatch.setattr(runtime.ledger, "grant_extra_attempt", flaky("grant", runtime.ledger.grant_extra_attempt))
+    monkeypatch.setattr(runtime.ledger, "attempt_limit", flaky("limit", runtime.ledger.attempt_limit))
+    err = errors.EpisodeError(errors.BROKER_OUTAGE, "Redis unreachable", transient=True, outage=True)
+    assert runtime._close_error(lease, base, ep, job, err, "") == "retrying"
+    assert failures == {"grant": 0, "limit": 0}
+    assert DeadLetterQueue(redis_client, settings).list(job_id=job.job_id) == []
+    assert Ledger(redis_client, Keys(settings.key_prefix)).states(job.job_id)[ep.episode_id] == "retrying"

@@ -29,6 +29,7 @@ import random
 import socket
 import time
 import traceback
+from typing import Any, Callable
 
 import redis
 
@@ -298,28 +299,43 @@ class WorkerRuntime:
     def _finish(self, lease: Lease, record: AttemptRecord, new_state: str, **kw) -> bool:
         """Close the attempt once its steps are in the stream (never the close before them).
 
-        Redis errors are retried (with backoff, up to the outage budget): a FINISH whose reply
-        was lost and that is sent again finds its lease gone, so a refusal after a retry is
-        checked against the ledger (the episode in ``new_state`` under this very attempt means
-        the first one landed)."""
+        Redis errors are retried (``_through_outage``): a FINISH whose reply was lost and that
+        is sent again finds its lease gone, so a refusal after a retry is checked against the
+        ledger (the episode in ``new_state`` under this very attempt means the first one
+        landed). Past the outage budget it gives up: the sweeper re-runs the episode."""
         self.publisher.flush(lease)
         record = _encodable(record)
-        t0, delay, retried = time.monotonic(), 0.1, False
+        tries = 0
+
+        def finish() -> bool:
+            nonlocal tries
+            tries += 1
+            ok = self.ledger.finish(lease, record, new_state, **kw)
+            if not ok and tries > 1 and self.ledger.finished_as(lease, new_state):
+                lease.lost.clear()
+                return True
+            return ok
+
+        try:
+            return self._through_outage(lease, "recording its end", finish)
+        except redis.RedisError as exc:
+            log.error("episode %s attempt %d: could not record its end, Redis unreachable (%s); the "
+                      "sweeper will re-run it", lease.episode_id, lease.attempt, exc)
+            return False
+
+    def _through_outage(self, lease: Lease, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried with backoff on Redis errors for up to the outage budget (then the
+        last error is raised): closing an attempt must outlast a Redis restart, or the episode
+        would be reclaimed as a lost worker, an attempt counted against it for our outage."""
+        t0, delay = time.monotonic(), 0.1
         while True:
             try:
-                ok = self.ledger.finish(lease, record, new_state, **kw)
-                if not ok and retried and self.ledger.finished_as(lease, new_state):
-                    lease.lost.clear()
-                    return True
-                return ok
+                return fn()
             except redis.RedisError as exc:
                 if time.monotonic() - t0 > self.settings.outage_budget_s:
-                    log.error("episode %s attempt %d: could not record its end, Redis unreachable (%s); the "
-                              "sweeper will re-run it", lease.episode_id, lease.attempt, exc)
-                    return False
-                log.warning("episode %s attempt %d: recording its end failed (%s); retrying", lease.episode_id,
-                            lease.attempt, exc)
-                retried = True
+                    raise
+                log.warning("episode %s attempt %d: %s failed (%s); retrying", lease.episode_id, lease.attempt,
+                            what, exc)
                 time.sleep(delay)
                 delay = min(5.0, delay * 2)
 
@@ -332,7 +348,7 @@ class WorkerRuntime:
         error_class = type(exc.__cause__ or exc).__name__
         if exc.reason == errors.WORKER_SHUTDOWN:
             record = AttemptRecord(**base, status=ABANDONED, reason=exc.reason, error_class=error_class, error=message)
-            self.ledger.grant_extra_attempt(lease.job_id, lease.episode_id, job.max_attempts)
+            self._grant_extra_attempt(lease, job)
             if self._finish(lease, record, QUEUED):
                 send_episodes(self.redis, [(lease.job_id, lease.episode_id, self.settings.queue_for(spec))])
             return errors.WORKER_SHUTDOWN
@@ -341,9 +357,10 @@ class WorkerRuntime:
         outage_seen = outage_seen or exc.reason == errors.BROKER_OUTAGE
         if exc.transient and outage_seen and lease.attempt < job.max_attempts + OUTAGE_EXTRA_ATTEMPTS:
             # Ended by a server going down (or by what its restart lost): not counted.
-            self.ledger.grant_extra_attempt(lease.job_id, lease.episode_id, job.max_attempts)
+            self._grant_extra_attempt(lease, job)
             message = f"{message} [after an outage; this attempt is not counted]"
-        limit = self.ledger.attempt_limit(lease.job_id, lease.episode_id, job.max_attempts)
+        limit = self._through_outage(lease, "reading its attempt limit", lambda: self.ledger.attempt_limit(
+            lease.job_id, lease.episode_id, job.max_attempts))
         if exc.transient and lease.attempt < limit:
             record = AttemptRecord(**base, status=ATTEMPT_RETRYING, reason=exc.reason, error_class=error_class,
                                    error=message)
@@ -354,6 +371,10 @@ class WorkerRuntime:
         if exc.transient:
             message = f"{message} (after {lease.attempt} attempts)"
         return self._close_failed(lease, base, spec, exc, tb, limit=limit, message=message, error_class=error_class)
+
+    def _grant_extra_attempt(self, lease: Lease, job: JobSpec) -> None:
+        self._through_outage(lease, "granting an uncounted attempt", lambda: self.ledger.grant_extra_attempt(
+            lease.job_id, lease.episode_id, job.max_attempts))
 
     def _close_failed(self, lease, base, spec, exc, tb, *, limit, message=None, error_class=None) -> str:
         message = self._redact(message if message is not None else str(exc.args[0]))
