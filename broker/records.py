@@ -20,6 +20,17 @@ Version 2 (this code writes it; version 1 is still read):
 * ``prompt_tokens`` / ``completion_tokens`` (the server's ``usage``, when it sends one) and
   ``ended_by`` (why the episode ended: terminated, truncated, length, context_length,
   empty_prompt, max_steps).
+
+Version 3 (this code writes it; versions 1 and 2 are still read, their token fields empty):
+
+* ``JobSpec.tokens``: which server's token options to ask with (broker/tokens.py TOKEN_MODES;
+  "" = off).
+* ``StepRecord`` token fields (broker/tokens.py): ``token_source`` (the server row that
+  answered), ``token_status`` and ``token_error``, ``prompt_ids`` / ``completion_ids`` (packed
+  int32) and ``completion_logprobs`` (packed float32), ``completion_token_texts`` (only when the
+  server gives no ids), and ``token_drift``: the first position where this turn's prompt ids
+  stop extending the previous turn's prompt + completion ids (None: they extend it, or there is
+  nothing to compare).
 """
 
 from __future__ import annotations
@@ -34,8 +45,8 @@ import orjson
 
 from broker.settings import redact_url
 
-SCHEMA_VERSION = 2
-SUPPORTED_VERSIONS = frozenset({1, 2})
+SCHEMA_VERSION = 3
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 
 
 class RecordError(ValueError):
@@ -162,6 +173,7 @@ class JobSpec(_Record):
     groups: int = 0
     sources: list[str] = field(default_factory=list)  # task files, for the humans reading results
     created_at: float = field(default_factory=time.time)
+    tokens: str = ""  # v3: broker/tokens.py TOKEN_MODES; "" = do not ask the server for tokens
 
 
 @dataclass
@@ -212,6 +224,15 @@ class StepRecord(_Record):
     prompt_tokens: int | None = None  # the model server's usage, when it reported one
     completion_tokens: int | None = None
     ended_by: str = ""  # on the episode's final step: why it ended (one of ENDED_BY)
+    # v3, token-exact trajectories (broker/tokens.py); all empty when the job did not ask
+    token_source: str = ""  # the TOKEN_SERVERS row whose answer shape was read
+    token_status: str = ""  # one of TOKEN_STATUSES ("" = not asked)
+    token_error: str = ""  # TOKEN_ERRORS code and detail when invalid or missing
+    prompt_ids: bytes | None = None  # packed little-endian int32
+    completion_ids: bytes | None = None  # packed little-endian int32
+    completion_logprobs: bytes | None = None  # packed little-endian float32, one per completion token
+    completion_token_texts: list[str] | None = None  # only when the server gives no ids
+    token_drift: int | None = None  # first prompt position not extending the previous turn
 
     @property
     def messages(self) -> list[Any]:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
+from broker.tokens import TOKEN_MODES, TOKENS_AUTO
+
 ENV_PREFIX = "INTERACTOR_"
 
 
@@ -95,6 +97,9 @@ class Settings:
     llm_max_concurrency: int = 0  # model requests in flight per worker process; 0 = up to `concurrency`
     llm_max_connections: int = 0  # kept-alive connections to the model per worker process; 0 = auto
     llm_startup_jitter_s: float = 0.0  # each of a worker's first `concurrency` episodes waits U(0, this)
+    # Ask the model server for token ids and logprobs (broker/tokens.py TOKEN_MODES: "" off,
+    # "auto", or the server's name; "1"/"true" = auto). A task file's "tokens" key when unset.
+    tokens: str = ""
 
     # --- environment servers -----------------------------------------------------------
     env_base_url: str = ""  # default for task entries that name no base_url
@@ -155,6 +160,10 @@ class Settings:
     consumer_claim_idle_ms: int = 30_000
 
     def __post_init__(self) -> None:
+        if str(self.tokens).lower() in ("1", "true", "yes", "on"):  # --tokens with no server named
+            object.__setattr__(self, "tokens", TOKENS_AUTO)
+        elif str(self.tokens).lower() in ("0", "false", "no", "off"):
+            object.__setattr__(self, "tokens", "")
         # Fold the convenience fields into llm_params, which is what travels in the JobSpec.
         extra = self.convenience_params()
         if not extra:
@@ -235,6 +244,8 @@ class Settings:
                     raise ValueError
             except ValueError:
                 problems.append(f"llm_params must be a JSON object, got {self.llm_params!r}")
+        if self.tokens not in TOKEN_MODES:
+            problems.append(f"tokens must be one of {', '.join(repr(m) for m in TOKEN_MODES)}, not {self.tokens!r}")
         if self.llm_max_tokens < 0:
             problems.append("llm_max_tokens must be >= 0 (0 = not sent)")
         if not 0 <= self.llm_top_p <= 1:

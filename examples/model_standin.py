@@ -46,6 +46,17 @@ say one full of markup, for the results browser to show).
 ``overflow_style``: ``vllm`` (default), ``sglang``, ``llama.cpp`` (which, like the real one,
 checks the prompt alone) or ``openai``. ``GET /stats`` counts them as ``context_overflows``.
 
+Tokens (docs/protocol.md#token-options): a deterministic toy tokenizer (:class:`ToyTokenizer`:
+one id per UTF-8 byte, three special tokens, a ChatML-like template that only appends) lets
+the stand-in answer as the real servers do when asked. ``logprobs: true`` adds
+``choices[0].logprobs.content`` (token, logprob, bytes; and ``id`` in ``tokens_style``
+``llama.cpp``); ``return_token_ids: true`` adds vLLM's ``prompt_token_ids`` and
+``choices[0].token_ids`` (``tokens_style`` ``vllm``, the default). ``openai`` and ``sglang``
+styles give no ids. ``POST /tokenize``, ``/detokenize`` and ``/apply-template`` answer like
+llama-server's routes. ``token_fault`` (an attribute) spoils the token answer the way a
+broken server would: ``ids_not_text``, ``length``, ``non_integer``, ``nan``, ``positive``.
+With tokens asked for, ``usage`` counts toy tokens.
+
 Fault knobs (constructor, CLI flags, and plain attributes on a running server):
 ``latency_ms``, ``error_rate`` (answered 429/500/503 in turn), ``drop_rate`` (connection
 closed without an answer), ``malformed_rate`` (200 without ``choices``), ``length_rate``
@@ -70,7 +81,7 @@ from envs.http import FaultDice, JSONHandler, QuietHTTPServer, serve_until_signa
 
 from .envserver import add_fault_args
 
-__all__ = ["ModelStandin", "context_refusal", "scripted_reply", "start_in_thread", "main"]
+__all__ = ["ModelStandin", "ToyTokenizer", "context_refusal", "scripted_reply", "start_in_thread", "main"]
 
 
 # ---------------------------------------------------------------------------
@@ -230,6 +241,56 @@ def scripted_reply(messages: list[dict], rng: random.Random, skill: float = 0.7)
     return "I don't know"
 
 
+
+# ---------------------------------------------------------------------------
+# The toy tokenizer (token answers without a model)
+# ---------------------------------------------------------------------------
+
+
+class ToyTokenizer:
+    """Deterministic and exact: id = byte + 3 for every UTF-8 byte, ids 0..2 special. The chat
+    template appends only (``<|im_start|>role\ncontent<|im_end|>\n`` per message), so a full-history
+    episode's turns extend one another token for token; trimming (``message_cut``) does not."""
+
+    SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    END_OF_TURN = 2
+    _SPLIT = re.compile("(" + "|".join(re.escape(t) for t in SPECIALS) + ")")
+
+    @classmethod
+    def encode(cls, text: str, parse_special: bool = True) -> list[int]:
+        if not parse_special:
+            return [b + 3 for b in text.encode("utf-8")]
+        out: list[int] = []
+        for piece in cls._SPLIT.split(text):
+            if piece in cls.SPECIALS:
+                out.append(cls.SPECIALS.index(piece))
+            elif piece:
+                out.extend(b + 3 for b in piece.encode("utf-8"))
+        return out
+
+    @classmethod
+    def piece(cls, i: int) -> bytes:
+        return cls.SPECIALS[i].encode() if i < 3 else bytes([i - 3])
+
+    @classmethod
+    def decode(cls, ids: list[int]) -> str:
+        return b"".join(cls.piece(i) for i in ids).decode("utf-8", "replace")
+
+    @staticmethod
+    def render(messages: list, add_generation_prompt: bool = True) -> str:
+        out = "".join(f"<|im_start|>{m.get('role', '')}\n{message_text(m.get('content'))}<|im_end|>\n"
+                      for m in messages if isinstance(m, dict))
+        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    @staticmethod
+    def logprob(token: int, position: int) -> float:
+        """A made-up, reproducible logprob in (-2, 0]."""
+        return -(((token * 2654435761) ^ (position * 40503)) % 1000) / 500.0
+
+
+TOKEN_STYLES = ("vllm", "llama.cpp", "openai", "sglang")
+TOKEN_FAULTS = ("", "ids_not_text", "length", "non_integer", "nan", "positive")
+
 # ---------------------------------------------------------------------------
 # Context overflow, in real servers' words
 # ---------------------------------------------------------------------------
@@ -281,7 +342,8 @@ class ModelStandin(QuietHTTPServer):
                  error_rate: float = 0.0, length_rate: float = 0.0, weight_version: str = "v1",
                  drop_rate: float = 0.0, malformed_rate: float = 0.0, skill: float = 0.7,
                  model_name: str = "standin-policy", fault_seed: int | None = 0,
-                 context_tokens: int = 0, overflow_style: str = "vllm", verbose: bool = False):
+                 context_tokens: int = 0, overflow_style: str = "vllm", tokens_style: str = "vllm",
+                 verbose: bool = False):
         super().__init__((host, port), _ModelHandler, verbose=verbose)
         self.latency_ms = latency_ms
         self.error_rate = error_rate
@@ -313,6 +375,11 @@ class ModelStandin(QuietHTTPServer):
         self.context_tokens = context_tokens
         self.overflow_style = overflow_style
         self.context_overflows = 0
+        if tokens_style not in TOKEN_STYLES:
+            raise ValueError(f"tokens_style must be one of {sorted(TOKEN_STYLES)}, not {tokens_style!r}")
+        self.tokens_style = tokens_style
+        self.token_fault = ""  # one of TOKEN_FAULTS: spoil every token answer that way
+        self.token_answers = 0
 
     def stats(self) -> dict:
         with self.lock:
@@ -326,6 +393,7 @@ class ModelStandin(QuietHTTPServer):
                 "auth_headers_seen": self.auth_headers_seen,
                 "request_params": {k: list(v) for k, v in self.request_params.items()},
                 "context_overflows": self.context_overflows,
+                "token_answers": self.token_answers,
             }
 
 
@@ -354,6 +422,8 @@ class _ModelHandler(JSONHandler):
             return self.send_json(200, {"object": "list", "data": [
                 {"id": srv.model_name, "object": "model", "created": 0,
                  "owned_by": "interactor-standin"}]})
+        if method == "POST" and parts and parts[-1] in ("tokenize", "detokenize", "apply-template"):
+            return self.llama_route(parts[-1], body)
         if len(parts) >= 2 and parts[-2:] == ["chat", "completions"]:
             if method != "POST":
                 return self.send_json(405, {"error": {"message": "use POST",
@@ -461,7 +531,77 @@ class _ModelHandler(JSONHandler):
         }
         if srv.weight_version:
             out["metadata"] = {"weight_version": str(srv.weight_version)}
+        if req.get("logprobs") or req.get("return_token_ids"):
+            self.add_tokens(req, messages, content, finish_reason, out)
         self.answer(200, out)
+
+    def add_tokens(self, req: dict, messages: list, content: str, finish_reason: str, out: dict) -> None:
+        """What a real server adds when asked for tokens, in ``tokens_style``'s shape."""
+        srv = self.server
+        tk = ToyTokenizer
+        prompt_ids = tk.encode(tk.render(messages))
+        # the end-of-turn token is sampled too, unless the answer was cut off
+        ids = tk.encode(content, parse_special=False) + ([tk.END_OF_TURN] if finish_reason == "stop" else [])
+        entries = [{"token": tk.piece(i).decode("utf-8", "replace"), "logprob": tk.logprob(i, n),
+                    "bytes": list(tk.piece(i)), "top_logprobs": []} for n, i in enumerate(ids)]
+        style = srv.tokens_style
+        if style == "llama.cpp":
+            for e, i in zip(entries, ids):
+                e["id"] = i
+            if entries and ids[-1] == tk.END_OF_TURN:  # llama-server does not list the end-of-generation token
+                entries.pop()
+        fault = srv.token_fault
+        with srv.lock:
+            srv.token_answers += 1
+        if fault == "ids_not_text" and ids:
+            ids[0] = ids[0] + 1 if ids[0] + 1 >= 3 else 3
+            if style == "llama.cpp":
+                entries[0]["id"] = ids[0]
+            entries[0]["bytes"] = list(tk.piece(ids[0]))
+            entries[0]["token"] = tk.piece(ids[0]).decode("utf-8", "replace")
+        elif fault == "length":
+            ids = ids + [tk.END_OF_TURN]
+        elif fault == "non_integer" and ids:
+            ids[0] = str(ids[0])  # type: ignore[call-overload]
+            if style == "llama.cpp":
+                entries[0]["id"] = ids[0]
+        elif fault == "nan" and entries:
+            entries[0]["logprob"] = float("nan")  # json.dumps writes the bare word NaN, as a C++ server might
+        elif fault == "positive" and entries:
+            entries[0]["logprob"] = 0.5
+        choice = out["choices"][0]
+        if req.get("logprobs"):
+            choice["logprobs"] = {"content": entries}
+        if req.get("return_token_ids") and style == "vllm":
+            out["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = ids
+        # a real server counts its own tokens
+        out["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                        "total_tokens": len(prompt_ids) + len(ids)}
+
+    def llama_route(self, route: str, body: bytes) -> None:
+        """llama-server's /tokenize, /detokenize and /apply-template, over the toy tokenizer."""
+        try:
+            req = json.loads(body) if body.strip() else {}
+        except ValueError:
+            req = None
+        if not isinstance(req, dict):
+            return self.error(400, "request body must be a JSON object", "invalid_request_error")
+        tk = ToyTokenizer
+        if route == "apply-template":
+            messages = req.get("messages")
+            if not isinstance(messages, list):
+                return self.error(400, "'messages' must be a list", "invalid_request_error")
+            return self.answer(200, {"prompt": tk.render(messages)})
+        if route == "tokenize":
+            content = req.get("content")
+            if not isinstance(content, str):
+                return self.error(400, "'content' must be a string", "invalid_request_error")
+            return self.answer(200, {"tokens": tk.encode(content, parse_special=bool(req.get("parse_special")))})
+        tokens = req.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 259 for t in tokens):
+            return self.error(400, "'tokens' must be a list of token ids", "invalid_request_error")
+        return self.answer(200, {"content": tk.decode(tokens)})
 
 
 # ---------------------------------------------------------------------------
@@ -498,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
                              "as a real server does (0: no limit)")
     parser.add_argument("--overflow-style", choices=OVERFLOW_STYLES, default="vllm",
                         help="whose wording the context-overflow 400 uses")
+    parser.add_argument("--tokens-style", choices=TOKEN_STYLES, default="vllm",
+                        help="whose shape token answers take (ids and logprobs, when a request asks)")
     args = parser.parse_args(argv)
     server = ModelStandin(args.host, args.port, latency_ms=args.latency_ms,
                           error_rate=args.error_rate, length_rate=args.length_rate,
@@ -505,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                           malformed_rate=args.malformed_rate, skill=args.skill,
                           model_name=args.model_name, fault_seed=args.fault_seed,
                           context_tokens=args.context_tokens, overflow_style=args.overflow_style,
-                          verbose=args.verbose)
+                          tokens_style=args.tokens_style, verbose=args.verbose)
     return serve_until_signal(server)
 
 

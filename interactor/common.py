@@ -24,12 +24,18 @@ SETTING_FLAGS = {
     "--llm-max-connections": "llm_max_connections", "--llm-max-concurrency": "llm_max_concurrency",
     "--llm-startup-jitter": "llm_startup_jitter_s",
     "--experience-dir": "experience_dir", "--experience-top-k": "experience_top_k",
+    "--tokens": "tokens",
 }
+# Setting flags that may be given bare: the value they then stand for.
+_BARE = {"--tokens": "auto"}  # --tokens = ask in the way the server's answer shows (broker/tokens.py)
 
 
 def add_setting_flags(p: argparse.ArgumentParser, names: list[str]) -> None:
     for flag in names:
-        p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None)
+        if flag in _BARE:
+            p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None, nargs="?", const=_BARE[flag])
+        else:
+            p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -44,6 +44,8 @@ def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
         episodes=len(plan.episodes),
         groups=plan.groups,
         sources=plan.sources,
+        # the command line's --tokens / INTERACTOR_TOKENS wins; else what the task files say
+        tokens=settings.tokens if settings.tokens else (plan.tokens or ""),
     )
 
 

@@ -43,6 +43,7 @@ import msgpack
 import yaml
 
 from broker.records import EpisodeSpec
+from broker.tokens import TOKEN_MODES, TOKENS_AUTO
 from envs.base import valid_object_path
 
 __all__ = ["TaskFileError", "PlannedJob", "plan_job", "load_task_file", "derive_seed", "DATASET_FORMATS"]
@@ -51,7 +52,9 @@ DATASET_FORMATS = (".json", ".jsonl", ".yaml", ".yml", ".parquet")
 ENTRY_KEYS = ("env_name", "env_params", "dataset", "env_num", "base_url", "seed", "queue", "transport",
               "env_class")
 TRANSPORTS = ("http", "inproc")
-TOP_KEYS = ("environments",)
+# "tokens" (optional): ask the model server for token ids and logprobs (broker/tokens.py
+# TOKEN_MODES; true = "auto"); the job's setting, unless the command line set one.
+TOP_KEYS = ("environments", "tokens")
 
 # plan_job builds EpisodeSpec positionally for speed; fail loudly if the schema's order moves.
 _SPEC_ORDER = ("job_id", "episode_id", "group_id", "group_size", "env_name", "base_url",
@@ -75,6 +78,7 @@ class PlannedJob:
     groups: int
     sources: list[str]  # absolute task file paths, in the order given
     by_env: dict[str, int] = field(default_factory=dict)  # env_name -> episode count
+    tokens: str | None = None  # the task files' "tokens" (None: none said)
 
 
 # --------------------------------------------------------------------------- YAML loading
@@ -263,7 +267,8 @@ _READERS = {".json": _read_json, ".jsonl": _read_jsonl, ".yaml": _read_yaml, ".y
 
 # --------------------------------------------------------------------------- task files
 
-def load_task_file(path, *, default_base_url: str = "", default_queue: str = "episodes") -> list[dict]:
+def load_task_file(path, *, default_base_url: str = "", default_queue: str = "episodes",
+                   meta: dict | None = None) -> list[dict]:
     """Parse and validate one task file. Returns one normalized dict per entry::
 
         {"index": e, "line": yaml_line, "env_name": str, "env_params": dict, "env_num": int,
@@ -301,6 +306,17 @@ def load_task_file(path, *, default_base_url: str = "", default_queue: str = "ep
         for k_node, v_node in root.value:
             if getattr(k_node, "value", None) == "environments" and isinstance(v_node, yaml.SequenceNode):
                 lines = [n.start_mark.line + 1 for n in v_node.value]
+    if "tokens" in doc:
+        tokens = doc["tokens"]
+        if tokens is True:
+            tokens = TOKENS_AUTO
+        elif tokens is False or tokens is None:
+            tokens = ""
+        if tokens not in TOKEN_MODES:
+            raise TaskFileError(f"{path}: 'tokens' must be true, false or one of "
+                                f"{', '.join(m for m in TOKEN_MODES if m)}, got {doc['tokens']!r}")
+        if meta is not None:
+            meta["tokens"] = tokens
     base_dir = os.path.dirname(os.path.abspath(path))
     return [_load_entry(path, base_dir, e, raw, lines[e - 1] if e - 1 < len(lines) else None,
                         default_base_url, default_queue)
@@ -449,15 +465,19 @@ def plan_job(paths: list[str], *, job_id: str, default_base_url: str = "",
     gc.disable()  # ~10 acyclic objects per episode and row: GC passes only cost time here
     try:
         # Validate the whole set first: nothing is returned unless every file is good.
-        loaded = [load_task_file(p, default_base_url=default_base_url, default_queue=default_queue)
-                  for p in paths]
+        metas = [{} for _ in paths]
+        loaded = [load_task_file(p, default_base_url=default_base_url, default_queue=default_queue, meta=m)
+                  for p, m in zip(paths, metas)]
+        said = {m["tokens"] for m in metas if "tokens" in m}
+        if len(said) > 1:  # one job, one way of asking the model server
+            raise TaskFileError(f"the task files disagree on 'tokens': {sorted(said)}")
         episodes, groups, by_env = _expand(paths, loaded, job_id)
     finally:
         if gc_was_enabled:
             gc.enable()
 
     return PlannedJob(episodes=episodes, groups=groups, sources=[os.path.abspath(p) for p in paths],
-                      by_env=by_env)
+                      by_env=by_env, tokens=said.pop() if said else None)
 
 
 def _expand(paths: list[str], loaded: list[list[dict]], job_id: str

@@ -36,7 +36,9 @@ from broker.records import (
     ENDED_TRUNCATED,
     StepRecord,
 )
+from broker.tokens import TOKENS_INVALID, TOKENS_MISSING, TOKENS_OK, first_difference
 from workers.hooks import EpisodeHook
+from workers.tokens import warn_once
 
 log = logging.getLogger("interactor.loop")
 
@@ -116,6 +118,9 @@ def run_episode(
     """
     out = EpisodeOutcome()
     last_weight_version = None
+    # The previous turn's prompt + completion ids: this turn's prompt ids must start with them
+    # (an append-only template); where not, the step records token_drift (docs/protocol.md).
+    prev_tokens: list[int] | None = None
     try:
         check()
         env.reset()
@@ -153,6 +158,23 @@ def run_episode(
                 finish_reason=finish_reason, model_latency_s=model_s, attempt_id=cfg.attempt_id,
                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             )
+            tok = getattr(completion, "tokens", None)
+            if tok is not None:
+                common.update(tok.record_fields())
+                for text in tok.warnings:
+                    warn_once(cfg.job_id, text)
+                if tok.status in (TOKENS_INVALID, TOKENS_MISSING):
+                    # once per job and reason; each step's own reason is stored with it
+                    code = tok.error.split(":", 1)[0]
+                    warn_once(cfg.job_id, f"token answers {tok.status} ({code}), e.g. episode {cfg.episode_id} "
+                                          f"step {step_id}: {tok.error}; the steps keep their text",
+                              key=f"{tok.status}:{code}")
+                if tok.status == TOKENS_OK:
+                    if prev_tokens is not None:
+                        common["token_drift"] = first_difference(prev_tokens, tok.prompt_ids)
+                    prev_tokens = list(tok.prompt_ids) + list(tok.completion_ids)
+                else:
+                    prev_tokens = None  # nothing to compare the next turn with
 
             if overflow is not None or finish_reason == "length":
                 # The model side ended it: the prompt did not fit, or the answer was cut off.

@@ -23,6 +23,7 @@ from the server are scrubbed of it too); URLs are logged through ``redact_url``.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,8 @@ from broker.errors import (
     EpisodeError,
 )
 from broker.settings import Secret, redact_url
+from broker.tokens import TOK_PROMPT_IDS
+from workers.tokens import TokenAnswer, read_tokens, request_fields, set_prompt_ids
 from workers.http import (
     PooledClient,
     Reply,
@@ -66,6 +69,7 @@ class Completion:
     attempts: int = 1  # how many requests it took
     prompt_tokens: int | None = None  # usage.prompt_tokens, when the server reports usage
     completion_tokens: int | None = None  # usage.completion_tokens, likewise
+    tokens: TokenAnswer | None = None  # what the server sampled, when the job asked (workers/tokens.py)
 
 
 class ModelClient(PooledClient):
@@ -81,7 +85,10 @@ class ModelClient(PooledClient):
         params: dict | None = None,
         deadline: float,
         api_key: str = "",
+        tokens: str = "",
     ) -> Completion:
+        """``tokens``: the job's token mode (broker/tokens.py TOKEN_MODES): the request asks
+        for token ids and logprobs in that server's way and ``Completion.tokens`` holds them."""
         s = self.settings
         url = f"{base_url.rstrip('/')}/chat/completions"
         shown = redact_url(url)
@@ -96,7 +103,9 @@ class ModelClient(PooledClient):
                 raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: the api key contains characters not allowed in a header")
             headers["Authorization"] = f"Bearer {key}"
         try:
-            data = orjson.dumps({"model": model, "messages": messages, "temperature": temperature, **(params or {})})
+            # The token fields go first: a job's own llm_params (say, top_logprobs: 5) win.
+            data = orjson.dumps({"model": model, "messages": messages, "temperature": temperature,
+                                 **request_fields(tokens), **(params or {})})
         except (TypeError, ValueError) as exc:
             raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request body is not JSON-serialisable ({type(exc).__name__})") from None
         tries = 0
@@ -150,7 +159,42 @@ class ModelClient(PooledClient):
             log_target=shown,
             logger=log,
         )
-        return _parse(reply, what, tries)
+        completion = _parse(reply, what, tries, tokens)
+        ans = completion.tokens
+        if ans is not None and ans.needs_prompt_tokenize:
+            self._llama_prompt_ids(base_url, messages, ans, completion.prompt_tokens, headers, deadline, what)
+        return completion
+
+    def _llama_prompt_ids(self, base_url: str, messages: list, ans: TokenAnswer, usage_prompt: int | None,
+                          headers: dict, deadline: float, what: str) -> None:
+        """llama.cpp's prompt ids: its own template (``/apply-template``) and tokenizer
+        (``/tokenize``, special tokens parsed and added as its chat route does). A failure
+        marks the step's tokens invalid; it never fails the step (the answer is already had)."""
+        root = base_url.rstrip("/")
+        root = root[:-3] if root.endswith("/v1") else root
+        try:
+            prompt = self._post_json(f"{root}/apply-template", {"messages": messages}, headers, deadline)["prompt"]
+            ids = self._post_json(f"{root}/tokenize", {"content": prompt, "add_special": True, "parse_special": True},
+                                  headers, deadline)["tokens"]
+        except EpisodeError:
+            raise  # the attempt's budget ran out: as for any call
+        except Exception as exc:
+            ans.invalid(TOK_PROMPT_IDS, f"{what}: prompt ids from /apply-template + /tokenize failed: "
+                                        f"{type(exc).__name__}: {str(exc)[:120]}")
+            return
+        set_prompt_ids(ans, ids, usage_prompt)
+
+    def _post_json(self, url: str, body: dict, headers: dict, deadline: float) -> Any:
+        s = self.settings
+        timeout = timeouts(deadline, s.llm_connect_timeout_s, s.llm_read_timeout_s, what=url)
+        reply = send(self.http, "POST", url, deadline=deadline, timeout=timeout, max_bytes=s.max_response_bytes,
+                     what=redact_url(url), body=orjson.dumps(body), headers=headers)
+        if not reply.ok:
+            raise ValueError(f"HTTP {reply.status}")
+        obj = parse_json(reply.body)
+        if not isinstance(obj, dict):
+            raise ValueError("answer is not an object")
+        return obj
 
 
 # How each server says that a prompt does not fit the model's context window (all answer HTTP
@@ -211,14 +255,19 @@ def context_overflow(body: bytes) -> str | None:
     return None
 
 
-def _parse(reply: Reply, what: str, tries: int) -> Completion:
+def _parse(reply: Reply, what: str, tries: int, tokens: str = "") -> Completion:
     def bad(detail: str) -> EpisodeError:
         return EpisodeError(MODEL_MALFORMED, f"{what}: {detail}")
 
     try:
         obj: Any = parse_json(reply.body)
     except ValueError:
-        raise bad(f"answer is not JSON ({len(reply.body)} bytes)") from None
+        # A server may write a NaN logprob as the bare word NaN, which JSON does not allow: with
+        # tokens asked for, such an answer is read with the constants as strings, so the step
+        # keeps its text and the check marks its tokens invalid (bad_logprob).
+        obj = _lenient_json(reply.body) if tokens else None
+        if obj is None:
+            raise bad(f"answer is not JSON ({len(reply.body)} bytes)") from None
     if not isinstance(obj, dict):
         raise bad(f"answer is a JSON {type(obj).__name__}, not an object")
     choices = obj.get("choices")
@@ -258,7 +307,18 @@ def _parse(reply: Reply, what: str, tries: int) -> Completion:
         attempts=tries,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
+        tokens=read_tokens(tokens, obj, content) if tokens else None,
     )
+
+
+def _lenient_json(body: bytes) -> Any:
+    """JSON with NaN/Infinity/-Infinity read as the strings they spell (None if still not JSON)."""
+    try:
+        obj = json.loads(body, parse_constant=str)
+        orjson.dumps(obj)  # refuses what orjson refuses on reading (lone surrogates, huge ints)
+        return obj
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError, orjson.JSONEncodeError):
+        return None
 
 
 def _count(value: Any) -> int | None:

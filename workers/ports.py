@@ -114,6 +114,8 @@ class BoundPolicy:
 
     def complete(self, messages: list[dict]):
         j = self.job
+        # tokens only when the job asks: a v2 JobSpec has none, and the call stays as it was
+        extra = {"tokens": j.tokens} if getattr(j, "tokens", "") else {}
         return self.guard.call(self.breaker, lambda: self.client.complete(
             self.base_url, messages, model=j.model, temperature=j.temperature, params=j.llm_params,
-            deadline=self.budget.deadline, api_key=self.api_key), retry_safe=True)
+            deadline=self.budget.deadline, api_key=self.api_key, **extra), retry_safe=True)
