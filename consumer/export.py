@@ -43,6 +43,9 @@ COLUMNS = (
     "response", "reward", "episode_reward", "weight_version", "is_trainable", "terminated",
     "truncated", "group_complete", "episode_status", "completion", "group_size", "group_reward_mean",
     "group_reward_std", "advantage", "group_rewards_equal", "prompt_tokens", "completion_tokens", "ended_by",
+    # token-exact trajectories (null when the job did not ask): the step's own ids as the
+    # server gave them, its token status, and token_drift (see consumer/streams.py)
+    "prompt_ids", "completion_ids", "completion_logprobs", "token_status", "token_error", "token_drift",
 )
 ADVANTAGE_EPS = 1e-6
 
@@ -79,6 +82,12 @@ def parquet_schema():
             pa.field("prompt_tokens", pa.int64()),
             pa.field("completion_tokens", pa.int64()),
             pa.field("ended_by", pa.string()),
+            pa.field("prompt_ids", pa.list_(pa.int32())),
+            pa.field("completion_ids", pa.list_(pa.int32())),
+            pa.field("completion_logprobs", pa.list_(pa.float32())),
+            pa.field("token_status", pa.string()),
+            pa.field("token_error", pa.string()),
+            pa.field("token_drift", pa.int32()),
         ]
     )
 
@@ -197,7 +206,9 @@ def _iter_rows(
     trainable_only: bool,
     summary: ExportSummary,
 ) -> Iterator[dict[str, Any]]:
+    with_tokens = store.has_step_tokens()
     for ep_id, status, total, gcomplete, gsize, gmean, gstd, adv, equal in episodes:
+        tokens = {t["step_id"]: t for t in store.episode_tokens(ep_id)} if with_tokens else {}
         for (s_job, env_id, gid, env_name, step_id, att, messages, response, reward, wv, trainable, term, trunc,
              p_tokens, c_tokens, ended_by) in store.export_steps(ep_id, trainable_only=trainable_only):
             prompt = orjson.loads(messages) if messages else []
@@ -230,7 +241,17 @@ def _iter_rows(
                 "prompt_tokens": p_tokens,
                 "completion_tokens": c_tokens,
                 "ended_by": ended_by,
+                **_token_columns(tokens.get(step_id)),
             }
+
+
+def _token_columns(t: dict | None) -> dict[str, Any]:
+    if t is None:
+        return {"prompt_ids": None, "completion_ids": None, "completion_logprobs": None, "token_status": None,
+                "token_error": None, "token_drift": None}
+    return {"prompt_ids": t["prompt_ids"], "completion_ids": t["completion_ids"],
+            "completion_logprobs": t["completion_logprobs"], "token_status": t["token_status"],
+            "token_error": t["token_error"], "token_drift": t["token_drift"]}
 
 
 def _flat_messages(msgs: Iterable[Any]) -> list[dict[str, str | None]]:
@@ -342,3 +363,123 @@ def _write_parquet(rows: Iterable[dict], path: str, row_group_size: int) -> int:
         if buf or n == 0:
             flush()  # an empty export still writes a file with the schema
     return n
+
+
+# --------------------------------------------------------------------------- token streams
+STREAM_COLUMNS = (
+    "job_id", "episode_id", "group_id", "env_name", "episode_status", "episode_reward", "group_size",
+    "group_reward_mean", "group_reward_std", "advantage", "segment", "segments", "first_step", "last_step",
+    "starts_because", "drift_at", "token_drift", "steps_without_ids", "token_ids", "loss_mask", "logprobs",
+)
+
+
+def stream_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("episode_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string()),
+        pa.field("env_name", pa.string()),
+        pa.field("episode_status", pa.string()),
+        pa.field("episode_reward", pa.float64()),
+        pa.field("group_size", pa.int32()),
+        pa.field("group_reward_mean", pa.float64()),
+        pa.field("group_reward_std", pa.float64()),
+        pa.field("advantage", pa.float64()),
+        pa.field("segment", pa.int32(), nullable=False),
+        pa.field("segments", pa.int32(), nullable=False),
+        pa.field("first_step", pa.int32()),
+        pa.field("last_step", pa.int32()),
+        pa.field("starts_because", pa.string()),
+        pa.field("drift_at", pa.int32()),
+        pa.field("token_drift", pa.bool_()),
+        pa.field("steps_without_ids", pa.list_(pa.int32())),
+        pa.field("token_ids", pa.list_(pa.int32())),
+        pa.field("loss_mask", pa.list_(pa.int8())),
+        pa.field("logprobs", pa.list_(pa.float32())),
+    ])
+
+
+def export_streams(
+    store_path_or_store: str | os.PathLike | ResultStore,
+    job_id: str,
+    out_path: str | os.PathLike,
+    fmt: str = "parquet",
+    *,
+    complete_groups_only: bool = False,
+    episode_statuses: Sequence[str] | None = (EP_COMPLETED,),
+    env_names: Sequence[str] | None = None,
+    max_staleness: float | None = None,
+    current_version: Any = None,
+    eps: float = ADVANTAGE_EPS,
+    row_group_size: int = 512,
+) -> ExportSummary:
+    """One row per token-stream segment of each exported episode (consumer/streams.py): the
+    ids, the loss mask (1: the model's tokens) and the logprobs a trainer trains on. An episode
+    whose turns all extend one another is one row (``segments`` = 1, ``token_drift`` false);
+    otherwise each segment is a row, ``starts_because`` / ``drift_at`` saying why it began.
+    Episodes without token rows are left out. Filters as :func:`export_training`."""
+    from consumer.streams import build
+
+    if fmt not in ("jsonl", "parquet"):
+        raise ValueError(f"fmt must be 'jsonl' or 'parquet', got {fmt!r}")
+    own = not isinstance(store_path_or_store, ResultStore)
+    store = open_store(store_path_or_store, readonly=True) if own else store_path_or_store
+    out_path = str(out_path)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = out_path + ".tmp"
+    summary = ExportSummary()
+    try:
+        episodes = _select_episodes(
+            store, job_id, complete_groups_only=complete_groups_only,
+            episode_statuses=None if episode_statuses is None else tuple(episode_statuses),
+            env_names=tuple(env_names) if env_names else None, max_staleness=max_staleness,
+            current_version=current_version, eps=eps, summary=summary)
+
+        def rows() -> Iterator[dict]:
+            for ep_id, status, total, gcomplete, gsize, gmean, gstd, adv, equal in episodes:
+                token_rows = store.episode_tokens(ep_id)
+                if not token_rows:
+                    continue
+                stream = build(token_rows)
+                env = store.episode(ep_id) or {}
+                n = len(stream.segments)
+                summary.by_env[env.get("env_name")] = summary.by_env.get(env.get("env_name"), 0) + n
+                for k, seg in enumerate(stream.segments):
+                    yield {
+                        "job_id": job_id, "episode_id": ep_id, "group_id": env.get("group_id"),
+                        "env_name": env.get("env_name"), "episode_status": status, "episode_reward": total,
+                        "group_size": gsize, "group_reward_mean": gmean, "group_reward_std": gstd, "advantage": adv,
+                        "segment": k, "segments": n, "first_step": seg.first_step, "last_step": seg.last_step,
+                        "starts_because": seg.starts_because, "drift_at": seg.drift_at,
+                        "token_drift": not stream.single, "steps_without_ids": stream.steps_without_ids,
+                        "token_ids": seg.ids, "loss_mask": seg.mask, "logprobs": seg.logprobs,
+                    }
+
+        if fmt == "jsonl":
+            n = _write_jsonl(rows(), tmp)
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            schema = stream_schema()
+            n = 0
+            buf: list[dict] = []
+            with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+                for row in rows():
+                    buf.append(row)
+                    n += 1
+                    if len(buf) >= row_group_size:
+                        writer.write_table(pa.Table.from_pylist(buf, schema=schema))
+                        buf.clear()
+                if buf or n == 0:
+                    writer.write_table(pa.Table.from_pylist(buf, schema=schema))
+        os.replace(tmp, out_path)
+        summary.rows = n
+        return summary
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        if own:
+            store.close()

@@ -204,6 +204,15 @@ def cmd_export(args) -> int:
     env_names = [n.strip() for item in (args.env_name or []) for n in item.split(",") if n.strip()]
     if args.max_staleness is not None and args.max_staleness < 0:
         raise SettingsError("--max-staleness must be >= 0")
+    if args.streams:
+        # one row per episode token stream (segment), not per step: consumer/streams.py
+        from consumer.export import export_streams
+
+        res = export_streams(settings.results_store, args.job, out, fmt=args.format,
+                             complete_groups_only=args.complete_groups, env_names=env_names or None,
+                             max_staleness=args.max_staleness, current_version=args.current_version, eps=args.eps)
+        print(f"wrote {res.rows} token-stream rows ({res.episodes} episodes, {res.groups} groups) to {out}")
+        return 0
     res = export_training(settings.results_store, args.job, out, fmt=args.format, trainable_only=not args.all_steps,
                           complete_groups_only=args.complete_groups, env_names=env_names or None,
                           max_staleness=args.max_staleness, current_version=args.current_version, eps=args.eps)
@@ -334,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out")
     sp.add_argument("--complete-groups", action="store_true", help="only groups whose every episode completed")
     sp.add_argument("--all-steps", action="store_true", help="not only trainable steps")
+    sp.add_argument("--streams", action="store_true",
+                    help="token streams with loss masks, one row per episode (segment), from a job run with --tokens")
     sp.add_argument("--env-name", action="append", metavar="NAMES", help="only these env names (repeatable, or a,b)")
     sp.add_argument("--max-staleness", type=float, metavar="N",
                     help="only episodes at most N weight versions older than --current-version")

@@ -39,6 +39,8 @@ def print_results(job_id: str, res: dict, db_path: str) -> None:
     if ended:
         print("ended by: " + ", ".join(f"{why} {n}" for why, n in ended.items()))
     print(tokens_line(job))
+    if res.get("token_ids"):
+        print(token_ids_line(res["token_ids"]))
     g = res["groups"]
     print(f"groups: {g['total']} total, {g['complete']} complete, {g['incomplete']} incomplete "
           f"({g['failed']} with a dead-lettered episode), mean reward std {_f(g['mean_std'])}")
@@ -53,6 +55,17 @@ def tokens_line(job: dict) -> str:
     per_episode, per_s = job.get("tokens_per_episode"), job.get("tokens_per_s")
     return (f"tokens: {prompt + completion} ({prompt} prompt, {completion} completion), "
             f"{_f(per_episode, 1)} per episode, {_f(per_s, 1)} tokens/s")
+
+
+def token_ids_line(t: dict) -> str:
+    """The job's stored token ids: how many steps have them, and where turns drifted (their
+    episode's token stream is cut there: consumer/streams.py)."""
+    statuses = ", ".join(f"{k} {v}" for k, v in sorted(t["by_status"].items()))
+    ids = t["prompt_ids"] + t["completion_ids"]
+    per = f", {t['bytes'] / ids:.2f} bytes per id stored" if ids else ""
+    drift = (f"token drift in {t['drift_steps']} steps of {t['drift_episodes']} episodes (their token streams are "
+             "cut there; each turn keeps its own ids)" if t["drift_steps"] else "no token drift")
+    return f"token ids: {t['steps']} steps ({statuses}){per}; {drift}"
 
 
 def print_groups(groups: list[dict]) -> None:

@@ -32,6 +32,7 @@ import orjson
 
 from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord
 from broker.settings import redact_url
+from consumer.storage import tokens as step_tokens_table
 from consumer.storage.plan import (
     EP_COMPLETED,
     EP_COMPLETING,
@@ -195,6 +196,12 @@ class ResultStore:
                 f"VALUES ({self._step_values()}, ?, ?) ON CONFLICT (session_id, attempt_id, step_id) DO NOTHING",
                 [_step_row(s) + (reason, now) for s, reason in plan.superseded_steps],
             )
+        # Token rows of every step that asked, trajectory or set aside: keyed by attempt, they
+        # never move (consumer/storage/tokens.py).
+        token_rows = step_tokens_table.rows(
+            [*plan.session_steps, *(s for s, _ in plan.superseded_steps)])
+        if token_rows:
+            self.executemany(step_tokens_table.INSERT, token_rows)
         if plan.closes:
             self._write_closes(plan.closes)
         stored = self._stored_steps(plan.episodes_to_count())
@@ -425,6 +432,8 @@ class ResultStore:
                 "ended_by": ended_by,
             },
             "by_env": by_env,
+            # token-exact trajectories (jobs run with tokens): None when no step asked
+            "token_ids": self.token_summary(job_id),
             "groups": {
                 "total": int(total),
                 "complete": int(complete),
@@ -704,6 +713,52 @@ class ResultStore:
         return self.query(
             "SELECT session_id, weight_version FROM session_steps WHERE job_id = ? AND weight_version IS NOT NULL "
             "GROUP BY session_id, weight_version", (job_id,))
+
+    # ------------------------------------------------------------------ tokens (step_tokens)
+    def has_step_tokens(self) -> bool:  # pragma: no cover - backend
+        """Whether the store has the step_tokens table (a store made before it has not)."""
+        raise NotImplementedError
+
+    def episode_tokens(self, episode_id: str, step_id: int | None = None) -> list[dict]:
+        """The token rows of the episode's trajectory (the attempt its session_steps rows are
+        of), in step order, ids and logprobs decoded (consumer/storage/tokens.py)."""
+        if not self.has_step_tokens():
+            return []
+        sql = ("SELECT t.* FROM step_tokens t JOIN session_steps s ON s.session_id = t.session_id "
+               "AND s.step_id = t.step_id AND s.attempt_id = t.attempt_id WHERE s.session_id = ?")
+        args: list[Any] = [episode_id]
+        if step_id is not None:
+            sql += " AND s.step_id = ?"
+            args.append(int(step_id))
+        return [step_tokens_table.decode_row(d) for d in self.query_dicts(sql + " ORDER BY t.step_id", args)]
+
+    def token_summary(self, job_id: str) -> dict | None:
+        """Per status, the trajectory steps that asked for tokens; steps and episodes whose
+        prompt did not extend the previous turn (token_drift); ids and bytes stored. None when
+        no step of the job asked."""
+        if not self.has_step_tokens():
+            return None
+        rows = self.query(
+            "SELECT t.token_status, COUNT(*), SUM(CASE WHEN t.token_drift IS NOT NULL THEN 1 ELSE 0 END), "
+            "COUNT(DISTINCT CASE WHEN t.token_drift IS NOT NULL THEN t.session_id END), "
+            "COALESCE(SUM(t.prompt_len), 0), COALESCE(SUM(t.completion_len), 0), "
+            "COALESCE(SUM(LENGTH(t.prompt_ids)), 0) + COALESCE(SUM(LENGTH(t.completion_ids)), 0) "
+            "+ COALESCE(SUM(LENGTH(t.completion_logprobs)), 0) "
+            "FROM step_tokens t JOIN session_steps s ON s.session_id = t.session_id AND s.step_id = t.step_id "
+            "AND s.attempt_id = t.attempt_id WHERE s.job_id = ? GROUP BY t.token_status", (job_id,))
+        if not rows:
+            return None
+        out = {"steps": 0, "by_status": {}, "drift_steps": 0, "drift_episodes": 0, "prompt_ids": 0,
+               "completion_ids": 0, "bytes": 0}
+        for status, n, drift, drift_eps, p, c, nbytes in rows:
+            out["steps"] += int(n)
+            out["by_status"][status] = int(n)
+            out["drift_steps"] += int(drift or 0)
+            out["drift_episodes"] += int(drift_eps or 0)
+            out["prompt_ids"] += int(p)
+            out["completion_ids"] += int(c)
+            out["bytes"] += int(nbytes)
+        return out
 
     def sql(self, text: str, args: Sequence[Any] = ()) -> list[tuple]:
         """A read-only query for tests and tools that check the original tables' contract."""

@@ -23,6 +23,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from consumer.storage import tokens as step_tokens_table
 from consumer.storage.backend import BROWSE_INDEXES, SCHEMA_VERSION, ResultStore, StoreError, _chunks, _marks
 
 log = logging.getLogger("interactor.store.postgres")
@@ -186,8 +187,10 @@ class PostgresStore(ResultStore):
         self._sql_cache: dict[str, str] = {}
         self._in_tx = False
         self._connect()
+        self._step_tokens: bool | None = None
         if not readonly:
             self._ensure_schema()
+            self._ensure_step_tokens()
         else:
             self._check_version()
 
@@ -228,6 +231,24 @@ class PostgresStore(ResultStore):
                 for name, ddl in BROWSE_INDEXES:
                     if name not in have:
                         conn.execute(ddl)
+
+    def _ensure_step_tokens(self) -> None:
+        """The additive "tokens" schema step (consumer/storage/tokens.py): looked up first
+        (CREATE ... IF NOT EXISTS would take locks even when the table is there), created under
+        the schema lock once."""
+        conn = self._live()
+        if conn.execute("SELECT to_regclass('step_tokens')").fetchone()[0] is not None:
+            return
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            for stmt in step_tokens_table.POSTGRES_DDL.split(";"):
+                if stmt.strip():
+                    conn.execute(stmt)
+
+    def has_step_tokens(self) -> bool:
+        if not self._step_tokens:
+            self._step_tokens = self._live().execute("SELECT to_regclass('step_tokens')").fetchone()[0] is not None
+        return self._step_tokens
 
     def _check_version(self) -> None:
         try:

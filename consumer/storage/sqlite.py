@@ -19,6 +19,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from consumer.storage import tokens as step_tokens_table
 from consumer.storage.backend import BROWSE_INDEXES, SCHEMA_VERSION, ResultStore, StoreError
 
 TS = "strftime('%Y-%m-%d %H:%M:%f', ?, 'unixepoch')"
@@ -256,6 +257,9 @@ class SQLiteStore(ResultStore):
         c.execute("PRAGMA wal_autocheckpoint = 8192")  # pages: ~64 MiB of WAL between checkpoints
         c.execute("PRAGMA journal_size_limit = 67108864")
         self._ensure_schema(readonly)
+        self._step_tokens: bool | None = None
+        if not readonly:
+            self._ensure_step_tokens()
 
     def _ensure_schema(self, readonly: bool) -> None:
         c = self._conn
@@ -301,6 +305,25 @@ class SQLiteStore(ResultStore):
             except BaseException:
                 c.execute("ROLLBACK")
                 raise
+
+    def _ensure_step_tokens(self) -> None:
+        """The additive "tokens" schema step (consumer/storage/tokens.py): the table, once."""
+        c = self._conn
+        if c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'step_tokens'").fetchone():
+            return
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            _script(c, step_tokens_table.SQLITE_DDL)  # IF NOT EXISTS: another writer may have been first
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+
+    def has_step_tokens(self) -> bool:
+        if not self._step_tokens:  # a False is looked up again: a writer may create it meanwhile
+            self._step_tokens = bool(self.query(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'step_tokens'"))
+        return self._step_tokens
 
     # --- primitives -----------------------------------------------------------------------
     @contextmanager
