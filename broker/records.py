@@ -27,8 +27,8 @@ Version 3 (this code writes it; versions 1 and 2 are still read, their token fie
   "" = off).
 * ``StepRecord`` token fields (broker/tokens.py): ``token_source`` (the server row that
   answered), ``token_status`` and ``token_error``, ``prompt_ids`` / ``completion_ids`` (packed
-  int32) and ``completion_logprobs`` (packed float32), ``completion_token_texts`` (only when the
-  server gives no ids), and ``token_drift``: the first position where this turn's prompt ids
+  int32) and ``completion_logprobs`` (packed float32), ``completion_token_texts`` (the strings the
+  server gave, one per sampled token), and ``token_drift``: the first position where this turn's prompt ids
   stop extending the previous turn's prompt + completion ids (None: they extend it, or there is
   nothing to compare).
 """
@@ -231,7 +231,7 @@ class StepRecord(_Record):
     prompt_ids: bytes | None = None  # packed little-endian int32
     completion_ids: bytes | None = None  # packed little-endian int32
     completion_logprobs: bytes | None = None  # packed little-endian float32, one per completion token
-    completion_token_texts: list[str] | None = None  # only when the server gives no ids
+    completion_token_texts: list[str] | None = None  # the sampled tokens' strings, as the server spelled them
     token_drift: int | None = None  # first prompt position not extending the previous turn
 
     @property

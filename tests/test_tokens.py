@@ -631,3 +631,46 @@ def test_bad_token_answers_keep_the_steps_and_warn_once(settings, procs, redis_c
         assert all(e.startswith("length_mismatch: ") and p is None for e, p in rows)
     log = procs.log("w1")
     assert log.count("token answers invalid (length_mismatch)") == 1, log[-3000:]
+
+
+# --------------------------------------------------------------------------- the results browser
+
+
+def test_browser_shows_a_steps_tokens_on_demand(tmp_path):
+    from broker.records import AttemptRecord
+    from consumer.storage import open_store
+    from interactor.ui.app import create_app
+    from interactor.ui.source import Source
+
+    path = str(tmp_path / "ui.sqlite")
+    steps = token_steps(n=3)
+    drifted = run_toy(3, rewriting=True)
+    for s in drifted:
+        s.job_id, s.env_id, s.attempt_id, s.group_id = "j1", "e2", "b1", "g2"
+    for s in steps + drifted:
+        s.completion_token_texts = [ToyTokenizer.piece(i).decode() for i in unpack_ids(s.completion_ids)]
+        s.messages_json = json.dumps([{"role": "user", "content": "<b>hi</b>"}]).encode()
+    steps[1].completion_token_texts[0] = "<script>x</script>"  # a token's text is text, never markup
+    closes = [AttemptRecord(job_id="j1", episode_id=e, attempt=1, status="completed", group_id=g, group_size=1,
+                            env_name="chat", llm_model="m", steps=3, attempt_id=a)
+              for e, g, a in (("e1", "g1", "a1"), ("e2", "g2", "b1"))]
+    with open_store(path) as store:
+        store.write_batch(steps + drifted + closes)
+    client = create_app(Source(open_store(path, readonly=True), store_shown=path)).test_client()
+    page = client.get("/episodes/e1").get_data(as_text=True)
+    assert "one token stream" in page and "/episodes/e1/steps/2/tokens" in page
+    resp = client.get("/episodes/e1/steps/2/tokens")
+    assert resp.status_code == 200
+    html = resp.get_data(as_text=True)
+    assert 'id="completion-tokens"' in html and "<script>x</script>" not in html and "&lt;script&gt;" in html
+    # ids, their text, the logprob (title) and its shade (a class), the mask
+    first = unpack_ids(steps[1].completion_ids)[0]
+    assert f"id {first} · logprob -0.2500" in html and "tok m1 p8" in html  # exp(-0.25) = 0.78
+    assert "tok m0" in html and "one stream, no drift" in html
+    # earlier turns' sampled tokens are shown with their text inside this prompt
+    assert '<span class="tt">u</span>' in html
+    drift_page = client.get("/episodes/e2").get_data(as_text=True)
+    assert "token drift at 2 steps" in drift_page
+    dhtml = client.get("/episodes/e2/steps/3/tokens").get_data(as_text=True)
+    assert 'id="token-drift"' in dhtml and "is cut here" in dhtml and "tok m0 drift" in dhtml
+    assert client.get("/episodes/e1/steps/9/tokens").status_code == 404

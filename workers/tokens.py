@@ -131,6 +131,10 @@ class TokenAnswer:
         if self.status == TOKENS_OK:
             out.update(prompt_ids=pack_ids(self.prompt_ids or []), completion_ids=pack_ids(self.completion_ids or []),
                        completion_logprobs=pack_logprobs(self.logprobs or []))
+            # the sampled tokens' strings, for people reading them (the results browser); only
+            # when there is one per id (llama.cpp leaves the end-of-generation token unlisted)
+            if self.token_texts is not None and len(self.token_texts) == len(self.completion_ids or []):
+                out["completion_token_texts"] = self.token_texts
         elif self.status == TOKENS_NO_IDS:
             out.update(completion_logprobs=pack_logprobs(self.logprobs or []), completion_token_texts=self.token_texts)
         return out

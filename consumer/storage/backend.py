@@ -732,6 +732,17 @@ class ResultStore:
             args.append(int(step_id))
         return [step_tokens_table.decode_row(d) for d in self.query_dicts(sql + " ORDER BY t.step_id", args)]
 
+    def episode_token_index(self, episode_id: str) -> dict[int, dict]:
+        """step_id -> status, source, error, drift and lengths of the trajectory's token rows,
+        without the ids (the results browser's episode page)."""
+        if not self.has_step_tokens():
+            return {}
+        return {d["step_id"]: d for d in self.query_dicts(
+            "SELECT t.step_id, t.token_status, t.token_source, t.token_error, t.token_drift, t.prompt_len, "
+            "t.completion_len FROM step_tokens t JOIN session_steps s ON s.session_id = t.session_id "
+            "AND s.step_id = t.step_id AND s.attempt_id = t.attempt_id WHERE s.session_id = ? ORDER BY t.step_id",
+            (episode_id,))}
+
     def token_summary(self, job_id: str) -> dict | None:
         """Per status, the trajectory steps that asked for tokens; steps and episodes whose
         prompt did not extend the previous turn (token_drift); ids and bytes stored. None when
@@ -743,21 +754,22 @@ class ResultStore:
             "COUNT(DISTINCT CASE WHEN t.token_drift IS NOT NULL THEN t.session_id END), "
             "COALESCE(SUM(t.prompt_len), 0), COALESCE(SUM(t.completion_len), 0), "
             "COALESCE(SUM(LENGTH(t.prompt_ids)), 0) + COALESCE(SUM(LENGTH(t.completion_ids)), 0) "
-            "+ COALESCE(SUM(LENGTH(t.completion_logprobs)), 0) "
+            "+ COALESCE(SUM(LENGTH(t.completion_logprobs)), 0), COALESCE(SUM(LENGTH(t.completion_token_texts)), 0) "
             "FROM step_tokens t JOIN session_steps s ON s.session_id = t.session_id AND s.step_id = t.step_id "
             "AND s.attempt_id = t.attempt_id WHERE s.job_id = ? GROUP BY t.token_status", (job_id,))
         if not rows:
             return None
         out = {"steps": 0, "by_status": {}, "drift_steps": 0, "drift_episodes": 0, "prompt_ids": 0,
-               "completion_ids": 0, "bytes": 0}
-        for status, n, drift, drift_eps, p, c, nbytes in rows:
+               "completion_ids": 0, "bytes": 0, "text_bytes": 0}
+        for status, n, drift, drift_eps, p, c, nbytes, text_bytes in rows:
             out["steps"] += int(n)
             out["by_status"][status] = int(n)
             out["drift_steps"] += int(drift or 0)
             out["drift_episodes"] += int(drift_eps or 0)
             out["prompt_ids"] += int(p)
             out["completion_ids"] += int(c)
-            out["bytes"] += int(nbytes)
+            out["bytes"] += int(nbytes)  # packed ids and logprobs
+            out["text_bytes"] += int(text_bytes)  # the token strings (JSON), for readers
         return out
 
     def sql(self, text: str, args: Sequence[Any] = ()) -> list[tuple]:

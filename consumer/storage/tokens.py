@@ -7,8 +7,9 @@ when its attempt is set aside; an episode's trajectory's tokens are the rows who
 the one its ``session_steps`` rows carry (readers join on it).
 
 Ids and logprobs are the packed bytes the worker made (broker/tokens.py: int32 / float32
-little-endian) stored as they came, BLOB in SQLite and BYTEA in PostgreSQL; token strings only
-for servers without ids, as JSON text.
+little-endian) stored as they came, BLOB in SQLite and BYTEA in PostgreSQL; the sampled
+tokens' strings as the server spelled them, as JSON text (for people reading them: a trainer
+needs the ids only; for servers without ids they are all there is).
 
 Schema step ("tokens", additive): a writer opening a store that lacks the table creates it
 (and its index); nothing else changes, so older code keeps reading and writing the store, and
