@@ -234,6 +234,19 @@ class StepRecord(_Record):
     completion_token_texts: list[str] | None = None  # the sampled tokens' strings, as the server spelled them
     token_drift: int | None = None  # first prompt position not extending the previous turn
 
+    _TOKEN_FIELDS: ClassVar[tuple[str, ...]] = (
+        "token_source", "token_status", "token_error", "prompt_ids", "completion_ids", "completion_logprobs",
+        "completion_token_texts", "token_drift")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if not self.token_status:
+            # a job without tokens packs no token fields (readers fill in the defaults): the
+            # stream and the consumer's decoding stay as fast as they were
+            for name in self._TOKEN_FIELDS:
+                del d[name]
+        return d
+
     @property
     def messages(self) -> list[Any]:
         return orjson.loads(self.messages_json)
