@@ -674,3 +674,42 @@ def test_browser_shows_a_steps_tokens_on_demand(tmp_path):
     dhtml = client.get("/episodes/e2/steps/3/tokens").get_data(as_text=True)
     assert 'id="token-drift"' in dhtml and "is cut here" in dhtml and "tok m0 drift" in dhtml
     assert client.get("/episodes/e1/steps/9/tokens").status_code == 404
+
+
+class NoIdsPolicy(ToyPolicy):
+    """An OpenAI-style server: logprobs and token strings, no ids."""
+
+    def complete(self, messages):
+        c = super().complete(messages)
+        c.tokens = read_tokens("openai", {"choices": [{"message": {"content": c.content}, "logprobs": {"content": [
+            {"token": ch, "logprob": -0.1} for ch in c.content]}}]}, c.content)
+        return c
+
+
+def test_a_server_without_ids_warns_once_per_job_not_per_step(caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="interactor.tokens")
+    job = f"job-noids-{time.monotonic_ns()}"
+    for episode in ("e1", "e2"):
+        published: list[StepRecord] = []
+        cfg = LoopConfig(job_id=job, episode_id=episode, env_name="chat", group_id="g", llm_model="m",
+                         message_cut=0)
+        run_episode(cfg, env=ChatEnv(3), policy=NoIdsPolicy(), publish=published.append, hook=NullHook())
+        assert [s.token_status for s in published] == [TOKENS_NO_IDS] * 3
+        assert all(s.prompt_ids is None and s.completion_ids is None and s.token_drift is None for s in published)
+        assert unpack_logprobs(published[0].completion_logprobs) == pytest.approx([-0.1] * len("guess 1"))
+    warnings = [r for r in caplog.records if job in r.getMessage()]
+    assert len(warnings) == 1 and "no token ids" in warnings[0].getMessage()
+
+
+def test_results_line_says_how_many_steps_have_ids_and_where_they_drifted():
+    from interactor.report import token_ids_line
+
+    line = token_ids_line({"steps": 10, "by_status": {"ok": 9, "invalid": 1}, "drift_steps": 2, "drift_episodes": 1,
+                           "prompt_ids": 900, "completion_ids": 100, "bytes": 4400, "text_bytes": 300})
+    assert "10 steps (invalid 1, ok 9)" in line and "4.40 bytes per id" in line
+    assert "token drift in 2 steps of 1 episodes" in line
+    assert "no token drift" in token_ids_line({"steps": 1, "by_status": {"ok": 1}, "drift_steps": 0,
+                                               "drift_episodes": 0, "prompt_ids": 1, "completion_ids": 1,
+                                               "bytes": 12, "text_bytes": 0})
