@@ -369,7 +369,8 @@ def _write_parquet(rows: Iterable[dict], path: str, row_group_size: int) -> int:
 STREAM_COLUMNS = (
     "job_id", "episode_id", "group_id", "env_name", "episode_status", "episode_reward", "group_size",
     "group_reward_mean", "group_reward_std", "advantage", "segment", "segments", "first_step", "last_step",
-    "starts_because", "drift_at", "token_drift", "steps_without_ids", "token_ids", "loss_mask", "logprobs",
+    "starts_because", "drift_at", "token_drift", "steps_without_ids", "weight_versions", "token_ids", "loss_mask",
+    "logprobs",
 )
 
 
@@ -395,6 +396,7 @@ def stream_schema():
         pa.field("drift_at", pa.int32()),
         pa.field("token_drift", pa.bool_()),
         pa.field("steps_without_ids", pa.list_(pa.int32())),
+        pa.field("weight_versions", pa.list_(pa.string())),
         pa.field("token_ids", pa.list_(pa.int32())),
         pa.field("loss_mask", pa.list_(pa.int8())),
         pa.field("logprobs", pa.list_(pa.float32())),
@@ -446,6 +448,7 @@ def export_streams(
                 env = store.episode(ep_id) or {}
                 n = len(stream.segments)
                 summary.by_env[env.get("env_name")] = summary.by_env.get(env.get("env_name"), 0) + n
+                versions = {r["step_id"]: r.get("weight_version") for r in token_rows}
                 for k, seg in enumerate(stream.segments):
                     yield {
                         "job_id": job_id, "episode_id": ep_id, "group_id": env.get("group_id"),
@@ -454,6 +457,8 @@ def export_streams(
                         "segment": k, "segments": n, "first_step": seg.first_step, "last_step": seg.last_step,
                         "starts_because": seg.starts_because, "drift_at": seg.drift_at,
                         "token_drift": not stream.single, "steps_without_ids": stream.steps_without_ids,
+                        # the weights that sampled each turn of the segment, in step order
+                        "weight_versions": [versions.get(step) for step in seg.steps],
                         "token_ids": seg.ids, "loss_mask": seg.mask, "logprobs": seg.logprobs,
                     }
 

@@ -606,6 +606,7 @@ def test_full_history_and_cut_jobs_through_worker_and_consumer(settings, procs, 
     assert summary.rows == len(srows) == 3 and all(r["segments"] == 1 and not r["token_drift"] for r in srows)
     for r in srows:
         assert len(r["token_ids"]) == len(r["loss_mask"]) == len(r["logprobs"]) and 0 < sum(r["loss_mask"])
+        assert r["weight_versions"] == ["v1"] * (r["last_step"] - r["first_step"] + 1)
     cut_streams = tmp_path / "cut.jsonl"
     export_streams(s.results_store, cut, cut_streams, fmt="jsonl")
     crow = [json.loads(x) for x in cut_streams.read_text().splitlines()]
