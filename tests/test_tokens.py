@@ -670,6 +670,8 @@ def test_browser_shows_a_steps_tokens_on_demand(tmp_path):
     assert "tok m0" in html and "one stream, no drift" in html
     # earlier turns' sampled tokens are shown with their text inside this prompt
     assert '<span class="tt">u</span>' in html
+    job_page = client.get("/jobs/j1").get_data(as_text=True)
+    assert 'id="token-ids"' in job_page and "token drift in 2 steps of 1 episodes" in job_page
     drift_page = client.get("/episodes/e2").get_data(as_text=True)
     assert "token drift at 2 steps" in drift_page
     dhtml = client.get("/episodes/e2/steps/3/tokens").get_data(as_text=True)
