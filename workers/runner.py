@@ -51,6 +51,7 @@ from broker.records import (
     EpisodeSpec,
     JobSpec,
     StepRecord,
+    new_attempt_id,
 )
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
@@ -131,7 +132,12 @@ class WorkerRuntime:
 
     # --- one delivery ----------------------------------------------------------------
     def run(self, job_id: str, episode_id: str) -> str:
-        started = self.ledger.start(job_id, episode_id, self.name)  # also ends the reservation
+        # START is retried through a Redis outage with one attempt_id: a START that ran but
+        # whose reply was lost is then found again as ours, with its predecessor, rather than
+        # left behind as a phantom lease that makes the next delivery count another attempt.
+        attempt_id = new_attempt_id()
+        started = self._through_outage(episode_id, "starting", lambda: self.ledger.start(
+            job_id, episode_id, self.name, attempt_id=attempt_id))  # also ends the reservation
         self.renewer.started(member(job_id, episode_id))
         if started.status != "ok":
             log.info("episode %s: delivery dropped (%s %s)", episode_id, started.status, started.detail)
@@ -305,13 +311,12 @@ class WorkerRuntime:
         landed). Past the outage budget it gives up: the sweeper re-runs the episode."""
         self.publisher.flush(lease)
         record = _encodable(record)
-        tries = 0
 
         def finish() -> bool:
-            nonlocal tries
-            tries += 1
             ok = self.ledger.finish(lease, record, new_state, **kw)
-            if not ok and tries > 1 and self.ledger.finished_as(lease, new_state):
+            # A refusal may be our own FINISH seen again: sent once by redis-py's retry or by
+            # _through_outage after its reply was lost, it ran the first time.
+            if not ok and self.ledger.finished_as(lease, new_state):
                 lease.lost.clear()
                 return True
             return ok
@@ -323,10 +328,12 @@ class WorkerRuntime:
                       "sweeper will re-run it", lease.episode_id, lease.attempt, exc)
             return False
 
-    def _through_outage(self, lease: Lease, what: str, fn: Callable[[], Any]) -> Any:
+    def _through_outage(self, lease: Lease | str, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, retried with backoff on Redis errors for up to the outage budget (then the
         last error is raised): closing an attempt must outlast a Redis restart, or the episode
-        would be reclaimed as a lost worker, an attempt counted against it for our outage."""
+        would be reclaimed as a lost worker, an attempt counted against it for our outage.
+        ``lease`` (or the episode id, before there is one) names it in the log."""
+        name = lease if isinstance(lease, str) else f"{lease.episode_id} attempt {lease.attempt}"
         t0, delay = time.monotonic(), 0.1
         while True:
             try:
@@ -334,8 +341,7 @@ class WorkerRuntime:
             except redis.RedisError as exc:
                 if time.monotonic() - t0 > self.settings.outage_budget_s:
                     raise
-                log.warning("episode %s attempt %d: %s failed (%s); retrying", lease.episode_id, lease.attempt,
-                            what, exc)
+                log.warning("episode %s: %s failed (%s); retrying", name, what, exc)
                 time.sleep(delay)
                 delay = min(5.0, delay * 2)
 
