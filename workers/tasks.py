@@ -40,8 +40,10 @@ def run_episode_task(job_id: str, episode_id: str) -> None:
     try:
         runtime().run(job_id, episode_id)
     except redis.exceptions.RedisError as exc:
-        # Redis went away for longer than the client's own retries. The episode's state is
-        # in Redis, so hand the message back rather than acknowledging it as done.
+        # Redis away past the outage budget (the runtime retries START and the close through
+        # shorter outages, with one attempt_id, so a START whose reply was lost is found again
+        # as ours). The episode's state is in Redis, so hand the message back rather than
+        # acknowledging it as done.
         log.error("episode %s: Redis unavailable (%s); message requeued", episode_id, exc)
         raise Reject(str(exc), requeue=True) from None
 
