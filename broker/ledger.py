@@ -5,13 +5,35 @@ Every state change is one Lua script, so that it is atomic with the fencing chec
 * ``start``   - queued/retrying/running-without-lease -> running, takes the lease, counts the
   attempt. A second delivery of a running or finished episode gets ``busy``/``finished`` and
   is dropped: the lease holder (or the sweeper, if the holder dies) owns the episode's future.
-* ``renew``   - extends leases whose token still matches.
-* ``publish`` - XADD a record only while the lease token matches, so an abandoned attempt can
-  never write into the results stream after another attempt took over.
+  The same START sent again (same worker and attempt_id: its reply was lost) gets its own
+  attempt back, with its predecessor, and counts nothing.
+* ``renew``   - extends the attempt's lease.
+* ``publish`` - XADD a record only while the attempt holds its episode, so an abandoned attempt
+  can never write into the results stream after another attempt took over.
 * ``finish``  - XADD the attempt record, move the state (done / failed / retrying / queued),
   park a dead letter, schedule a retry, drop the lease: all or nothing.
 * ``reclaim`` - for the sweeper: running with no live lease -> queued or failed.
 * ``move``    - guarded transitions for re-drive and reconcile.
+
+**Who holds an episode** (renew, publish and finish alike, ``_HOLDS_FN``): the attempt whose
+token the lease key carries; or, when the key is gone, the attempt the episode is still
+``running`` under (its ``"<attempt>:<attempt_id>"`` is the latest START's), which takes the
+lease back. A lease that lapsed is not lost: nobody else took the episode (a reclaim moves it
+out of ``running``, a new START changes the attempt id). An attempt loses its episode only when
+another token holds the lease or the episode moved on.
+
+**When the sweeper reclaims**: a running episode whose lease expired more than a third of the
+TTL ago - unless the sweep clock shows an outage. Every sweep, in every process, stamps the
+clock with Redis' time; a gap of more than half the TTL (at least two sweep intervals) means
+nobody reached Redis, so every lease may have lapsed under a live holder that could not renew.
+Reclaims are then held for two TTLs, time for the holders to take their leases back, and the
+check runs inside the reclaim script too, so a sweep that stalled across the outage cannot
+reclaim on the far side of it. Holders take a lease back on their next renewal (every third of
+the TTL), step record or FINISH. So Redis being away - frozen, restarted, unreachable from
+everyone - never costs an attempt. What it cannot tell apart from a dead worker: a worker cut
+off from Redis while the sweepers still reach it (its attempts fence themselves by their own
+clock and are re-run, counted), and a worker whose renewer does not get to run for the whole
+hold after an outage.
 """
 
 from __future__ import annotations
