@@ -1,4 +1,6 @@
-"""Redis away for longer than the lease TTL, mid-run: the running attempts go on.
+"""Faults a worker's attempts must outlive without being counted against their episodes.
+
+**Redis away for longer than the lease TTL, mid-run: the running attempts go on.**
 
 Redis is frozen (SIGSTOP: its clock jumps when it resumes, every lease has lapsed) or stopped
 and started again on the same port from its append-only file, for three lease TTLs while real
@@ -6,6 +8,10 @@ worker processes run multi-turn episodes. Nobody could renew, so nobody lost any
 episode completes under the attempt it started with (attempts == episodes), nothing is
 reclaimed, nothing dead-lettered - whether the lapsed lease is taken back first by a renewal,
 a step record or a FINISH, and however the sweepers in every process saw the outage.
+
+**An inproc call that never returns** holds the gevent worker's process-wide env lock for
+good: the process hands its other episodes back uncounted and exits, and its supervisor
+starts a fresh one that runs them.
 """
 
 from __future__ import annotations
@@ -111,3 +117,67 @@ def test_redis_away_three_lease_ttls_mid_run_costs_no_attempt(settings, tmp_path
         model.shutdown()
         client.close()
         server.stop()
+
+
+class HangsOnce:
+    """A two-turn env class whose first reset (one per marker file, across processes) never
+    returns: it sleeps until its process is gone."""
+
+    def __init__(self, env_name: str = ""):
+        self.turn = 0
+
+    def reset(self, env_param, seed):
+        try:
+            os.close(os.open(env_param["marker"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return {"observation": {}, "info": {}}
+        while True:
+            time.sleep(1)
+
+    def get_task_prompt(self):
+        return [{"role": "user", "content": "say something"}]
+
+    def step(self, action):
+        self.turn += 1
+        return {"observation": {}, "reward": 0.5, "terminated": self.turn >= 2, "truncated": False, "info": {}}
+
+
+def test_an_inproc_call_that_never_returns_replaces_the_process_not_the_episodes(settings, procs, redis_client,
+                                                                                model_server, tmp_path):
+    """Six inproc episodes on one gevent worker; the first reset hangs. Its attempt ends as
+    env_unreachable (max_attempts=1: dead-lettered, as a hung env server's would be); every
+    other episode, stuck behind the process-wide env lock, is handed back uncounted, and the
+    worker process exits and is restarted by its supervisor, which completes them all."""
+    from broker.queueing import push_episodes
+    from broker.records import EpisodeSpec, JobSpec
+
+    _, model_url = model_server
+    n = 6
+    job = JobSpec(job_id="hang", llm_base_url=model_url + "/v1", model="stand-in", max_attempts=1, episodes=n,
+                  groups=1)
+    eps = [EpisodeSpec(job_id="hang", episode_id=f"hang.1.1.1.{k}", group_id="hang.1.1.1", group_size=n,
+                       env_name="hangs", base_url="", env_params={"marker": str(tmp_path / "hung")}, seed=k,
+                       queue=settings.queue, transport="inproc", env_class="tests.test_fault_lease:HangsOnce")
+           for k in range(1, n + 1)]
+    ledger = Ledger.for_settings(redis_client, settings)
+    ledger.create_job(job, eps)
+    push_episodes(redis_client, [("hang", e.episode_id, settings.queue) for e in eps])
+    procs.worker("w1", pool="gevent", env_read_timeout_s=4)
+
+    def settled() -> bool:
+        c = ledger.counts("hang")
+        return c["done"] + c["failed"] == n
+
+    wait_for(settled, 240, interval=0.5, what="every episode finished")
+    log = procs.log("w1")
+    assert "worker process unhealthy" in log and "restarting (1)" in log, log[-3000:]
+    letters = DeadLetterQueue(redis_client, settings).list(job_id="hang")
+    assert len(letters) == 1 and letters[0].reason == "env_unreachable", letters
+    states = ledger.states("hang")
+    assert sorted(states.values()) == ["done"] * (n - 1) + ["failed"], states
+    closing = [r for _, f in redis_client.xrange(Keys(settings.key_prefix).results)
+               if isinstance(r := unpack(f[b"r"]), AttemptRecord)]
+    reasons = sorted(r.reason for r in closing if r.status != "completed")
+    assert reasons.count("env_unreachable") == 1
+    assert set(reasons) - {"env_unreachable"} <= {"worker_shutdown"}, reasons
+    assert "worker_shutdown" in reasons  # episodes besides the hung one were in the process, handed back

@@ -97,6 +97,10 @@ class WorkerRuntime:
         self.model_gate = limits.shared_gate(settings.llm_max_concurrency)  # None: no cap
         self.jitter = limits.FirstWaveJitter.from_settings(settings)
         self.shutdown_at: float | None = None
+        # Why this process must be replaced ("" while healthy), and what replaces it: the Celery
+        # side sets on_unhealthy to a warm shutdown (workers/tasks.py), the supervisor restarts.
+        self.unhealthy_reason = ""
+        self.on_unhealthy: Callable[[str], None] | None = None
         self._jobs: dict[str, JobSpec] = {}
         self._untrusted_warned: set[str] = set()
         self._secrets = [s for s in (settings.llm_api_key.reveal(), _redis_password(settings.redis_url)) if s]
@@ -116,8 +120,21 @@ class WorkerRuntime:
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
-        self.shutdown_at = time.monotonic() + grace
+        at = time.monotonic() + grace
+        self.shutdown_at = at if self.shutdown_at is None else min(self.shutdown_at, at)
         log.warning("shutdown: running episodes get %.0fs to finish, then are handed back", grace)
+
+    def unhealthy(self, reason: str) -> None:
+        """This process can no longer run its episodes properly (an inproc call that never
+        returned holds the process-wide env lock, workers/inproc.py): hand every running episode
+        back at once, uncounted (as at shutdown), and have the process replaced."""
+        if self.unhealthy_reason:
+            return
+        self.unhealthy_reason = reason
+        log.error("worker process unhealthy: %s; handing its episodes back and exiting to be restarted", reason)
+        self.shutdown_at = time.monotonic()
+        if self.on_unhealthy is not None:
+            self.on_unhealthy(reason)
 
     def stop(self) -> None:
         self.renewer.stop()
@@ -250,7 +267,7 @@ class WorkerRuntime:
         if spec.transport == "inproc":
             from workers.inproc import InprocEnv  # the env class runs inside this worker process
 
-            return InprocEnv(spec, budget, self.settings)
+            return InprocEnv(spec, budget, self.settings, on_wedged=self.unhealthy)
         return BoundEnv(self.env, spec, env_instance_id(spec.episode_id, lease.attempt, lease.attempt_id), budget,
                         guard, self.breakers.for_env(spec.base_url))
 
