@@ -26,9 +26,11 @@ another token holds the lease or the episode moved on.
 TTL ago - unless the sweep clock shows an outage. Every sweep, in every process, stamps the
 clock with Redis' time; a gap of more than half the TTL (at least two sweep intervals) means
 nobody reached Redis, so every lease may have lapsed under a live holder that could not renew.
-Reclaims are then held for two TTLs, time for the holders to take their leases back, and the
-check runs inside the reclaim script too, so a sweep that stalled across the outage cannot
-reclaim on the far side of it. Holders take a lease back on their next renewal (every third of
+(A lease lapses under a live holder only after about two thirds of the TTL without Redis, so
+this sees every such outage as long as ``sweep_interval_s`` is under a third of the TTL, as
+by default: 5 s and 30 s.) Reclaims are then held for two TTLs, time for the holders to take
+their leases back, and the check runs inside the reclaim script too, so a sweep that stalled
+across the outage cannot reclaim on the far side of it. Holders take a lease back on their next renewal (every third of
 the TTL), step record or FINISH. So Redis being away - frozen, restarted, unreachable from
 everyone - never costs an attempt. What it cannot tell apart from a dead worker: a worker cut
 off from Redis while the sweepers still reach it (its attempts fence themselves by their own

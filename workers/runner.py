@@ -154,7 +154,8 @@ class WorkerRuntime:
         # left behind as a phantom lease that makes the next delivery count another attempt.
         attempt_id = new_attempt_id()
         started = self._through_outage(episode_id, "starting", lambda: self.ledger.start(
-            job_id, episode_id, self.name, attempt_id=attempt_id))  # also ends the reservation
+            job_id, episode_id, self.name, attempt_id=attempt_id),  # also ends the reservation
+            give_up=lambda: self.shutdown_at is not None and time.monotonic() >= self.shutdown_at)
         self.renewer.started(member(job_id, episode_id))
         if started.status != "ok":
             log.info("episode %s: delivery dropped (%s %s)", episode_id, started.status, started.detail)
@@ -322,10 +323,11 @@ class WorkerRuntime:
     def _finish(self, lease: Lease, record: AttemptRecord, new_state: str, **kw) -> bool:
         """Close the attempt once its steps are in the stream (never the close before them).
 
-        Redis errors are retried (``_through_outage``): a FINISH whose reply was lost and that
-        is sent again finds its lease gone, so a refusal after a retry is checked against the
-        ledger (the episode in ``new_state`` under this very attempt means the first one
-        landed). Past the outage budget it gives up: the sweeper re-runs the episode."""
+        Redis errors are retried (``_through_outage``, and redis-py's own retry before it): a
+        FINISH whose reply was lost and that is sent again finds the episode moved on, so a
+        refusal is checked against the ledger (``Ledger.finished_as``: the episode in
+        ``new_state`` under this very attempt means the first one landed). Past the outage
+        budget it gives up: the sweeper re-runs the episode."""
         self.publisher.flush(lease)
         record = _encodable(record)
 
@@ -345,18 +347,20 @@ class WorkerRuntime:
                       "sweeper will re-run it", lease.episode_id, lease.attempt, exc)
             return False
 
-    def _through_outage(self, lease: Lease | str, what: str, fn: Callable[[], Any]) -> Any:
+    def _through_outage(self, lease: Lease | str, what: str, fn: Callable[[], Any],
+                        give_up: Callable[[], bool] = lambda: False) -> Any:
         """``fn()``, retried with backoff on Redis errors for up to the outage budget (then the
         last error is raised): closing an attempt must outlast a Redis restart, or the episode
         would be reclaimed as a lost worker, an attempt counted against it for our outage.
-        ``lease`` (or the episode id, before there is one) names it in the log."""
+        ``lease`` (or the episode id, before there is one) names it in the log; ``give_up()``
+        true ends the retries early (the last error is raised)."""
         name = lease if isinstance(lease, str) else f"{lease.episode_id} attempt {lease.attempt}"
         t0, delay = time.monotonic(), 0.1
         while True:
             try:
                 return fn()
             except redis.RedisError as exc:
-                if time.monotonic() - t0 > self.settings.outage_budget_s:
+                if time.monotonic() - t0 > self.settings.outage_budget_s or give_up():
                     raise
                 log.warning("episode %s: %s failed (%s); retrying", name, what, exc)
                 time.sleep(delay)
