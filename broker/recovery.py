@@ -82,9 +82,10 @@ class Sweeper:
         attempts are alive and waiting, see Ledger.renew).
 
         The same holds fleet-wide by Redis' own clock: every tick stamps the sweep clock, and a
-        gap in it longer than ``outage_gap_s`` (nobody swept: Redis was away) holds reclaims
-        for ``outage_hold_s``, however little this process saw of the outage (a sweeper that
-        slept through it, or started after it). The check is repeated inside each reclaim."""
+        gap in it longer than ``self.outage[0]`` seconds (nobody swept: Redis was away) holds
+        reclaims for ``self.outage[1]``, however little this process saw of the outage (a
+        sweeper that slept through it, or started after it). The check is repeated inside each
+        reclaim (Ledger.sweep_clock, Ledger.reclaim)."""
         report = SweepReport()
         if self.ledger.sweep_clock(*self.outage):
             reclaim = False
@@ -200,15 +201,17 @@ class Sweeper:
             return
         pipe = self.r.pipeline(transaction=False)
         for job_id in job_ids:
+            # The marker before the spec: a submit deletes its marker as it writes its spec (in
+            # one transaction), so a job seen with neither has no submit under way.
+            pipe.exists(self.keys.job_submitting(job_id))
             pipe.exists(self.keys.job_spec(job_id))
             pipe.ttl(self.keys.job_spec(job_id))
-            pipe.exists(self.keys.job_submitting(job_id))
         answers = pipe.execute()
         counts = self.ledger.counts_many(job_ids)
         retention = int(self.settings.job_retention_s)
         gone = []
         pipe = self.r.pipeline(transaction=False)
-        for job_id, exists, ttl, submitting, c in zip(job_ids, answers[0::3], answers[1::3], answers[2::3], counts):
+        for job_id, submitting, exists, ttl, c in zip(job_ids, answers[0::3], answers[1::3], answers[2::3], counts):
             if not exists:
                 if not submitting:
                     gone.append(job_id)
