@@ -446,3 +446,36 @@ def test_a_submit_that_died_after_its_claim_is_forgotten_with_its_keys(settings,
     sweeper._housekeeping()
     assert "jobd" not in Ledger(redis_client, keys).job_ids()
     assert not redis_client.exists(*keys.job_keys("jobd"))
+
+
+def test_a_sweeper_that_slept_through_an_outage_does_not_reclaim_lapsed_leases(settings, redis_client):
+    """No sweep reached Redis for longer than half a lease TTL (Redis was away; this sweeper
+    saw no error of its own), and the leases of live attempts lapsed meanwhile. The first sweep
+    afterwards holds reclaims for two TTLs, so the attempts' renewals take their leases back
+    first; a lease nobody takes back is reclaimed once the hold is over."""
+    from broker.recovery import Sweeper
+
+    s = settings.replace(lease_ttl_s=2.0, sweep_interval_s=0.25)
+    keys = Keys(s.key_prefix)
+    job, eps = _episodes("jobo", 2)
+    ledger = Ledger.for_settings(redis_client, s)
+    ledger.create_job(job, eps)
+    alive = ledger.start("jobo", eps[0].episode_id, "w-alive").lease
+    dead = ledger.start("jobo", eps[1].episode_id, "w-dead").lease
+    sweeper = Sweeper(redis_client, s)
+    assert not sweeper.tick().reclaimed
+    time.sleep(s.lease_ttl_s * 1.5)  # the outage: no sweep, no renewal; both leases lapse
+    assert not redis_client.exists(keys.lease(alive.episode_id), keys.lease(dead.episode_id))
+    report = sweeper.tick()
+    assert not report.reclaimed and not report.dead
+    ledger.renew([alive])  # the live attempt's renewer comes back
+    assert not alive.lost.is_set()
+
+    def renew_then_sweep():
+        ledger.renew([alive])  # the live attempt goes on renewing
+        return sweeper.tick().reclaimed
+
+    reclaimed = wait_for(renew_then_sweep, 20, interval=0.25, what="the dead attempt reclaimed")
+    assert reclaimed == [dead.member]
+    assert ledger.state("jobo", alive.episode_id) == "running" and not alive.lost.is_set()
+    assert ledger.attempts("jobo", alive.episode_id) == 1
