@@ -3,7 +3,7 @@
 Every state change is one Lua script, so that it is atomic with the fencing check beside it:
 
 * ``start``   - queued/retrying/running-without-lease -> running, takes the lease, counts the
-  attempt. A second delivery of a running or finished episode gets ``busy``/``finished`` and
+  attempt (running-without-lease not while reclaims are held after an outage, see below). A second delivery of a running or finished episode gets ``busy``/``finished`` and
   is dropped: the lease holder (or the sweeper, if the holder dies) owns the episode's future.
   The same START sent again (same worker and attempt_id: its reply was lost) gets its own
   attempt back, with its predecessor, and counts nothing.
@@ -87,7 +87,8 @@ local function move(counts, old, new)
 end
 """
 
-# KEYS: state, attempts, counts, lease, running, reserved, episodes, attempt_ids, attempt_previous
+# KEYS: state, attempts, counts, lease, running, reserved, episodes, attempt_ids, attempt_previous,
+#       reclaim_hold
 # ARGV: episode, token_prefix, ttl_ms, member, attempt_id
 # Returns {'ok', attempt, token, episode spec, previous attempt} so that starting costs one
 # round trip. "<attempt>:<attempt_id>" is kept per episode: the renewer checks it before
@@ -116,6 +117,9 @@ if st == 'running' and mine_id == ARGV[5] then
           redis.call('HGET', KEYS[9], ARGV[1]) or ''}
 end
 if holder then return {'busy', holder} end
+-- Running with its lease lapsed right after an outage: its attempt is alive and about to take
+-- the lease back; another delivery takes over only as the sweeper would, once the hold is over.
+if st == 'running' and redis.call('EXISTS', KEYS[10]) == 1 then return {'busy', 'lease lapsed in an outage'} end
 local attempt = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 local token = ARGV[2] .. ':' .. attempt
 redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
@@ -511,7 +515,8 @@ class Ledger:
         prefix = f"{worker}:{attempt_id}"
         sent = time.monotonic()
         keys = [k.job_state(job_id), k.job_attempts(job_id), k.job_counts(job_id), k.lease(episode_id), k.running,
-                k.reserved, k.job_episodes(job_id), k.job_attempt_ids(job_id), k.job_attempt_previous(job_id)]
+                k.reserved, k.job_episodes(job_id), k.job_attempt_ids(job_id), k.job_attempt_previous(job_id),
+                k.reclaim_hold]
         out = self._start(keys=keys, args=[episode_id, prefix, self.lease_ttl_ms, member(job_id, episode_id),
                                            attempt_id])
         status = out[0].decode()

@@ -689,3 +689,17 @@ def test_a_gap_in_the_sweep_clock_holds_reclaims(ledger, job, redis_client, keys
     redis_client.delete(keys.lease(ep_id(1)))
     assert ledger.sweep_clock(*outage) is False
     assert ledger.reclaim(JOB, ep_id(1), QUEUED, None, outage=outage) is True
+
+
+def test_no_other_delivery_takes_over_a_lease_lapsed_in_an_outage(ledger, job, redis_client, keys):
+    """While reclaims are held after an outage, a second delivery of a running episode whose
+    lease lapsed is dropped like the sweeper's reclaim would be: the attempt takes it back."""
+    a = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))
+    redis_client.set(keys.reclaim_hold, "1", px=60_000)
+    assert ledger.start(JOB, ep_id(1), "w2").status == "busy"
+    assert ledger.attempts(JOB, ep_id(1)) == 1
+    ledger.renew([a])
+    assert not a.lost.is_set()
+    redis_client.delete(keys.lease(ep_id(1)), keys.reclaim_hold)
+    assert ledger.start(JOB, ep_id(1), "w2").status == "ok"  # no outage: a lapsed lease is a dead worker's
