@@ -51,6 +51,7 @@ from broker.records import (
     EpisodeSpec,
     JobSpec,
     StepRecord,
+    new_attempt_id,
 )
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
@@ -96,6 +97,10 @@ class WorkerRuntime:
         self.model_gate = limits.shared_gate(settings.llm_max_concurrency)  # None: no cap
         self.jitter = limits.FirstWaveJitter.from_settings(settings)
         self.shutdown_at: float | None = None
+        # Why this process must be replaced ("" while healthy), and what replaces it: the Celery
+        # side sets on_unhealthy to a warm shutdown (workers/tasks.py), the supervisor restarts.
+        self.unhealthy_reason = ""
+        self.on_unhealthy: Callable[[str], None] | None = None
         self._jobs: dict[str, JobSpec] = {}
         self._untrusted_warned: set[str] = set()
         self._secrets = [s for s in (settings.llm_api_key.reveal(), _redis_password(settings.redis_url)) if s]
@@ -115,8 +120,21 @@ class WorkerRuntime:
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
-        self.shutdown_at = time.monotonic() + grace
+        at = time.monotonic() + grace
+        self.shutdown_at = at if self.shutdown_at is None else min(self.shutdown_at, at)
         log.warning("shutdown: running episodes get %.0fs to finish, then are handed back", grace)
+
+    def unhealthy(self, reason: str) -> None:
+        """This process can no longer run its episodes properly (an inproc call that never
+        returned holds the process-wide env lock, workers/inproc.py): hand every running episode
+        back at once, uncounted (as at shutdown), and have the process replaced."""
+        if self.unhealthy_reason:
+            return
+        self.unhealthy_reason = reason
+        log.error("worker process unhealthy: %s; handing its episodes back and exiting to be restarted", reason)
+        self.shutdown_at = time.monotonic()
+        if self.on_unhealthy is not None:
+            self.on_unhealthy(reason)
 
     def stop(self) -> None:
         self.renewer.stop()
@@ -131,7 +149,13 @@ class WorkerRuntime:
 
     # --- one delivery ----------------------------------------------------------------
     def run(self, job_id: str, episode_id: str) -> str:
-        started = self.ledger.start(job_id, episode_id, self.name)  # also ends the reservation
+        # START is retried through a Redis outage with one attempt_id: a START that ran but
+        # whose reply was lost is then found again as ours, with its predecessor, rather than
+        # left behind as a phantom lease that makes the next delivery count another attempt.
+        attempt_id = new_attempt_id()
+        started = self._through_outage(episode_id, "starting", lambda: self.ledger.start(
+            job_id, episode_id, self.name, attempt_id=attempt_id),  # also ends the reservation
+            give_up=lambda: self.shutdown_at is not None and time.monotonic() >= self.shutdown_at)
         self.renewer.started(member(job_id, episode_id))
         if started.status != "ok":
             log.info("episode %s: delivery dropped (%s %s)", episode_id, started.status, started.detail)
@@ -244,7 +268,7 @@ class WorkerRuntime:
         if spec.transport == "inproc":
             from workers.inproc import InprocEnv  # the env class runs inside this worker process
 
-            return InprocEnv(spec, budget, self.settings)
+            return InprocEnv(spec, budget, self.settings, on_wedged=self.unhealthy)
         return BoundEnv(self.env, spec, env_instance_id(spec.episode_id, lease.attempt, lease.attempt_id), budget,
                         guard, self.breakers.for_env(spec.base_url))
 
@@ -299,19 +323,19 @@ class WorkerRuntime:
     def _finish(self, lease: Lease, record: AttemptRecord, new_state: str, **kw) -> bool:
         """Close the attempt once its steps are in the stream (never the close before them).
 
-        Redis errors are retried (``_through_outage``): a FINISH whose reply was lost and that
-        is sent again finds its lease gone, so a refusal after a retry is checked against the
-        ledger (the episode in ``new_state`` under this very attempt means the first one
-        landed). Past the outage budget it gives up: the sweeper re-runs the episode."""
+        Redis errors are retried (``_through_outage``, and redis-py's own retry before it): a
+        FINISH whose reply was lost and that is sent again finds the episode moved on, so a
+        refusal is checked against the ledger (``Ledger.finished_as``: the episode in
+        ``new_state`` under this very attempt means the first one landed). Past the outage
+        budget it gives up: the sweeper re-runs the episode."""
         self.publisher.flush(lease)
         record = _encodable(record)
-        tries = 0
 
         def finish() -> bool:
-            nonlocal tries
-            tries += 1
             ok = self.ledger.finish(lease, record, new_state, **kw)
-            if not ok and tries > 1 and self.ledger.finished_as(lease, new_state):
+            # A refusal may be our own FINISH seen again: sent once by redis-py's retry or by
+            # _through_outage after its reply was lost, it ran the first time.
+            if not ok and self.ledger.finished_as(lease, new_state):
                 lease.lost.clear()
                 return True
             return ok
@@ -323,19 +347,22 @@ class WorkerRuntime:
                       "sweeper will re-run it", lease.episode_id, lease.attempt, exc)
             return False
 
-    def _through_outage(self, lease: Lease, what: str, fn: Callable[[], Any]) -> Any:
+    def _through_outage(self, lease: Lease | str, what: str, fn: Callable[[], Any],
+                        give_up: Callable[[], bool] = lambda: False) -> Any:
         """``fn()``, retried with backoff on Redis errors for up to the outage budget (then the
         last error is raised): closing an attempt must outlast a Redis restart, or the episode
-        would be reclaimed as a lost worker, an attempt counted against it for our outage."""
+        would be reclaimed as a lost worker, an attempt counted against it for our outage.
+        ``lease`` (or the episode id, before there is one) names it in the log; ``give_up()``
+        true ends the retries early (the last error is raised)."""
+        name = lease if isinstance(lease, str) else f"{lease.episode_id} attempt {lease.attempt}"
         t0, delay = time.monotonic(), 0.1
         while True:
             try:
                 return fn()
             except redis.RedisError as exc:
-                if time.monotonic() - t0 > self.settings.outage_budget_s:
+                if time.monotonic() - t0 > self.settings.outage_budget_s or give_up():
                     raise
-                log.warning("episode %s attempt %d: %s failed (%s); retrying", lease.episode_id, lease.attempt,
-                            what, exc)
+                log.warning("episode %s: %s failed (%s); retrying", name, what, exc)
                 time.sleep(delay)
                 delay = min(5.0, delay * 2)
 

@@ -7,6 +7,8 @@ the environment (``REDIS_URL``, ``INTERACTOR_*``).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 
 import redis.exceptions
@@ -32,16 +34,29 @@ def runtime() -> WorkerRuntime:
         with _runtime_lock:
             if _runtime is None:
                 _runtime = WorkerRuntime(settings)
+                _runtime.on_unhealthy = _replace_this_process
     return _runtime
+
+
+def _replace_this_process(reason: str) -> None:
+    # A warm shutdown of our own: Celery stops consuming, the running episodes hand themselves
+    # back (the runtime set their shutdown clock to now), and the process exits. Not asked to
+    # by a signal of its own, the supervisor (interactor/cli.py) starts a fresh process.
+    log.error("exiting to be replaced by a fresh worker process: %s", reason)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 @app.task(name=EPISODE_TASK)
 def run_episode_task(job_id: str, episode_id: str) -> None:
+    if runtime().unhealthy_reason:  # on its way out: the next process runs it
+        raise Reject(runtime().unhealthy_reason, requeue=True)
     try:
         runtime().run(job_id, episode_id)
     except redis.exceptions.RedisError as exc:
-        # Redis went away for longer than the client's own retries. The episode's state is
-        # in Redis, so hand the message back rather than acknowledging it as done.
+        # Redis away past the outage budget (the runtime retries START and the close through
+        # shorter outages, with one attempt_id, so a START whose reply was lost is found again
+        # as ours). The episode's state is in Redis, so hand the message back rather than
+        # acknowledging it as done.
         log.error("episode %s: Redis unavailable (%s); message requeued", episode_id, exc)
         raise Reject(str(exc), requeue=True) from None
 
