@@ -106,12 +106,12 @@ class WorkerRuntime:
         self.hooks = hook_allowlist(settings.episode_hooks, settings.episode_hook)
         self.env_hosts = HostAllowlist(settings.env_hosts)
         self.key_origins = settings.trusted_model_origins()
-        self.breakers = BreakerBoard(self.redis, self.keys, self.name)
+        self.breakers = BreakerBoard(self.redis, self.keys, self.name, env_hosts=self.env_hosts)
         # Background duties, each on its own thread (broker/duty.py).
         self.renewer = LeaseRenewer(self.ledger, min(settings.lease_ttl_s / 3, settings.sweep_interval_s)).start()
         self.sweeper = SweepDuty(Sweeper(self.redis, settings), settings.sweep_interval_s).start()
         self.publisher = StepPublisher(self.ledger, backlog_max=settings.stream_backlog_max)
-        self.orphans = OrphanCloser(self.redis, self.keys, self.env).start()
+        self.orphans = OrphanCloser(self.redis, self.keys, self.env, env_hosts=self.env_hosts).start()
         self.breaker_heartbeat = BreakerHeartbeat(self.breakers).start()
 
     # --- lifecycle -------------------------------------------------------------------
