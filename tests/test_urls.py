@@ -358,3 +358,16 @@ def test_a_worker_refuses_code_reached_through_another_module_and_survives(setti
     assert "not defined in tests.reexported_env" in cls_letter.error, cls_letter.error
     # The worker process never died (its supervisor would have restarted it: os.abort did, -6).
     assert worker.poll() is None and "without being asked to" not in procs.log("w1"), procs.log("w1")[-3000:]
+
+
+def test_submit_refuses_a_dotted_episode_hook_and_exits_2(settings, redis_client, tmp_path):
+    tasks = tmp_path / "t.yaml"
+    tasks.write_text("environments:\n  - env_name: guess_number\n    base_url: 'http://127.0.0.1:8000'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    env.update(settings.as_environ())
+    out = subprocess.run([sys.executable, "-m", "interactor.cli", "submit", str(tasks),
+                          "--episode-hook", "workers.experience:os.abort"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "episode_hook" in out.stderr and "no dotted attribute path" in out.stderr and "Traceback" not in out.stderr
+    assert redis_client.llen(settings.queue) == 0
