@@ -140,16 +140,16 @@ def _strip(host: str) -> str:
     return host.strip("[]").lower()
 
 
-def connects_to(url: str) -> set[tuple[str, str, int]]:
+def connects_to(url: str) -> set[tuple[str, str, str, int]]:
     prep = requests.Request("GET", url).prepare()
     adapter = _SESSION.get_adapter(prep.url)
     pool = adapter.get_connection_with_tls_context(prep, True, proxies={})
-    out = {("requests", _strip(pool.host), pool.port)}
+    out = {("requests", pool.scheme, _strip(pool.host), pool.port)}
     fast = _POOL.pool_for(url)
     if fast is not None:
-        out.add(("shortcut", _strip(fast.host), fast.port))
+        out.add(("shortcut", fast.scheme, _strip(fast.host), fast.port))
     p = parse_url(url)
-    out.add(("parse_url", _strip(p.host or ""), p.port or {"http": 80, "https": 443}[p.scheme]))
+    out.add(("parse_url", p.scheme, _strip(p.host or ""), p.port or {"http": 80, "https": 443}[p.scheme]))
     return out
 
 
@@ -188,10 +188,10 @@ def test_a_url_the_check_accepts_connects_only_where_it_said(url):
         target = check_url(url)
     except UrlError:
         return
-    approved = (_strip(target.host), target.port)
+    approved = (target.scheme, _strip(target.host), target.port)
     for base in (url, url.rstrip("/") + "/reset", url.rstrip("/") + "/chat/completions"):
         seen = connects_to(base)
-        assert {(h, p) for _, h, p in seen} == {approved}, (url, base, seen)
+        assert {(sc, h, p) for _, sc, h, p in seen} == {approved}, (url, base, seen)
     assert origin_of(url) == target.origin
 
 
