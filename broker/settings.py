@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
+from broker.urls import origin_of as _origin_of, url_problem
+
 ENV_PREFIX = "INTERACTOR_"
 
 
@@ -28,36 +30,42 @@ class Secret(str):
         return str.__str__(self)
 
 
-_SECRET_QUERY_RE = re.compile(r"(?i)((?:^|&)[^=&]*(?:password|passwd|pwd|token|secret|key|auth)[^=&]*=)[^&]*")
+# Query (and fragment) parameters whose values are secrets: passwords, tokens, API keys, OAuth
+# codes, signed-URL signatures and credentials.
+_SECRET_QUERY_RE = re.compile(
+    r"(?i)((?:^|[&;])[^=&;]*(?:password|passwd|pwd|token|secret|key|auth|code|sig|credential|session)[^=&;]*=)"
+    r"[^&;]*")
 
 
 def redact_url(url: str) -> str:
-    """``redis://:pw@host/0`` -> ``redis://:***@host/0``, ``...?password=pw`` ->
-    ``...?password=***``: URLs are logged and stored, passwords are not."""
-    if "@" not in url and "?" not in url:  # nothing to hide (the common case, on every request)
+    """``redis://:pw@host/0`` -> ``redis://:***@host/0``, ``https://TOKEN@host`` ->
+    ``https://***@host``, ``...?password=pw`` -> ``...?password=***``: URLs are logged and
+    stored, secrets are not. A username alone is hidden too: it is often a token."""
+    if "@" not in url and "?" not in url and "#" not in url:  # nothing to hide (the common case)
         return url
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable url>"
     netloc = parts.netloc
-    if "@" in netloc and parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user, has_password, _ = userinfo.partition(":")
+        if has_password:
+            netloc = f"{user}:***@{host}"
+        else:
+            netloc = f"***@{host}"
     query = _SECRET_QUERY_RE.sub(r"\1***", parts.query) if parts.query else parts.query
-    if netloc == parts.netloc and query == parts.query:
+    fragment = _SECRET_QUERY_RE.sub(r"\1***", parts.fragment) if parts.fragment else parts.fragment
+    if netloc == parts.netloc and query == parts.query and fragment == parts.fragment:
         return url
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
 
 
 def origin_of(url: str) -> str:
-    """``scheme://host:port`` of a URL (lower case, default port made explicit, no userinfo)."""
-    try:
-        parts = urlsplit(url.strip())
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower(), 0)
-    except ValueError:
-        return ""
-    host = (parts.hostname or "").lower()
-    return f"{parts.scheme.lower()}://{host}:{port}" if host else ""
+    """``scheme://host:port`` of a URL that broker.urls accepts (lower case, default port
+    explicit), else "": a URL the connecting client could read differently has no origin."""
+    return _origin_of(url)
 
 
 class SettingsError(ValueError):
@@ -252,6 +260,17 @@ class Settings:
             problems.append("outage_budget_s must be >= 0")
         if self.job_retention_s <= 0:
             problems.append("job_retention_s must be > 0")
+        # URLs the workers connect to: the same check a task file's base_url gets (broker/urls.py).
+        for name in ("llm_base_url", "env_base_url"):
+            value = getattr(self, name)
+            if value or name == "llm_base_url":
+                problem = url_problem(value)
+                if problem:
+                    problems.append(f"{name} {redact_url(value)!r}: {problem}")
+        for origin in (o.strip() for o in self.llm_trusted_origins.split(",")):
+            problem = url_problem(origin) if origin else ""
+            if problem:
+                problems.append(f"llm_trusted_origins entry {redact_url(origin)!r}: {problem}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             problems.append(f"redis_url must start with redis://, rediss:// or unix://, not {redact_url(self.redis_url)!r}")
         if problems:

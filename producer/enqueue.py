@@ -18,7 +18,8 @@ import redis
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
 from broker.records import JobSpec
-from broker.settings import Settings
+from broker.settings import Settings, SettingsError
+from envs.base import valid_object_path
 from producer.taskfile import PlannedJob, plan_job
 
 log = logging.getLogger("interactor.producer")
@@ -29,6 +30,10 @@ def new_job_id() -> str:
 
 
 def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
+    if settings.episode_hook and not valid_object_path(settings.episode_hook):
+        # Workers refuse it too; saying so here spares a job whose every episode is dead-lettered.
+        raise SettingsError(f"episode_hook must be 'module:attribute' (no dotted attribute path), "
+                            f"got {settings.episode_hook!r}")
     return JobSpec(
         job_id=job_id,
         llm_base_url=settings.llm_base_url,

@@ -56,6 +56,8 @@ from broker.records import (
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
 from broker.settings import Settings, origin_of, redact_url
+from broker.urls import url_problem
+from envs.base import valid_object_path
 from workers import limits
 from workers.allowlist import HostAllowlist, env_class_allowlist, hook_allowlist
 from workers.breakers import BreakerBoard, BreakerHeartbeat
@@ -109,12 +111,12 @@ class WorkerRuntime:
         self.hooks = hook_allowlist(settings.episode_hooks, settings.episode_hook)
         self.env_hosts = HostAllowlist(settings.env_hosts)
         self.key_origins = settings.trusted_model_origins()
-        self.breakers = BreakerBoard(self.redis, self.keys, self.name)
+        self.breakers = BreakerBoard(self.redis, self.keys, self.name, env_hosts=self.env_hosts)
         # Background duties, each on its own thread (broker/duty.py).
         self.renewer = LeaseRenewer(self.ledger, min(settings.lease_ttl_s / 3, settings.sweep_interval_s)).start()
         self.sweeper = SweepDuty(Sweeper(self.redis, settings), settings.sweep_interval_s).start()
         self.publisher = StepPublisher(self.ledger, backlog_max=settings.stream_backlog_max)
-        self.orphans = OrphanCloser(self.redis, self.keys, self.env).start()
+        self.orphans = OrphanCloser(self.redis, self.keys, self.env, env_hosts=self.env_hosts).start()
         self.breaker_heartbeat = BreakerHeartbeat(self.breakers).start()
 
     # --- lifecycle -------------------------------------------------------------------
@@ -239,8 +241,22 @@ class WorkerRuntime:
     # --- trust boundaries ------------------------------------------------------------
     def _refused(self, job: JobSpec, spec: EpisodeSpec) -> str:
         """Why this worker will not run the episode ("" = it will): code and hosts a job names
-        must be on the worker's own allow-lists; nothing is imported before that check."""
+        must be on the worker's own allow-lists; nothing is imported before that check. URLs get
+        the submit-time check again (broker/urls.py): the job may not have come from our producer."""
+        problem = url_problem(job.llm_base_url)
+        if problem:
+            return f"model endpoint {redact_url(job.llm_base_url)!r}: {problem}; nothing was called"
+        if spec.transport != "inproc":
+            problem = url_problem(spec.base_url)
+            if problem:
+                return f"env server {redact_url(spec.base_url)!r}: {problem}; nothing was called"
+        if job.episode_hook and not valid_object_path(job.episode_hook):
+            return (f"episode hook {job.episode_hook!r} is not 'module:attribute' (one attribute, no dotted "
+                    "path); it was not imported")
         if spec.transport == "inproc":
+            if not valid_object_path(spec.env_class):
+                return (f"env_class {spec.env_class!r} is not 'module:Class' (one attribute, no dotted path); "
+                        "it was not imported")
             if not self.env_classes.allows(spec.env_class):
                 return (f"env_class {spec.env_class!r} is not on this worker's allow-list "
                         f"(INTERACTOR_ENV_CLASSES: {self.env_classes}); it was not imported")
