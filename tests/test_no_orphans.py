@@ -1,0 +1,132 @@
+"""No orphans: a command that starts child processes stops them when it is stopped by SIGTERM
+or SIGHUP (as on Ctrl-C: same report, and ``--resume`` finishes the job), and its children stop
+by themselves when it is killed outright (SIGKILL).
+
+The processes of one run are found by a marker in their environment, which every child
+inherits: never by name (other test runs on the same machine have processes of the same names).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, wait_for
+from tests.storecheck import assert_trajectories_sound, db_rows
+
+pytestmark = pytest.mark.integration
+
+MARK = "NO_ORPHANS_TEST_MARK"
+
+
+def marked(mark: str) -> list[psutil.Process]:
+    """Live processes (zombies aside) whose environment carries ``mark``."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(MARK) == mark:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def describe(procs: list[psutil.Process]) -> str:
+    shown = []
+    for p in procs:
+        try:
+            shown.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
+        except psutil.Error:
+            pass
+    return "\n".join(shown)
+
+
+def assert_none_left(mark: str, timeout: float, what: str) -> None:
+    try:
+        wait_for(lambda: not marked(mark), timeout, interval=0.5, what=what)
+    except AssertionError:
+        left = marked(mark)
+        for p in left:  # clean up for the next tests before failing
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        raise AssertionError(f"{what}: still running after {timeout}s:\n{describe(left)}") from None
+
+
+def clean_env(mark: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    env[MARK] = mark
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def steps_recorded(run_dir) -> bool:
+    db = run_dir / "results.sqlite"
+    if not db.exists():
+        return False
+    try:
+        return bool(db_rows(str(db), "SELECT COUNT(*) FROM session_steps")[0][0])
+    except Exception:  # noqa: BLE001 - the file is being created
+        return False
+
+
+@pytest.fixture
+def slow_model():
+    from examples.model_standin import start_in_thread
+
+    server, url = start_in_thread(latency_ms=500)
+    yield url
+    server.shutdown()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+def test_run_stopped_by_a_signal_leaves_no_process_and_resume_finishes(env_server, slow_model, tmp_path, sig):
+    _, env_url = env_server
+    tasks = tmp_path / "long.yaml"
+    tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n"
+                     f"    env_params: {{low: 1, high: 100000, max_turns: 20}}\n    env_num: 6\n")
+    mark = uuid.uuid4().hex
+    env = clean_env(mark)
+    run_dir = tmp_path / "runs"
+    common = ["--llm-base-url", slow_model + "/v1", "--run-dir", str(run_dir), "--concurrency", "3",
+              "--workers", "1", "--shutdown-grace", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "run", str(tasks), *common], env=env,
+                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: steps_recorded(run_dir), 90, what="steps recorded")
+        # Redis, the guard, the consumer, the worker's supervisor and its Celery process.
+        assert len(marked(mark)) >= 5, describe(marked(mark))
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        # Children see their parent die within about a second (the kernel's signal, or their
+        # own watch); the workers' grace is 1 s. The bound is for a machine busy with others.
+        assert_none_left(mark, 60, "processes of a SIGKILLed run")
+    else:
+        assert proc.returncode == 128 + sig, out[-3000:]
+        assert f"interrupted ({sig.name})" in out and "left unfinished:" in out and "--resume" in out, out[-3000:]
+        # `run` waited for its children before reporting: none is left now, at once.
+        assert_none_left(mark, 5, f"processes of a run stopped by {sig.name}")
+    job_id = out.split("job ", 1)[1].split(":", 1)[0]
+    resumed = subprocess.run([sys.executable, "-m", "interactor.cli", "run", "--resume", job_id, *common,
+                              "--concurrency", "6"], env=env, cwd=str(ROOT), capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    db = str(run_dir / "results.sqlite")
+    assert db_rows(db, "SELECT status, COUNT(*) FROM episodes WHERE job_id = ? GROUP BY status",
+                   (job_id,)) == [("completed", 6)]
+    assert_trajectories_sound(db, job_id)
+    assert_none_left(mark, 5, "processes of the resumed run")
