@@ -3,7 +3,9 @@ or SIGHUP (as on Ctrl-C: same report, and ``--resume`` finishes the job), and it
 by themselves when it is killed outright (SIGKILL).
 
 The processes of one run are found by a marker in their environment, which every child
-inherits: never by name (other test runs on the same machine have processes of the same names).
+inherits, or by their working directory in the run's folder (redis-server overwrites its
+environment with its process title, but works in its data folder): never by name (other test
+runs on the same machine have processes of the same names).
 """
 
 from __future__ import annotations
@@ -26,16 +28,28 @@ pytestmark = pytest.mark.integration
 MARK = "NO_ORPHANS_TEST_MARK"
 
 
-def marked(mark: str) -> list[psutil.Process]:
-    """Live processes (zombies aside) whose environment carries ``mark``."""
+def marked(mark: str, folder) -> list[psutil.Process]:
+    """Live processes (zombies aside) whose environment carries ``mark`` or that work in
+    ``folder``."""
     out = []
+    folder = str(folder)
+    me = os.getpid()
     for p in psutil.process_iter():
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(MARK) == mark:
+            if p.pid == me or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get(MARK) == mark or p.cwd().startswith(folder):
                 out.append(p)
         except psutil.Error:
             pass
     return out
+
+
+def _cwd(p: psutil.Process) -> str:
+    try:
+        return p.cwd()
+    except psutil.Error:
+        return ""
 
 
 def describe(procs: list[psutil.Process]) -> str:
@@ -48,17 +62,24 @@ def describe(procs: list[psutil.Process]) -> str:
     return "\n".join(shown)
 
 
-def assert_none_left(mark: str, timeout: float, what: str) -> None:
+def assert_none_left(mark: str, folder, timeout: float, what: str) -> None:
     try:
-        wait_for(lambda: not marked(mark), timeout, interval=0.5, what=what)
+        wait_for(lambda: not marked(mark, folder), timeout, interval=0.5, what=what)
     except AssertionError:
-        left = marked(mark)
-        for p in left:  # clean up for the next tests before failing
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        raise AssertionError(f"{what}: still running after {timeout}s:\n{describe(left)}") from None
+        raise AssertionError(f"{what}: still running after {timeout}s:\n{describe(marked(mark, folder))}") from None
+
+
+@pytest.fixture
+def mark(tmp_path):
+    """A marker for one test's processes; whatever carries it at the end is killed (a failed
+    test must not leave its orphans to the tests after it)."""
+    value = uuid.uuid4().hex
+    yield value
+    for p in marked(value, tmp_path):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def clean_env(mark: str) -> dict:
@@ -88,12 +109,12 @@ def slow_model():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
-def test_run_stopped_by_a_signal_leaves_no_process_and_resume_finishes(env_server, slow_model, tmp_path, sig):
+def test_run_stopped_by_a_signal_leaves_no_process_and_resume_finishes(env_server, slow_model, tmp_path, mark,
+                                                                       sig):
     _, env_url = env_server
     tasks = tmp_path / "long.yaml"
     tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n"
                      f"    env_params: {{low: 1, high: 100000, max_turns: 20}}\n    env_num: 6\n")
-    mark = uuid.uuid4().hex
     env = clean_env(mark)
     run_dir = tmp_path / "runs"
     common = ["--llm-base-url", slow_model + "/v1", "--run-dir", str(run_dir), "--concurrency", "3",
@@ -102,8 +123,10 @@ def test_run_stopped_by_a_signal_leaves_no_process_and_resume_finishes(env_serve
                             cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: steps_recorded(run_dir), 90, what="steps recorded")
-        # Redis, the guard, the consumer, the worker's supervisor and its Celery process.
-        assert len(marked(mark)) >= 5, describe(marked(mark))
+        # Ourselves, Redis, the consumer and the worker (and its Celery process, the guard).
+        running = marked(mark, run_dir)
+        assert len(running) >= 4, describe(running)
+        assert any(_cwd(p).startswith(str(run_dir / "redis")) for p in running), describe(running)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -114,12 +137,12 @@ def test_run_stopped_by_a_signal_leaves_no_process_and_resume_finishes(env_serve
         assert proc.returncode == -signal.SIGKILL
         # Children see their parent die within about a second (the kernel's signal, or their
         # own watch); the workers' grace is 1 s. The bound is for a machine busy with others.
-        assert_none_left(mark, 60, "processes of a SIGKILLed run")
+        assert_none_left(mark, run_dir, 60, "processes of a SIGKILLed run")
     else:
         assert proc.returncode == 128 + sig, out[-3000:]
         assert f"interrupted ({sig.name})" in out and "left unfinished:" in out and "--resume" in out, out[-3000:]
         # `run` waited for its children before reporting: none is left now, at once.
-        assert_none_left(mark, 5, f"processes of a run stopped by {sig.name}")
+        assert_none_left(mark, run_dir, 5, f"processes of a run stopped by {sig.name}")
     job_id = out.split("job ", 1)[1].split(":", 1)[0]
     resumed = subprocess.run([sys.executable, "-m", "interactor.cli", "run", "--resume", job_id, *common,
                               "--concurrency", "6"], env=env, cwd=str(ROOT), capture_output=True, text=True,
@@ -129,4 +152,4 @@ def test_run_stopped_by_a_signal_leaves_no_process_and_resume_finishes(env_serve
     assert db_rows(db, "SELECT status, COUNT(*) FROM episodes WHERE job_id = ? GROUP BY status",
                    (job_id,)) == [("completed", 6)]
     assert_trajectories_sound(db, job_id)
-    assert_none_left(mark, 5, "processes of the resumed run")
+    assert_none_left(mark, run_dir, 5, "processes of the resumed run")
