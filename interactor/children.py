@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 __all__ = ["role_command", "spawn", "spawn_role", "terminate", "stop_event", "wait_for_signal",
-           "watch_parent", "Guard", "Interrupted", "interrupt_on_signals", "exit_code", "PARENT_ENV"]
+           "watch_parent", "descendants", "Guard", "Interrupted", "interrupt_on_signals", "exit_code", "PARENT_ENV"]
 
 # Set by spawn() in a child's environment: the pid the child should find as its parent.
 PARENT_ENV = "INTERACTOR_PARENT_PID"
@@ -202,6 +202,39 @@ def interrupt_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every process below it (Linux /proc; just ``pid`` elsewhere).
+
+    ``interactor worker`` may run Celery in a child (a supervisor restarts it if it dies), and a
+    prefork pool has children too: the lease tokens name whichever process runs the episode,
+    and a process killed outright leaves its own children behind.
+    """
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {pid}
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
+        fields_ = stat[stat.rfind(b")") + 2:].split()
+        if len(fields_) > 1:
+            children.setdefault(int(fields_[1]), []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(children.get(p, ()))
+    return out
+
+
 # --- the guard -----------------------------------------------------------------------------
 class Guard:
     """Stops our children if we die without stopping them, in stages (lowest first), each
@@ -302,6 +335,9 @@ def _guard_main(args: list[str]) -> int:
         while time.monotonic() < deadline and any(_alive(p, st) for p, st in group):
             time.sleep(0.2)
         for pid, started in group:
+            if _alive(pid, started):  # with what it started (a worker's Celery process), or it stays
+                for below in descendants(pid) - {pid}:
+                    _signal(below, _start_time(below), signal.SIGKILL)
             _signal(pid, started, signal.SIGKILL)
     return 0
 

@@ -276,8 +276,10 @@ def run_demo(settings: Settings, *, workers: int | None = None, ui: tuple[str, i
 
 
 def _start_server(servers: list, guard: Guard, module: str, extra: list[str]) -> str:
+    # Not stopped with us by the kernel but by the guard, last: the workers need them to end
+    # their episodes' steps and close their env instances before they can stop.
     p = spawn([sys.executable, "-m", module, "--port", "0", *extra], stdout=subprocess.PIPE,
-              stderr=subprocess.DEVNULL, text=True)
+              stderr=subprocess.DEVNULL, text=True, with_parent=False)
     servers.append(p)
     guard.add(p, STAGE_LAST)
     line = p.stdout.readline()

@@ -153,3 +153,106 @@ def test_run_stopped_by_a_signal_leaves_no_process_and_resume_finishes(env_serve
                    (job_id,)) == [("completed", 6)]
     assert_trajectories_sound(db, job_id)
     assert_none_left(mark, run_dir, 5, "processes of the resumed run")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_demo_stopped_by_a_signal_leaves_no_process(tmp_path, mark, sig):
+    """`demo` also starts the example env server and model stand-in, which stop with the rest."""
+    run_dir = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "demo", "--run-dir", str(run_dir),
+                             "--workers", "1", "--concurrency", "2", "--shutdown-grace", "1"], env=clean_env(mark),
+                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: steps_recorded(run_dir), 90, what="steps recorded")
+        running = marked(mark, run_dir)
+        servers = [p for p in running if "examples." in " ".join(p.cmdline())]
+        assert len(servers) == 2, describe(running)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    if sig == signal.SIGKILL:
+        assert_none_left(mark, run_dir, 60, "processes of a SIGKILLed demo")
+    else:
+        assert proc.returncode == 128 + sig, out[-3000:]
+        assert "left unfinished:" in out, out[-3000:]
+        assert_none_left(mark, run_dir, 5, "processes of a demo stopped by SIGTERM")
+
+
+def test_a_child_started_from_another_thread_outlives_that_thread_and_stops_with_its_parent(settings, tmp_path,
+                                                                                         mark):
+    """The kernel's parent-death signal follows the thread that forked, so a child started from
+    any other thread does without it (it would stop when that thread ends) and relies on its own
+    watch of its parent, the portable half of the mechanism."""
+    script = textwrap.dedent("""\
+        import threading, time
+        from interactor.children import role_command, spawn
+        box = []
+        t = threading.Thread(target=lambda: box.append(spawn(role_command("consumer", "c-thread"))))
+        t.start()
+        t.join()
+        print(box[0].pid, flush=True)
+        time.sleep(600)
+        """)
+    env = {**clean_env(mark), **settings.as_environ()}
+    log_path = tmp_path / "parent.log"
+    with open(log_path, "ab") as log:
+        parent = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=str(tmp_path),
+                                  stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        wait_for(lambda: "reading" in log_path.read_text(errors="replace"), 60, what="the consumer started")
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE  # the thread ended long ago
+        parent.kill()
+        parent.wait(10)
+        # The watch looks once a second; the consumer then drains and stops.
+        wait_for(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, 30,
+                 what="the consumer stopped after its parent was killed")
+        assert "consumer c-thread stopped" in log_path.read_text(errors="replace")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+
+
+def test_worker_supervisor_stops_on_sighup_with_a_warm_shutdown(settings, tmp_path, mark):
+    """SIGHUP (a closed terminal) stops `interactor worker` like SIGTERM: one SIGTERM to its
+    Celery process (whose own SIGHUP would restart it), a warm shutdown, exit 0."""
+    log_path = tmp_path / "worker.log"
+    env = {**clean_env(mark), **settings.as_environ()}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "worker", "--name", "w-hup@%h"], env=env,
+                                cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "ready." in log_path.read_text(errors="replace"), 90, what="the worker ready")
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(60) == 0, log_path.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log_path.read_text(errors="replace")
+    assert "Warm shutdown" in text and "Restarting" not in text, text[-3000:]
+    assert_none_left(mark, tmp_path, 5, "processes of a worker stopped by SIGHUP")
+
+
+def test_autoscaler_killed_leaves_no_worker(settings, tmp_path, mark):
+    log_dir = tmp_path / "logs"
+    env = {**clean_env(mark), **settings.as_environ()}
+    proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "autoscale", "--min", "1", "--max", "1",
+                             "--interval", "0.5", "--log-dir", str(log_dir), "--name", "as-kill"], env=env,
+                            cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: any("ready." in p.read_text(errors="replace") for p in log_dir.glob("*.log")), 90,
+                 what="the autoscaler's worker ready")
+        assert len(marked(mark, tmp_path)) >= 3  # the autoscaler, a worker's supervisor and its Celery process
+        proc.kill()
+        proc.wait(10)
+        assert_none_left(mark, tmp_path, 60, "workers of a SIGKILLed autoscaler")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
