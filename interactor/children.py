@@ -265,11 +265,16 @@ class Guard:
         except (OSError, ValueError):  # the guard is gone: nothing more it can do for us
             pass
 
-    def close(self) -> None:
-        """We stopped our children ourselves: the guard leaves without touching anything."""
-        self._send("done")
+    def close(self, *, done: bool = True) -> None:
+        """``done``: we stopped our children ourselves, the guard leaves without touching
+        anything. Otherwise (our own stopping was cut short) it stops whatever is still running,
+        in order, and we leave it to it."""
+        if done:
+            self._send("done")
         with contextlib.suppress(OSError, ValueError):
             self.proc.stdin.close()
+        if not done:
+            return
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:

@@ -98,11 +98,14 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
         own_guard = guard is None
         if own_guard:
             guard = start_guard(settings, Path(settings.run_dir) / "logs")
+        done = False
         try:
-            return _run_local(settings, tasks, workers, job_id, resume, ui, guard)
+            code = _run_local(settings, tasks, workers, job_id, resume, ui, guard)
+            done = True
+            return code
         finally:
             if own_guard:
-                guard.close()
+                guard.close(done=done)
 
 
 def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id: str | None, resume: str | None,
@@ -116,24 +119,26 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
     planned = None if resume else plan(settings, tasks, job_id)  # a bad file stops us before anything starts
 
     embedded = None
-    if not settings.redis_url:
-        embedded = EmbeddedRedis(run_dir / "redis", port=None, password=_persistent_password(run_dir))
-        try:
-            embedded.start()
-        finally:
-            if embedded.proc is not None:
-                guard.add(embedded.proc, STAGE_LAST)
-        settings = settings.replace(redis_url=embedded.url)
-        print(f"embedded Redis on 127.0.0.1:{embedded.port} (data in {run_dir / 'redis'})")
-    else:
-        print(f"Redis at {redact_url(settings.redis_url)}")
-    client = connect(settings)
-    ledger = Ledger.for_settings(client, settings)
-    fleet = LocalFleet(settings, workers, run_dir / "logs", guard)
+    fleet: LocalFleet | None = None
     browser = None
     interrupted: KeyboardInterrupt | None = None
     t0 = time.monotonic()
     try:
+        if not settings.redis_url:
+            embedded = EmbeddedRedis(run_dir / "redis", port=None, password=_persistent_password(run_dir))
+            try:
+                embedded.start()
+                guard.add(embedded.proc, STAGE_LAST)
+            except BaseException:  # not started, or interrupted while starting: not left running
+                embedded.stop(kill=True)
+                raise
+            settings = settings.replace(redis_url=embedded.url)
+            print(f"embedded Redis on 127.0.0.1:{embedded.port} (data in {run_dir / 'redis'})")
+        else:
+            print(f"Redis at {redact_url(settings.redis_url)}")
+        client = connect(settings)
+        ledger = Ledger.for_settings(client, settings)
+        fleet = LocalFleet(settings, workers, run_dir / "logs", guard)
         store = open_store(settings.results_store)
         if ui is not None:  # first: a port in use stops us before anything is enqueued or started
             browser = _start_browser(settings, client, *ui)
@@ -181,7 +186,7 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
             _keep_serving(browser)
         return 0 if results["job"].get("failed", 0) == 0 else 1
     finally:
-        if fleet.procs:
+        if fleet is not None and fleet.procs:
             fleet.stop(5)
         if browser is not None:
             browser.stop()
@@ -262,17 +267,22 @@ def run_demo(settings: Settings, *, workers: int | None = None, ui: tuple[str, i
     servers = []
     with interrupt_on_signals():
         guard = start_guard(settings, Path(settings.run_dir) / "logs")
+        done = False
         try:
             env_url = _start_server(servers, guard, "examples.envserver", [])
             model_url = _start_server(servers, guard, "examples.model_standin", ["--latency-ms", "50"])
             print(f"example env server at {env_url}, model stand-in at {model_url}/v1 (a stand-in, not a model)")
             settings = settings.replace(env_base_url=env_url, llm_base_url=model_url + "/v1", model="stand-in")
-            return run_local(settings, [str(folder / "tasks.yaml")], workers=workers, ui=ui, guard=guard)
-        except KeyboardInterrupt as exc:  # before the run started
+            code = run_local(settings, [str(folder / "tasks.yaml")], workers=workers, ui=ui, guard=guard)
+            terminate(servers, 5)
+            done = True
+            return code
+        except KeyboardInterrupt as exc:  # before the run started, or its own stopping cut short
             return exit_code(exc)
         finally:
-            terminate(servers, 5)
-            guard.close()
+            if not done:  # and the guard looks at what else may still run
+                terminate(servers, 5)
+            guard.close(done=done)
 
 
 def _start_server(servers: list, guard: Guard, module: str, extra: list[str]) -> str:
