@@ -321,6 +321,7 @@ def _guard_main(args: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     graces = {int(k): float(v) for k, v in (a.split("=", 1) for a in args)}
+    parent = os.getppid()
     watched: dict[int, tuple[int, str | None]] = {}  # pid -> (stage, start time)
     for raw in sys.stdin.buffer:
         parts = raw.decode(errors="replace").split()
@@ -332,8 +333,14 @@ def _guard_main(args: list[str]) -> int:
         elif len(parts) == 2 and parts[0] == "drop" and parts[1].isdigit():
             watched.pop(int(parts[1]), None)
     # The pipe ended without "done": our parent is gone.
+    def say(text: str) -> None:
+        print(time.strftime("%Y-%m-%d %H:%M:%S"), f"guard of pid {parent}:", text, file=sys.stderr, flush=True)
+
     for stage in sorted({s for s, _ in watched.values()}):
-        group = [(pid, started) for pid, (s, started) in watched.items() if s == stage]
+        group = [(pid, started) for pid, (s, started) in watched.items() if s == stage and _alive(pid, started)]
+        if not group:
+            continue
+        say(f"parent gone; stopping {' '.join(str(p) for p, _ in group)} (SIGTERM, up to {graces.get(stage, 10):g}s)")
         for pid, started in group:
             _signal(pid, started, signal.SIGTERM)
         deadline = time.monotonic() + graces.get(stage, 10.0)
@@ -341,6 +348,7 @@ def _guard_main(args: list[str]) -> int:
             time.sleep(0.2)
         for pid, started in group:
             if _alive(pid, started):  # with what it started (a worker's Celery process), or it stays
+                say(f"{pid} still running: SIGKILL")
                 for below in descendants(pid) - {pid}:
                     _signal(below, _start_time(below), signal.SIGKILL)
             _signal(pid, started, signal.SIGKILL)
