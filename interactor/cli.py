@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 
-from broker.settings import SettingsError
+from broker.settings import SettingsError, redact_url
 from interactor.children import exit_code, spawn, stop_event, watch_parent
 from interactor.common import SETTING_FLAGS, add_setting_flags, redis_for, settings_from_args
 
@@ -151,13 +151,28 @@ def cmd_consumer(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from producer.enqueue import submit
+    from producer.enqueue import plan, submit_plan
 
     settings = settings_from_args(args)
-    sub = submit(redis_for(settings), settings, args.tasks, job_id=args.job_id)
+    planned = plan(settings, args.tasks, args.job_id)
+    if not args.no_preflight:
+        refused = preflight_refusal(settings, planned.episodes)
+        if refused:
+            print(f"interactor: {refused}", file=sys.stderr)
+            return 2
+    sub = submit_plan(redis_for(settings), settings, planned)
     print(json.dumps({"job_id": sub.job.job_id, "episodes": sub.job.episodes, "groups": sub.job.groups,
                       "enqueue_s": round(sub.enqueue_s, 3)}))
     return 0
+
+
+def preflight_refusal(settings, episodes) -> str:
+    """What to print instead of enqueueing, or "" when every server answered (see
+    interactor/preflight.py)."""
+    from interactor.preflight import check, refusal
+
+    problems = check(settings, episodes)
+    return refusal(problems) if problems else ""
 
 
 def cmd_run(args) -> int:
@@ -177,6 +192,12 @@ def cmd_demo(args) -> int:
 
 def _ui_address(args) -> tuple[str, int] | None:
     return (args.ui_host, args.ui_port) if args.ui else None
+
+
+def _add_preflight_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-preflight", action="store_true",
+                   help="enqueue without first asking the model endpoint and env servers whether they answer "
+                        "(for servers that start later)")
 
 
 def _add_ui_flags(p: argparse.ArgumentParser) -> None:
@@ -333,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("submit", cmd_submit, "validate and enqueue task files")
     sp.add_argument("tasks", nargs="+")
     sp.add_argument("--job-id")
+    _add_preflight_flag(sp)
     sp = add("worker", cmd_worker, "run a worker")
     sp.set_defaults(argv=None)
     sp.add_argument("--name", default=None)
@@ -420,6 +442,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP in run/demo, before any report
         return exit_code(exc)
+    except Exception as exc:
+        import redis  # (not at the top: a gevent worker patches the socket modules before redis loads)
+
+        if not isinstance(exc, redis.RedisError):
+            raise
+        # a command that needs Redis says so in one line, not a traceback
+        print(f"interactor: Redis at {_redis_shown(args)} is unreachable: {type(exc).__name__}: "
+              f"{exc}", file=sys.stderr)
+        return 2
+
+
+def _redis_shown(args) -> str:
+    try:
+        return redact_url(settings_from_args(args).redis_url) or "(no REDIS_URL)"
+    except Exception:  # noqa: BLE001 - only for the message
+        return "(the configured URL)"
 
 
 if __name__ == "__main__":

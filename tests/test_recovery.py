@@ -320,15 +320,18 @@ def test_dead_workers_episodes_rerun_within_the_lease_bound(settings, procs, env
         sub = submit(redis_client, s, [str(tasks)])
         ledger = Ledger(redis_client, Keys(s.key_prefix))
         procs.worker("w1")
-        wait_for(lambda: ledger.counts(sub.job.job_id)["running"] == 3, 30, what="3 running")
+        wait_for(lambda: ledger.counts(sub.job.job_id)["running"] == 3, 60, what="3 running")
+        # The survivor is up before the kill: what is measured is the reclaim, not how long a
+        # Celery worker takes to start on a busy machine.
+        procs.worker("w2")
+        wait_for(lambda: " ready." in procs.log("w2"), 120, what="w2 ready")
         resets_before = env.stats()["resets"]
         procs.kill("w1")
         killed_at = time.monotonic()
-        procs.worker("w2")
         eps = list(ledger.states(sub.job.job_id))
-        wait_for(lambda: all(ledger.attempts(sub.job.job_id, e) >= 2 for e in eps), 60, what="attempt 2 started")
+        wait_for(lambda: all(ledger.attempts(sub.job.job_id, e) >= 2 for e in eps), 120, what="attempt 2 started")
         took = time.monotonic() - killed_at
-        bound = s.lease_ttl_s + s.sweep_interval_s + 10  # + worker start-up on a loaded machine
+        bound = s.lease_ttl_s + s.sweep_interval_s + 20  # + scheduling on a loaded machine
         assert took < bound, f"re-run after {took:.1f}s, bound {bound:.1f}s"
         assert env.stats()["resets"] >= resets_before + 3  # from a fresh reset
         assert s.visibility_timeout_s > 10 * bound  # so this was not the broker's redelivery
