@@ -11,9 +11,9 @@ run`/`demo` (localrun), the worker supervisor (cli), the autoscaler and the benc
 * A parent that dies without a word (SIGKILL, a crash, the OOM killer) takes its children with
   it, because a child in its own session would otherwise live on and keep working:
 
-  - every child of :func:`spawn` gets SIGTERM from the kernel when its parent dies (Linux
-    ``PR_SET_PDEATHSIG``), so it stops the way it stops on ``kill``: workers hand back their
-    episodes uncounted, the consumer commits what it holds;
+  - every child that :func:`spawn` starts from the main thread gets SIGTERM from the kernel
+    when its parent dies (Linux ``PR_SET_PDEATHSIG``), so it stops the way it stops on
+    ``kill``: workers hand back their episodes uncounted, the consumer commits what it holds;
   - every ``interactor`` command started by :func:`spawn` also watches its parent itself
     (:func:`watch_parent`, any platform) and sends itself SIGTERM when it is gone;
   - what must outlive its siblings (the embedded Redis, which they need to hand back their
