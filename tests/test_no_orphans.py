@@ -238,7 +238,28 @@ def test_worker_supervisor_stops_on_sighup_with_a_warm_shutdown(settings, tmp_pa
     assert_none_left(mark, tmp_path, 5, "processes of a worker stopped by SIGHUP")
 
 
-def test_autoscaler_killed_leaves_no_worker(settings, tmp_path, mark):
+def test_worker_supervisor_killed_its_celery_process_shuts_down_warm(settings, tmp_path, mark):
+    """SIGKILL to `interactor worker`: its Celery process gets SIGTERM, a warm shutdown (it hands
+    its episodes back), not a SIGKILL of its own."""
+    log_path = tmp_path / "worker.log"
+    env = {**clean_env(mark), **settings.as_environ()}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "worker", "--name", "w-kill@%h"], env=env,
+                                cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "ready." in log_path.read_text(errors="replace"), 90, what="the worker ready")
+        proc.kill()
+        proc.wait(10)
+        assert_none_left(mark, tmp_path, 60, "the Celery process of a SIGKILLed worker supervisor")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert "Warm shutdown" in log_path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+def test_autoscaler_stopped_by_a_signal_leaves_no_worker(settings, tmp_path, mark, sig):
     log_dir = tmp_path / "logs"
     env = {**clean_env(mark), **settings.as_environ()}
     proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "autoscale", "--min", "1", "--max", "1",
@@ -249,9 +270,13 @@ def test_autoscaler_killed_leaves_no_worker(settings, tmp_path, mark):
         wait_for(lambda: any("ready." in p.read_text(errors="replace") for p in log_dir.glob("*.log")), 90,
                  what="the autoscaler's worker ready")
         assert len(marked(mark, tmp_path)) >= 3  # the autoscaler, a worker's supervisor and its Celery process
-        proc.kill()
-        proc.wait(10)
-        assert_none_left(mark, tmp_path, 60, "workers of a SIGKILLed autoscaler")
+        proc.send_signal(sig)
+        code = proc.wait(60)
+        if sig == signal.SIGHUP:  # it warm-stopped its workers and waited for them
+            assert code == 0
+            assert_none_left(mark, tmp_path, 5, "workers of an autoscaler stopped by SIGHUP")
+        else:
+            assert_none_left(mark, tmp_path, 60, "workers of a SIGKILLed autoscaler")
     finally:
         if proc.poll() is None:
             proc.kill()
