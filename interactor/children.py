@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 __all__ = ["role_command", "spawn", "spawn_role", "terminate", "stop_event", "wait_for_signal",
-           "watch_parent", "descendants", "Guard", "Interrupted", "interrupt_on_signals", "exit_code", "PARENT_ENV"]
+           "watch_parent", "descendants", "catch", "Guard", "Interrupted", "interrupt_on_signals", "exit_code", "PARENT_ENV"]
 
 # Set by spawn() in a child's environment: the pid the child should find as its parent.
 PARENT_ENV = "INTERACTOR_PARENT_PID"
@@ -157,11 +157,19 @@ def watch_parent(interval_s: float = WATCH_INTERVAL_S) -> bool:
     return True
 
 
+def catch(sig: int, handler) -> None:
+    """``signal.signal``, except that a SIGHUP ignored by whoever started us (``nohup``) stays
+    ignored: such a command is meant to outlive its terminal."""
+    if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+        return
+    signal.signal(sig, handler)
+
+
 def stop_event() -> threading.Event:
     """An event that SIGTERM, SIGINT or SIGHUP sets (call from the main thread)."""
     stop = threading.Event()
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda *_: stop.set())
+        catch(sig, lambda *_: stop.set())
     return stop
 
 
@@ -190,16 +198,18 @@ def exit_code(exc: BaseException) -> int:
 def interrupt_on_signals() -> Iterator[None]:
     """Inside (main thread): SIGTERM and SIGHUP raise :class:`Interrupted`, so a foreground
     command that handles Ctrl-C stops its children the same way on ``kill``, ``timeout``,
-    systemd, ``docker stop`` or a closed terminal."""
+    systemd, ``docker stop`` or a closed terminal (unless started under ``nohup``)."""
     def interrupt(signum, _frame):
         raise Interrupted(signum)
 
-    old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig in old:
+        catch(sig, interrupt)
     try:
         yield
     finally:
         for sig, handler in old.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def descendants(pid: int) -> set[int]:

@@ -26,7 +26,7 @@ import sys
 import threading
 
 from broker.settings import SettingsError, redact_url
-from interactor.children import exit_code, spawn, stop_event, watch_parent
+from interactor.children import catch, exit_code, spawn, stop_event, watch_parent
 from interactor.common import SETTING_FLAGS, add_setting_flags, redis_for, settings_from_args
 
 log = logging.getLogger("interactor")
@@ -94,7 +94,7 @@ def _supervise_worker(argv: list[str]) -> int:
             p.send_signal(signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, forward)
+        catch(sig, forward)
     env = {**os.environ, _WORKER_CHILD: "1"}
     restarts = 0
     while not stopping.is_set():

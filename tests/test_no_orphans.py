@@ -238,6 +238,35 @@ def test_worker_supervisor_stops_on_sighup_with_a_warm_shutdown(settings, tmp_pa
     assert_none_left(mark, tmp_path, 5, "processes of a worker stopped by SIGHUP")
 
 
+def _ignore_sighup() -> None:
+    """preexec_fn: what `nohup` does."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def test_worker_under_nohup_outlives_sighup_and_stops_on_sigterm(settings, tmp_path, mark):
+    """A command started with SIGHUP ignored (`nohup`) is meant to outlive its terminal: the
+    SIGHUP handling leaves it alone."""
+    log_path = tmp_path / "worker.log"
+    env = {**clean_env(mark), **settings.as_environ()}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "worker", "--name", "w-nohup@%h"],
+                                env=env, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_ignore_sighup)
+    try:
+        wait_for(lambda: "ready." in log_path.read_text(errors="replace"), 90, what="the worker ready")
+        proc.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(3)
+        assert "Warm shutdown" not in log_path.read_text(errors="replace")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert_none_left(mark, tmp_path, 5, "processes of a worker stopped by SIGTERM")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_worker_supervisor_killed_its_celery_process_shuts_down_warm(settings, tmp_path, mark):
     """SIGKILL to `interactor worker`: its Celery process gets SIGTERM, a warm shutdown (it hands
     its episodes back), not a SIGKILL of its own."""
