@@ -26,7 +26,7 @@ import sys
 import threading
 
 from broker.settings import SettingsError, redact_url
-from interactor.children import die_with_parent, spawn, stop_event
+from interactor.children import catch, exit_code, spawn, stop_event, watch_parent
 from interactor.common import SETTING_FLAGS, add_setting_flags, redis_for, settings_from_args
 
 log = logging.getLogger("interactor")
@@ -48,6 +48,8 @@ def cmd_worker(args) -> int:
         from gevent import monkey
 
         monkey.patch_all()
+    # After gevent's patching, so that the watch is one of its greenlets (see main()).
+    watch_parent()
     from workers.tasks import app
 
     argv = ["worker", "-P", settings.pool, "-c", str(settings.concurrency), "-Q", ",".join(settings.served_queues),
@@ -67,7 +69,10 @@ def _supervise_worker(argv: list[str]) -> int:
     Celery gives up on some broker reconnects with an "Unrecoverable error" (kombu's Redis
     channel can lose its connection object mid-reconnect: celery/kombu #582, #970), and the
     worker process exits. Episodes are safe (leases, reservations), but a fleet must not shrink
-    by itself: the child is restarted. SIGTERM/SIGINT are passed on and end the supervisor.
+    by itself: the child is restarted. SIGTERM/SIGINT/SIGHUP are passed on and end the
+    supervisor: SIGINT as it is (Celery reads a second one as a cold shutdown), SIGTERM and SIGHUP
+    as one SIGTERM (Celery restarts on SIGHUP, and every SIGTERM would restart the grace period
+    of its running episodes).
     """
     import subprocess
     import time
@@ -75,25 +80,37 @@ def _supervise_worker(argv: list[str]) -> int:
     stopping = threading.Event()
     child: list[subprocess.Popen] = []
 
+    termed: set[int] = set()  # children already sent SIGTERM
+
     def forward(signum, _frame):
         stopping.set()
-        if child and child[0].poll() is None:
-            child[0].send_signal(signum)
+        p = child[0] if child else None
+        if p is None or p.poll() is not None:
+            return
+        if signum == signal.SIGINT:
+            p.send_signal(signal.SIGINT)
+        elif p.pid not in termed:
+            termed.add(p.pid)
+            p.send_signal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        catch(sig, forward)
     env = {**os.environ, _WORKER_CHILD: "1"}
     restarts = 0
-    while True:
+    while not stopping.is_set():
         # Own session: a terminal's Ctrl-C reaches only us, and we pass it on once (Celery reads
-        # a second SIGINT as "cold shutdown"). The child dies with us (parent-death signal).
-        child[:] = [spawn([sys.executable, "-m", "interactor.cli", *argv], env=env, preexec_fn=die_with_parent)]
+        # a second SIGINT as "cold shutdown"). If we die without a word, the child gets SIGTERM
+        # (children.spawn) and hands back its episodes.
+        child[:] = [spawn([sys.executable, "-m", "interactor.cli", *argv], env=env)]
+        if stopping.is_set():  # a signal came while it was starting: it must have it too
+            forward(signal.SIGTERM, None)
         code = child[0].wait()
         if stopping.is_set():
             return code
         restarts += 1
         log.error("worker process exited with %s without being asked to; restarting (%d)", code, restarts)
         time.sleep(min(10.0, 0.5 * restarts))
+    return 0
 
 
 def _raise_open_files_limit() -> None:
@@ -414,11 +431,17 @@ def main(argv: list[str] | None = None) -> int:
     from consumer.storage import StoreError
     from producer.taskfile import TaskFileError
 
+    if os.environ.get(_WORKER_CHILD) != "1":
+        # Started by another interactor command: stop (as on SIGTERM) if it dies without
+        # stopping us. A Celery worker process starts its watch itself, after gevent's patching.
+        watch_parent()
     try:
         return args.fn(args)
     except (SettingsError, TaskFileError, StoreError, JobExists) as exc:
         print(f"interactor: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP in run/demo, before any report
+        return exit_code(exc)
     except Exception as exc:
         import redis  # (not at the top: a gevent worker patches the socket modules before redis loads)
 
