@@ -181,7 +181,7 @@ def cmd_run(args) -> int:
     if not args.tasks and not args.resume:
         raise SettingsError("name task files to run, or --resume JOB")
     return run_local(settings_from_args(args), args.tasks, workers=args.workers, job_id=args.job_id, resume=args.resume,
-                     ui=_ui_address(args))
+                     ui=_ui_address(args), preflight=not args.no_preflight)
 
 
 def cmd_demo(args) -> int:
@@ -347,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=int, default=None,
                     help="local worker processes (default: one per core; --concurrency is split between them)")
     sp.add_argument("--job-id")
+    _add_preflight_flag(sp)
     _add_ui_flags(sp)
     sp = add("demo", cmd_demo, "run the bundled example batch against the stand-in servers")
     sp.add_argument("--workers", type=int, default=None)

@@ -86,21 +86,23 @@ class LocalFleet:
 
 
 def run_local(settings: Settings, tasks: list[str], *, workers: int | None = None, job_id: str | None = None,
-              resume: str | None = None, ui: tuple[str, int] | None = None, guard: Guard | None = None) -> int:
+              resume: str | None = None, ui: tuple[str, int] | None = None, guard: Guard | None = None,
+              preflight: bool = True) -> int:
     """Run one job to its end on this machine. ``ui``: (host, port) of a results browser to
     serve meanwhile, and after the summary until Ctrl-C (with Redis still up, so that dead
     letters can be read; read-only, nothing is re-driven with the workers gone). ``guard``:
     the caller's (``demo``), else we start our own.
 
     Ctrl-C, SIGTERM and SIGHUP stop the run alike; the exit code is 128 + the signal's number
-    (130, 143, 129)."""
+    (130, 143, 129). ``preflight``: ask the model endpoint and env servers before anything is
+    enqueued (interactor/preflight.py), and refuse with exit 2 when one does not answer."""
     with interrupt_on_signals():
         own_guard = guard is None
         if own_guard:
             guard = start_guard(settings, Path(settings.run_dir) / "logs")
         done = False
         try:
-            code = _run_local(settings, tasks, workers, job_id, resume, ui, guard)
+            code = _run_local(settings, tasks, workers, job_id, resume, ui, guard, preflight)
             done = True
             return code
         finally:
@@ -109,7 +111,7 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
 
 
 def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id: str | None, resume: str | None,
-               ui: tuple[str, int] | None, guard: Guard) -> int:
+               ui: tuple[str, int] | None, guard: Guard, preflight: bool = True) -> int:
     from consumer.storage import open_store
     from producer.enqueue import new_job_id, plan, submit_plan
 
@@ -117,6 +119,13 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
     run_dir.mkdir(parents=True, exist_ok=True)
     job_id = resume or job_id or new_job_id()
     planned = None if resume else plan(settings, tasks, job_id)  # a bad file stops us before anything starts
+    if planned is not None and preflight:
+        from interactor.preflight import check, refusal
+
+        problems = check(settings, planned.episodes)
+        if problems:
+            print(f"interactor: {refusal(problems)}", file=sys.stderr)
+            return 2
 
     embedded = None
     fleet: LocalFleet | None = None
@@ -205,6 +214,9 @@ def _say(text: str) -> None:
 
 
 def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0: float) -> None:
+    from interactor.metrics import FleetReader
+
+    breakers = BreakerNotes(FleetReader(ledger.r, fleet.settings))
     last_steps, last_t = 0, time.monotonic()
     rate = 0.0
     tty = sys.stdout.isatty()
@@ -220,6 +232,9 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
             rate = (steps - last_steps) / (now - last_t)
             last_steps, last_t = steps, now
         line = progress_line(counts, res, total, rate, now - t0)
+        said = breakers.news(now)
+        if said:  # on lines of their own: a stalled bar says why it is stalled
+            print(("\n" if tty else "") + "\n".join(said), flush=True)
         if tty:
             print("\r" + line, end="", flush=True)
         elif now - last_print >= 5:
@@ -230,6 +245,41 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
                 and not res.get("short_trajectories", 0)):
             print("\r" + line if tty else line)
             return
+
+
+class BreakerNotes:
+    """What the workers' circuit breakers know, told to whoever watches the progress bar: a
+    server that is down (a wrong port, a server not started) otherwise shows only as
+    ``0.0 steps/s``. Each open breaker is named when it opens, again every ``repeat_s`` while it
+    stays open, and once when it closes."""
+
+    def __init__(self, reader, *, every_s: float = 2.0, repeat_s: float = 30.0):
+        self.reader = reader
+        self.every_s = every_s
+        self.repeat_s = repeat_s
+        self._read_at = -1e9
+        self._told: dict[tuple[str, str], float] = {}  # open breaker -> when last told
+
+    def news(self, now: float) -> list[str]:
+        if now - self._read_at < self.every_s:
+            return []
+        self._read_at = now
+        try:
+            open_now = {(b["kind"], b["server"]): b for b in self.reader.breakers()}
+        except Exception:  # noqa: BLE001 - Redis away: the workers' own waiting covers it
+            return []
+        out = []
+        budget = self.reader.settings.outage_budget_s
+        for key, b in sorted(open_now.items()):
+            if now - self._told.get(key, -1e9) >= self.repeat_s:
+                self._told[key] = now
+                down = time.time() - b["since"] if b.get("since") else 0.0
+                out.append(f"{b['kind']} server {b['server']} down {down:.0f}s: {b['error'][:160]}; its episodes "
+                           f"wait up to {budget / 60:.0f} min for it")
+        for key in [k for k in self._told if k not in open_now]:
+            del self._told[key]
+            out.append(f"{key[0]} server {key[1]} answers again")
+        return out
 
 
 def _start_browser(settings: Settings, client, host: str, port: int):

@@ -5,6 +5,7 @@ does not serve is one clear line, not minutes of ``0.0 steps/s``. Real servers o
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -174,3 +175,51 @@ def test_unreachable_redis_is_one_line_not_a_traceback(settings, command):
     lines = [ln for ln in out.stderr.splitlines() if ln.strip() and "WARNING" not in ln]
     assert "Traceback" not in out.stderr and "pw-secret" not in out.stderr
     assert lines[-1].startswith("interactor: Redis at redis://:***@127.0.0.1:") and "unreachable" in lines[-1]
+
+
+@pytest.mark.integration
+def test_run_to_a_wrong_port_stops_before_starting_anything(settings, env_server, tmp_path):
+    _, env_url = env_server
+    tasks = tmp_path / "t.yaml"
+    tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n    env_num: 2\n")
+    s = settings.replace(redis_url="", run_dir=str(tmp_path / "run"))
+    wrong = f"http://127.0.0.1:{closed_port()}/v1"
+    out = _cli(s, "run", str(tasks), "--llm-base-url", wrong)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"model server {wrong}: unreachable: connection refused" in out.stderr
+    assert "embedded Redis" not in out.stdout and not (tmp_path / "run" / "redis").exists()
+
+
+def test_open_breakers_are_named_when_they_open_while_open_and_when_they_close(settings, redis_client):
+    from broker.keys import Keys
+    from broker.records import BreakerState
+    from interactor.localrun import BreakerNotes
+    from interactor.metrics import FleetReader
+
+    keys = Keys(settings.key_prefix)
+    state = BreakerState(kind="model", server="http://127.0.0.1:9/v1", worker="w1@h", since=time.time() - 45,
+                         error="connection refused")
+    redis_client.hset(keys.breakers, state.hash_field(), state.pack())
+    notes = BreakerNotes(FleetReader(redis_client, settings), every_s=0, repeat_s=30)
+    (said,) = notes.news(100.0)
+    assert said.startswith("model server http://127.0.0.1:9/v1 down 4") and "connection refused" in said
+    assert "wait up to" in said
+    assert notes.news(110.0) == []  # not every poll
+    assert len(notes.news(131.0)) == 1  # but again while it stays open
+    redis_client.hdel(keys.breakers, state.hash_field())
+    assert notes.news(132.0) == ["model server http://127.0.0.1:9/v1 answers again"]
+    assert notes.news(133.0) == []
+
+
+@pytest.mark.integration
+def test_a_run_whose_model_is_down_says_so_while_it_waits(settings, env_server, tmp_path):
+    _, env_url = env_server
+    tasks = tmp_path / "t.yaml"
+    tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n    env_num: 2\n")
+    s = settings.replace(redis_url="", run_dir=str(tmp_path / "run"), max_attempts=1)
+    wrong = f"http://127.0.0.1:{closed_port()}/v1"
+    out = _cli(s, "run", str(tasks), "--no-preflight", "--llm-base-url", wrong, "--workers", "1", timeout=240)
+    # the episodes end dead-lettered after the (test's short) outage budget; meanwhile the
+    # progress output named the server and why
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"model server {wrong} down" in out.stdout and "connection refused" in out.stdout, out.stdout[-3000:]
