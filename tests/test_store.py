@@ -98,6 +98,22 @@ def test_original_tables_and_queries(store):
     rows = store.sql("SELECT env_name, COUNT(*) AS episodes, AVG(reward) AS avg_reward, MAX(reward) AS best_reward "
                      "FROM session_steps WHERE is_session_completed = 1 GROUP BY env_name")
     assert [tuple(r) for r in rows] == [("arith", 1, 2.0, 2.0)]
+    # The flags are booleans, as the original system's ORM declares them: its users filter on
+    # them bare, and the documentation's "= 1" works too (on PostgreSQL through the schema's
+    # boolean = integer operator).
+    for table, flags in (("job_environments", ("finished", "is_deleted")),
+                         ("session_steps", ("is_terminal", "is_truncated", "is_session_completed", "is_trainable"))):
+        assert {c: t for c, t in column_types(store, table).items() if c in flags} == {c: "boolean" for c in flags}
+    rows = store.sql("SELECT session_id, step_id FROM session_steps WHERE is_session_completed ORDER BY session_id")
+    assert [tuple(r) for r in rows] == [("e1", 2)]
+    rows = store.sql("SELECT session_id, step_id FROM session_steps WHERE NOT is_session_completed AND is_trainable "
+                     "ORDER BY session_id, step_id")
+    assert [tuple(r) for r in rows] == [("e1", 1), ("f1", 1)]
+    assert [tuple(r) for r in store.sql("SELECT env_id FROM job_environments WHERE finished")] == [("e1",)]
+    assert [tuple(r) for r in store.sql("SELECT env_id FROM job_environments WHERE finished = 1")] == [("e1",)]
+    assert len(store.sql("SELECT env_id FROM job_environments WHERE finished = 0 AND is_deleted = 0")) == 2
+    assert len(store.sql("SELECT env_id FROM job_environments WHERE finished <> 1 AND NOT is_deleted")) == 2
+    assert store.sql("SELECT COUNT(*) FROM session_steps WHERE is_terminal = 1 OR is_truncated = 1")[0][0] == 1
     # env_params as the env got them, env_state as the original wrote it.
     params = store.sql("SELECT env_params FROM job_environments WHERE env_id = 'e2'")[0][0]
     assert json.loads(params) == {"dataset": {"q": "e2"}}
@@ -109,6 +125,14 @@ def column_names(store, table):
         return [r[1] for r in store.sql(f"PRAGMA table_info({table})")]
     return [r[0] for r in store.sql("SELECT column_name FROM information_schema.columns WHERE table_name = ? "
                                     "ORDER BY ordinal_position", (table,))]
+
+
+def column_types(store, table):
+    """column -> type, lower case ("boolean", "bigint", "text", ...)."""
+    if hasattr(store, "path"):
+        return {r[1]: r[2].lower() for r in store.sql(f"PRAGMA table_info({table})")}
+    return {r[0]: r[1] for r in store.sql("SELECT column_name, data_type FROM information_schema.columns "
+                                          "WHERE table_name = ?", (table,))}
 
 
 def test_sqlite_commits_are_durable(tmp_path):
@@ -215,6 +239,79 @@ def test_lost_steps_reopen_the_episode(store):
     store.write_batch(episode("e1", [1.0], attempt=2))  # the re-run completes
     assert store.episode("e1")["status"] == "completed"
     assert store.sql("SELECT finished FROM job_environments WHERE env_id = 'e1'")[0][0] == 1
+
+
+def test_nul_characters_and_large_token_counts_are_stored(store):
+    # A model may answer with a NUL character and count tokens past 2^31; an env's error text
+    # may hold a NUL too. PostgreSQL's text cannot hold NUL: both backends store U+FFFD instead.
+    ok = step("e1", 1, last=True, tokens=2**40)
+    ok.response = "a\x00b"
+    bad = close("e2", "failed", reason="env_server_error", steps=0, total=0.0)
+    bad.error = "HTTP 500: boom\x00tail"
+    store.write_batch([announce(("e1", "arith", "g1"), ("e2", "arith", "g1")), ok, close("e1"), bad])
+    (row,) = store.episode_trajectory("e1")
+    assert row["response"] == "a\ufffdb" and row["prompt_tokens"] == 2**40 and row["completion_tokens"] == 2**39
+    assert store.episode("e1")["status"] == "completed" and store.episode("e1")["prompt_tokens"] == 2**40
+    assert store.attempts("e2")[0]["error"] == "HTTP 500: boom\ufffdtail"
+    assert store.episode("e2")["status"] == "failed" and store.episode("e2")["error"] == "HTTP 500: boom\ufffdtail"
+    assert store.results(JOB)["job"]["prompt_tokens"] == 2**40
+
+
+def test_lost_steps_fail_the_episode_once_reruns_run_out(store):
+    store.write_batch([announce(("e1", "arith", "g1"))])
+    recs = episode("e1", [1.0, 2.0], size=1)
+    store.write_batch([recs[0], recs[2]], ["1-0", "1-2"])  # step 2 never arrives
+    assert store.reopen_lost_completion("e1", "e1-a1", max_reopens=1) == "retrying"
+    assert store.episode("e1")["reopens"] == 1
+    recs = episode("e1", [1.0, 2.0], attempt=2, size=1)
+    store.write_batch([recs[0], recs[2]], ["2-0", "2-2"])  # lost again
+    assert store.reopen_lost_completion("e1", "e1-a2", max_reopens=1) == "failed"
+    ep = store.episode("e1")
+    assert ep["status"] == "failed" and ep["reason"] == "steps_lost" and "after 1 re-run" in ep["error"]
+    assert ep["finished_at"] is not None
+    assert trajectory(store, "e1") == [] and set(set_aside(store, "e1").values()) == {"steps_lost"}
+    g = store.group("g1")
+    assert not g["complete"] and g["failed"] == 1 and "steps_lost" in g["incomplete_reason"]
+    assert not store.sql("SELECT finished FROM job_environments WHERE env_id = 'e1'")[0][0]
+    assert store.completing() == []
+
+
+def test_a_lost_step_refused_by_the_store_fails_the_episode_at_once(store):
+    store.write_batch([announce(("e1", "arith", "g1"))])
+    recs = episode("e1", [1.0, 2.0], size=1)
+    store.write_batch([recs[0], recs[2]], ["1-0", "1-2"])
+    assert store.reopen_lost_completion("e1", "e1-a1", max_reopens=3, poisoned=True) == "failed"
+    ep = store.episode("e1")
+    assert ep["status"] == "failed" and ep["reason"] == "steps_lost" and "poison" in ep["error"]
+    assert store.group("g1")["failed"] == 1
+
+
+@pytest.mark.parametrize("batches", ["one batch", "close later"])
+def test_rerun_numbered_lower_after_a_rollback_completes_the_episode(store, batches):
+    # Attempts 1 and 2 of e1 ran and their steps were stored; Redis then lost both STARTs, so
+    # the re-run is numbered 1 again (and its worker's clock says it started earlier still).
+    store.write_batch([job(2, 1), announce(("e1", "arith", "g1"), ("e2", "arith", "g1"))]
+                      + episode("e2", [1.0], size=2))
+    store.write_batch([step("e1", 1, attempt=1, aid="A1"), step("e1", 1, attempt=2, aid="A2")])
+    assert trajectory(store, "e1") == [(1, "A2")]
+    rerun = [step("e1", 1, attempt=1, aid="A3", t=900.0, reward=0.5),
+             step("e1", 2, attempt=1, aid="A3", t=901.0, reward=0.5, cum=1.0, last=True),
+             close("e1", attempt=1, aid="A3", total=1.0, steps=2, started=899.0)]
+    if batches == "one batch":
+        store.write_batch(rerun)
+    else:
+        store.write_batch(rerun[:2])
+        assert trajectory(store, "e1") == [(1, "A2")]  # a lower number, running: not the trajectory yet
+        store.write_batch(rerun[2:])
+    ep = store.episode("e1")
+    assert (ep["status"], ep["attempt_id"], ep["steps"], ep["total_reward"]) == ("completed", "A3", 2, 1.0)
+    assert trajectory(store, "e1") == [(1, "A3"), (2, "A3")]
+    assert set_aside(store, "e1") == {("A1", 1): "superseded", ("A2", 1): "completed_by_other"}
+    assert store.group("g1")["complete"] and store.results(JOB)["job"]["completed"] == 2
+    assert store.sql("SELECT finished FROM job_environments WHERE env_id = 'e1'")[0][0]
+    # The attempt it displaced closing later changes nothing.
+    store.write_batch([step("e1", 2, attempt=2, aid="A2"), close("e1", "retrying", attempt=2, aid="A2", steps=0)])
+    assert trajectory(store, "e1") == [(1, "A3"), (2, "A3")] and store.episode("e1")["status"] == "completed"
 
 
 def test_attempts_counted(store):
@@ -362,7 +459,7 @@ def test_a_results_file_of_the_previous_schema_is_migrated_in_place(tmp_path):
     old_file(path)
     s = open_store(path)
     try:
-        assert s.schema_version() == 2
+        assert s.schema_version() == 3
         assert column_names(s, "session_steps")[:len(ORIGINAL_SESSION_STEPS)] == ORIGINAL_SESSION_STEPS
         assert [(r["step_id"], r["attempt"], r["attempt_id"]) for r in s.episode_trajectory("e1")] == [
             (1, 2, "n2"), (2, 2, "n2")]
