@@ -486,6 +486,52 @@ def test_a_results_file_of_the_previous_schema_is_migrated_in_place(tmp_path):
     assert "attempt_steps" not in tables and "v1_session_steps" not in tables
 
 
+def test_a_postgres_store_of_the_previous_schema_is_migrated_in_place(pg_server):
+    import pathlib
+
+    import psycopg
+
+    url = pg_server.create_database()
+    ddl = (pathlib.Path(__file__).parent / "postgres_schema_v2.sql").read_text()
+    with psycopg.connect(url, autocommit=True) as conn:
+        for stmt in ddl.split(";"):
+            if stmt.strip():
+                conn.execute(stmt)
+        conn.execute("INSERT INTO store_meta VALUES ('schema_version', '2')")
+        conn.execute("INSERT INTO job_environments (job_id, env_id, env_name, env_params, group_id, finished, "
+                     "is_deleted, created_at) VALUES ('job1', 'e1', 'arith', '{}', 'g1', 1, 0, now()), "
+                     "('job1', 'e2', 'arith', '{}', 'g1', 0, 0, now())")
+        conn.execute("INSERT INTO session_steps (session_id, step_id, env_name, group_id, job_id, response, step_reward, "
+                     "reward, is_terminal, is_truncated, is_session_completed, is_trainable, attempt, attempt_id, "
+                     "prompt_tokens) VALUES ('e1', 1, 'arith', 'g1', 'job1', 'a', 1.0, 1.0, 0, 0, 0, 1, 1, 'x', 7), "
+                     "('e1', 2, 'arith', 'g1', 'job1', 'b', 1.0, 2.0, 1, 0, 1, 1, 1, 'x', 7)")
+        conn.execute("INSERT INTO episodes (episode_id, job_id, group_id, env_name, status, attempt, attempt_id, "
+                     "attempts, completed_attempt_id, expected_steps, steps, total_reward) VALUES "
+                     "('e1', 'job1', 'g1', 'arith', 'completed', 1, 'x', 1, 'x', 2, 2, 2.0)")
+    s = open_store(url)
+    try:
+        assert s.schema_version() == 3
+        types = column_types(s, "session_steps")
+        assert {types[c] for c in ("is_terminal", "is_truncated", "is_session_completed", "is_trainable")} == {"boolean"}
+        assert types["prompt_tokens"] == types["completion_tokens"] == "bigint"
+        assert column_types(s, "superseded_steps")["is_trainable"] == "boolean"
+        assert {column_types(s, "job_environments")[c] for c in ("finished", "is_deleted")} == {"boolean"}
+        assert [tuple(r) for r in s.sql("SELECT env_id FROM job_environments WHERE finished")] == [("e1",)]
+        assert s.sql("SELECT env_name, COUNT(*) AS episodes, AVG(reward) AS avg_reward, MAX(reward) AS best_reward "
+                     "FROM session_steps WHERE is_session_completed = 1 GROUP BY env_name") == [("arith", 1, 2.0, 2.0)]
+        assert [tuple(r) for r in s.sql("SELECT step_id FROM session_steps WHERE is_session_completed")] == [(2,)]
+        assert s.episode("e1")["reopens"] == 0
+        # Readers and the writer work on the migrated store.
+        assert [r["is_session_completed"] for r in s.episode_trajectory("e1")] == [False, True]
+        s.write_batch(episode("e2", [1.0], aid="y") + [step("e3", 1, tokens=2**40)])
+        assert s.episode("e2")["status"] == "completed" and s.episode_trajectory("e3")[0]["prompt_tokens"] == 2**40
+        assert [tuple(r) for r in s.sql("SELECT env_id FROM job_environments WHERE finished = 1 ORDER BY env_id")] == [
+            ("e1",), ("e2",)]
+    finally:
+        s.close()
+    open_store(url).close()  # opened again: nothing left to migrate
+
+
 def test_a_newer_schema_is_refused(tmp_path):
     path = str(tmp_path / "new.sqlite")
     con = sqlite3.connect(path)
