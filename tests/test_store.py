@@ -314,6 +314,20 @@ def test_rerun_numbered_lower_after_a_rollback_completes_the_episode(store, batc
     assert trajectory(store, "e1") == [(1, "A3"), (2, "A3")] and store.episode("e1")["status"] == "completed"
 
 
+def test_a_job_id_submitted_again_after_retention_is_flagged(store, caplog):
+    first = job()
+    store.write_batch([first] + episode("e1", [1.0]))
+    store.write_batch([first])  # the same record delivered again: nothing to say
+    assert "submitted again" not in caplog.text
+    again = job()
+    again.created_at = first.created_at + 3600 * 24 * 8
+    store.write_batch([again] + episode("e1", [0.0], aid="rerun"))
+    assert f"job {JOB} was submitted again" in caplog.text
+    # Accepted (README, limits): the first run's trajectory stays.
+    assert trajectory(store, "e1") == [(1, "e1-a1")]
+    assert set_aside(store, "e1") == {("rerun", 1): "completed_by_other"}
+
+
 def test_attempts_counted(store):
     store.write_batch([step("e1", 1), close("e1", "retrying", reason="env_unreachable")])
     store.write_batch([step("e1", 1, attempt=3)])  # attempt 2 never published anything

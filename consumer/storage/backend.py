@@ -27,6 +27,7 @@ Tables (docs/protocol.md, "What is stored"):
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -51,6 +52,8 @@ from consumer.storage.plan import (
     plan_batch,
     settle,
 )
+
+log = logging.getLogger("interactor.store")
 
 SCHEMA_VERSION = 3
 
@@ -162,6 +165,18 @@ class ResultStore:
         return result
 
     def _write_jobs(self, jobs: list[JobSpec]) -> None:
+        # A job id the store already holds under another creation time: Redis forgot the first
+        # run (its keys expired after the retention) and the id was submitted again. The first
+        # run's rows stay; the new run's episodes share their ids, so their completions are
+        # filed completed_by_other (README, limits). Said loudly, once per submission.
+        ids = [j.job_id for j in jobs]
+        held = dict(self.query(f"SELECT job_id, created_at FROM jobs WHERE job_id IN ({_marks(ids)})", ids))
+        for j in jobs:
+            if j.job_id in held and held[j.job_id] is not None and j.created_at is not None \
+                    and abs(float(held[j.job_id]) - float(j.created_at)) > 1e-6:
+                log.warning("job %s was submitted again after the store recorded it (created %s, now %s): the "
+                            "store keeps the first run, the new run's episodes are stored as completed_by_other; "
+                            "use a new job id", j.job_id, held[j.job_id], j.created_at)
         self.executemany(
             "INSERT INTO jobs (job_id, created_at, episodes, groups, model, llm_base_url, sources, spec) "
             "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (job_id) DO NOTHING",
