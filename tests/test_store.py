@@ -314,6 +314,25 @@ def test_rerun_numbered_lower_after_a_rollback_completes_the_episode(store, batc
     assert trajectory(store, "e1") == [(1, "A3"), (2, "A3")] and store.episode("e1")["status"] == "completed"
 
 
+def test_dead_letter_of_a_rerun_numbered_lower_fails_the_episode(store):
+    # As above, but the re-run numbered 1 fails for good: the ledger holds the episode failed,
+    # so must the database (its group incomplete), or the job never ends.
+    store.write_batch([job(2, 1), announce(("e1", "arith", "g1"), ("e2", "arith", "g1"))]
+                      + episode("e2", [1.0], size=2))
+    store.write_batch([step("e1", 1, attempt=1, aid="A1"), step("e1", 1, attempt=2, aid="A2")])
+    store.write_batch([step("e1", 1, attempt=1, aid="A3", t=900.0)])
+    store.write_batch([close("e1", "failed", attempt=1, aid="A3", reason="env_bad_request", steps=0, total=0.0,
+                             started=899.0)])
+    ep = store.episode("e1")
+    assert (ep["status"], ep["attempt_id"], ep["reason"]) == ("failed", "A3", "env_bad_request")
+    assert trajectory(store, "e1") == []
+    g = store.group("g1")
+    assert not g["complete"] and g["failed"] == 1
+    # A re-drive (attempt 3 by the ledger's count) takes over and completes it.
+    store.write_batch(episode("e1", [1.0], attempt=3, aid="A4"))
+    assert store.episode("e1")["status"] == "completed" and store.group("g1")["complete"]
+
+
 def test_a_job_id_submitted_again_after_retention_is_flagged(store, caplog):
     first = job()
     store.write_batch([first] + episode("e1", [1.0]))

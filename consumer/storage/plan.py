@@ -18,7 +18,10 @@ The rules (docs/protocol.md, "What is stored"):
   can repeat or go down (a Redis rollback that lost two STARTs numbers the re-run 1 again), and
   worker clocks that break a tie can be wrong. So while the store holds no completion for the
   episode, the completion of an attempt the numbers called older becomes the episode's: its
-  rows set aside so far come back to ``session_steps`` and the current attempt's leave it.
+  rows set aside so far come back to ``session_steps`` and the current attempt's leave it. A
+  dead letter (a ``failed`` close) of such an attempt likewise fails the episode: the ledger
+  holds it failed, and a database still saying running would leave its job unfinished. (A
+  re-driven attempt arriving after it takes over again, by its higher number.)
 * An attempt that closes without completing (retrying, abandoned, failed) has its rows moved
   aside; a failed episode keeps no rows in ``session_steps``.
 * A completed attempt whose steps are not all stored yet is ``completing``; it becomes
@@ -229,17 +232,20 @@ class _Planner:
         self._switch(st, number, attempt_id, started, same_number=(number == st.attempt))
         return None
 
-    def _adopt(self, st: EpisodeState, number: int, attempt_id: str, started: float | None) -> None:
-        """A completion of an attempt other than the current one, with no completion stored:
-        that attempt becomes the current one (and completes in :meth:`close`)."""
+    def _adopt(self, st: EpisodeState, number: int, attempt_id: str, started: float | None, completed: bool) -> None:
+        """A completion (or a dead letter) of an attempt other than the current one, with no
+        completion stored: that attempt becomes the current one, and completes (its rows set
+        aside so far come back) or fails in :meth:`close`."""
         if st.attempt_id:
-            self._set_aside_current(st, COMPLETED_BY_OTHER)
-        back = [s for s, _ in self.plan.superseded_steps if s.env_id == st.episode_id and attempt_key(s) == attempt_id]
-        if back:
-            self.plan.superseded_steps = [(s, why) for s, why in self.plan.superseded_steps
-                                          if not (s.env_id == st.episode_id and attempt_key(s) == attempt_id)]
-            self.pending.setdefault(st.episode_id, []).extend(back)
-        self.plan.restores.append((st.episode_id, attempt_id))
+            self._set_aside_current(st, COMPLETED_BY_OTHER if completed else SUPERSEDED)
+        if completed:
+            back = [s for s, _ in self.plan.superseded_steps
+                    if s.env_id == st.episode_id and attempt_key(s) == attempt_id]
+            if back:
+                self.plan.superseded_steps = [(s, why) for s, why in self.plan.superseded_steps
+                                              if not (s.env_id == st.episode_id and attempt_key(s) == attempt_id)]
+                self.pending.setdefault(st.episode_id, []).extend(back)
+            self.plan.restores.append((st.episode_id, attempt_id))
         st.attempt, st.attempt_id, st.attempt_started = number, attempt_id, started
         st.attempt_closed = ""
         st.status = EP_RUNNING
@@ -273,8 +279,8 @@ class _Planner:
         if c.started_at and c.started_at > 0 and (st.started_at is None or c.started_at < st.started_at):
             st.started_at = c.started_at
         why = self._route(st, c.attempt, attempt_id, c.started_at or None)
-        if why in (STALE, ROLLED_BACK) and c.status == COMPLETED:
-            self._adopt(st, c.attempt, attempt_id, c.started_at or None)
+        if why in (STALE, ROLLED_BACK) and c.status in (COMPLETED, ATTEMPT_FAILED):
+            self._adopt(st, c.attempt, attempt_id, c.started_at or None, completed=c.status == COMPLETED)
             why = None
         if why is not None:
             # An older attempt's close, or a close after another attempt's completion: recorded,
