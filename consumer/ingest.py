@@ -266,7 +266,7 @@ class Ingestor:
                 continue
             if status == FAILED_STATUS:
                 # The ledger follows, so that the job's count of finished episodes is complete;
-                # its failed state is what `interactor dlq redrive-failed` re-drives.
+                # its failed state is what `interactor dlq redrive --job J --failed` re-drives.
                 self.ledger.move(job_id, episode_id, FAILED, [DONE])
                 log.error("episode %s: attempt %s completed but some of its steps never reached the database; "
                           "failed as %s (%s)", episode_id, attempt_id, STEPS_LOST,
