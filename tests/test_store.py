@@ -519,6 +519,22 @@ def test_a_results_file_of_the_previous_schema_is_migrated_in_place(tmp_path):
     assert "attempt_steps" not in tables and "v1_session_steps" not in tables
 
 
+def test_a_results_file_of_schema_v2_gains_the_reopen_count(tmp_path):
+    path = str(tmp_path / "v2.sqlite")
+    open_store(path).close()
+    con = sqlite3.connect(path)
+    con.execute("ALTER TABLE episodes DROP COLUMN reopens")  # what v2 made
+    con.execute("INSERT INTO episodes (episode_id, job_id, status, attempt, attempts) VALUES ('e1', 'J', 'running', 1, 1)")
+    con.execute("PRAGMA user_version = 2")
+    con.commit()
+    con.close()
+    s = open_store(path)
+    try:
+        assert s.schema_version() == 3 and s.episode("e1")["reopens"] == 0
+    finally:
+        s.close()
+
+
 def test_a_postgres_store_of_the_previous_schema_is_migrated_in_place(pg_server):
     import pathlib
 
