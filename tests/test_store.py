@@ -557,6 +557,14 @@ def test_a_postgres_store_of_the_previous_schema_is_migrated_in_place(pg_server)
         conn.execute("INSERT INTO episodes (episode_id, job_id, group_id, env_name, status, attempt, attempt_id, "
                      "attempts, completed_attempt_id, expected_steps, steps, total_reward) VALUES "
                      "('e1', 'job1', 'g1', 'arith', 'completed', 1, 'x', 1, 'x', 2, 2, 2.0)")
+    # Readers of this code on a store no writer has migrated yet.
+    r = open_store(url, readonly=True)
+    try:
+        assert [row[4] for row in r.export_steps("e1", trainable_only=True)] == [1, 2]
+        assert [row["is_session_completed"] for row in r.episode_trajectory("e1")] == [False, True]
+        assert r.results("job1")["job"]["completed"] == 1
+    finally:
+        r.close()
     s = open_store(url)
     try:
         assert s.schema_version() == 3
@@ -572,6 +580,7 @@ def test_a_postgres_store_of_the_previous_schema_is_migrated_in_place(pg_server)
         assert s.episode("e1")["reopens"] == 0
         # Readers and the writer work on the migrated store.
         assert [r["is_session_completed"] for r in s.episode_trajectory("e1")] == [False, True]
+        assert [row[4] for row in s.export_steps("e1", trainable_only=True)] == [1, 2]
         s.write_batch(episode("e2", [1.0], aid="y") + [step("e3", 1, tokens=2**40)])
         assert s.episode("e2")["status"] == "completed" and s.episode_trajectory("e3")[0]["prompt_tokens"] == 2**40
         assert [tuple(r) for r in s.sql("SELECT env_id FROM job_environments WHERE finished = 1 ORDER BY env_id")] == [

@@ -727,11 +727,13 @@ class ResultStore:
             f"WHERE {' AND '.join(where)} ORDER BY e.group_id, e.episode_id", args)
 
     def export_steps(self, episode_id: str, *, trainable_only: bool) -> list[tuple]:
-        """The episode's trajectory rows as an export needs them, in step order."""
+        """The episode's trajectory rows as an export needs them, in step order. (The flag is
+        cast: a reader may meet a PostgreSQL store no writer has migrated yet, flags SMALLINT.)"""
         return self.query(
             "SELECT job_id, session_id, group_id, env_name, step_id, attempt, messages, response, step_reward, "
             "weight_version, is_trainable, is_terminal, is_truncated, prompt_tokens, completion_tokens, ended_by "
-            "FROM session_steps WHERE session_id = ?" + (" AND is_trainable" if trainable_only else "")
+            "FROM session_steps WHERE session_id = ?"
+            + (" AND CAST(is_trainable AS INTEGER) = 1" if trainable_only else "")
             + " ORDER BY step_id", (episode_id,))
 
     def weight_versions(self, job_id: str) -> list[tuple[str, Any]]:
