@@ -114,6 +114,8 @@ def test_original_tables_and_queries(store):
     assert len(store.sql("SELECT env_id FROM job_environments WHERE finished = 0 AND is_deleted = 0")) == 2
     assert len(store.sql("SELECT env_id FROM job_environments WHERE finished <> 1 AND NOT is_deleted")) == 2
     assert store.sql("SELECT COUNT(*) FROM session_steps WHERE is_terminal = 1 OR is_truncated = 1")[0][0] == 1
+    assert tuple(store.sql("SELECT COUNT(*), SUM(finished) FROM job_environments")[0]) == (3, 1)
+    assert store.sql("SELECT SUM(is_trainable) FROM session_steps WHERE session_id = 'none'")[0][0] is None
     # env_params as the env got them, env_state as the original wrote it.
     params = store.sql("SELECT env_params FROM job_environments WHERE env_id = 'e2'")[0][0]
     assert json.loads(params) == {"dataset": {"q": "e2"}}
@@ -574,6 +576,7 @@ def test_a_postgres_store_of_the_previous_schema_is_migrated_in_place(pg_server)
         assert column_types(s, "superseded_steps")["is_trainable"] == "boolean"
         assert {column_types(s, "job_environments")[c] for c in ("finished", "is_deleted")} == {"boolean"}
         assert [tuple(r) for r in s.sql("SELECT env_id FROM job_environments WHERE finished")] == [("e1",)]
+        assert tuple(s.sql("SELECT COUNT(*), SUM(finished) FROM job_environments")[0]) == (2, 1)
         assert s.sql("SELECT env_name, COUNT(*) AS episodes, AVG(reward) AS avg_reward, MAX(reward) AS best_reward "
                      "FROM session_steps WHERE is_session_completed = 1 GROUP BY env_name") == [("arith", 1, 2.0, 2.0)]
         assert [tuple(r) for r in s.sql("SELECT step_id FROM session_steps WHERE is_session_completed")] == [(2,)]

@@ -14,7 +14,8 @@ one database that exports, ``interactor results`` and the results browser read w
   its users' ``WHERE is_session_completed`` works; its documentation also writes
   ``WHERE is_session_completed = 1``, which PostgreSQL refuses for a boolean (no ``boolean =
   integer`` operator), so the schema adds that operator (and ``<>``, both ways round: true is 1,
-  false is 0) in the tables' schema. Token counts are ``BIGINT`` (the model client accepts
+  false is 0) in the tables' schema, and ``sum(boolean)`` (the number of true rows, as SQLite
+  sums its 0/1 flags). Token counts are ``BIGINT`` (the model client accepts
   counts up to 2^53). The original tables' ``created_at`` are ``timestamptz``.
 * A lost connection is reopened on the next batch (the consumer retries the batch; nothing is
   acknowledged in Redis before its commit).
@@ -200,6 +201,13 @@ BOOL_INT_OPERATORS = (
     "DO $$ BEGIN "
     "CREATE OPERATOR <> (LEFTARG = integer, RIGHTARG = boolean, FUNCTION = interactor_int_ne_bool, "
     "COMMUTATOR = <>, NEGATOR = =); "
+    "EXCEPTION WHEN duplicate_function THEN NULL; END $$",
+    # SUM(finished) counts the true rows, as it does in SQLite and did on the SMALLINT flags
+    # (NULL over no non-null rows, as SUM does).
+    "CREATE OR REPLACE FUNCTION interactor_sum_bool(bigint, boolean) RETURNS bigint LANGUAGE sql IMMUTABLE "
+    "AS 'SELECT CASE WHEN $2 IS NULL THEN $1 ELSE COALESCE($1, 0) + $2::integer END'",
+    "DO $$ BEGIN "
+    "CREATE AGGREGATE sum(boolean) (SFUNC = interactor_sum_bool, STYPE = bigint); "
     "EXCEPTION WHEN duplicate_function THEN NULL; END $$",
 )
 
