@@ -335,6 +335,19 @@ def test_dead_letter_of_a_rerun_numbered_lower_fails_the_episode(store):
     assert store.episode("e1")["status"] == "completed" and store.group("g1")["complete"]
 
 
+def test_running_attempt_set_aside_by_a_late_dead_letter_takes_its_rows_back(store):
+    # Two consumers: attempt 1's dead letter is committed after the first steps of the
+    # attempt that followed it (a re-drive, numbered 2). The episode shows failed for a moment;
+    # attempt 2's next records take over again with all of its rows.
+    store.write_batch([announce(("e1", "arith", "g1"))] + [step("e1", 1, attempt=2)])
+    store.write_batch([close("e1", "failed", attempt=1, reason="env_bad_request", steps=0, total=0.0)])
+    assert store.episode("e1")["status"] == "failed" and trajectory(store, "e1") == []
+    store.write_batch([step("e1", 2, attempt=2, last=True), close("e1", attempt=2, steps=2, total=2.0, size=1)])
+    ep = store.episode("e1")
+    assert (ep["status"], ep["attempt_id"], ep["steps"]) == ("completed", "e1-a2", 2)
+    assert trajectory(store, "e1") == [(1, "e1-a2"), (2, "e1-a2")] and set_aside(store, "e1") == {}
+
+
 def test_a_job_id_submitted_again_after_retention_is_flagged(store, caplog):
     first = job()
     store.write_batch([first] + episode("e1", [1.0]))

@@ -166,7 +166,7 @@ class Batch:
 
 @dataclass
 class Plan:
-    """Row operations, applied in this order: moves, then inserts, then the rest."""
+    """Row operations, applied in this order: moves, restores, then inserts, then the rest."""
 
     moves: list[tuple[str, str, str]] = field(default_factory=list)  # (episode, attempt_id, reason)
     # (episode, attempt_id): rows of an attempt whose completion was taken after its rows had
@@ -213,6 +213,11 @@ class _Planner:
     def _switch(self, st: EpisodeState, number: int, attempt_id: str, started: float | None, same_number: bool) -> None:
         if st.attempt_id:
             self._set_aside_current(st, ROLLED_BACK if same_number else SUPERSEDED)
+        if st.status == EP_FAILED:
+            # A failed episode taken over (a re-drive; or an attempt that was running when a
+            # lower-numbered dead letter was processed after its rows and set them aside): any
+            # rows of the attempt set aside so far are its trajectory again.
+            self._bring_back(st, attempt_id)
         st.attempt, st.attempt_id, st.attempt_started = number, attempt_id, started
         st.attempt_closed = ""
         st.status = EP_RUNNING
@@ -239,18 +244,22 @@ class _Planner:
         if st.attempt_id:
             self._set_aside_current(st, COMPLETED_BY_OTHER if completed else SUPERSEDED)
         if completed:
-            back = [s for s, _ in self.plan.superseded_steps
-                    if s.env_id == st.episode_id and attempt_key(s) == attempt_id]
-            if back:
-                self.plan.superseded_steps = [(s, why) for s, why in self.plan.superseded_steps
-                                              if not (s.env_id == st.episode_id and attempt_key(s) == attempt_id)]
-                self.pending.setdefault(st.episode_id, []).extend(back)
-            self.plan.restores.append((st.episode_id, attempt_id))
+            self._bring_back(st, attempt_id)
         st.attempt, st.attempt_id, st.attempt_started = number, attempt_id, started
         st.attempt_closed = ""
         st.status = EP_RUNNING
         st.reason = st.error_class = st.error = st.ended_by = None
         st.finished_at = None
+
+    def _bring_back(self, st: EpisodeState, attempt_id: str) -> None:
+        """The attempt's rows set aside so far go (back) to session_steps: those of this batch
+        directly, stored ones by a restore."""
+        back = [s for s, _ in self.plan.superseded_steps if s.env_id == st.episode_id and attempt_key(s) == attempt_id]
+        if back:
+            self.plan.superseded_steps = [(s, why) for s, why in self.plan.superseded_steps
+                                          if not (s.env_id == st.episode_id and attempt_key(s) == attempt_id)]
+            self.pending.setdefault(st.episode_id, []).extend(back)
+        self.plan.restores.append((st.episode_id, attempt_id))
 
     # --- records ------------------------------------------------------------------------
     def step(self, st: EpisodeState, s: StepRecord) -> None:
@@ -372,10 +381,10 @@ def lost_completion(st: EpisodeState, *, max_reopens: int | None, poisoned: bool
                 + (f": {why}" if why else "")) if lost > 0 else why or None
     st.steps, st.total_reward, st.close_entry = 0, 0.0, ""
     if why:
-        st.status = st.attempt_closed = EP_FAILED
+        st.status, st.attempt_closed = EP_FAILED, ATTEMPT_FAILED
         return EP_FAILED
     st.reopens += 1
-    st.status, st.attempt_closed, st.finished_at = EP_RETRYING, "retrying", None
+    st.status, st.attempt_closed, st.finished_at = EP_RETRYING, ATTEMPT_RETRYING, None
     return EP_RETRYING
 
 
