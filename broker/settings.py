@@ -161,6 +161,9 @@ class Settings:
     consumer_batch: int = 2000  # records per transaction at most (a commit's fixed cost is shared)
     consumer_block_ms: int = 1000
     consumer_claim_idle_ms: int = 30_000
+    # Re-runs of one episode whose completed attempt's steps were lost (a Redis failover), after
+    # which the consumer fails it as steps_lost instead of re-running it again.
+    consumer_reopens_max: int = 3
 
     def __post_init__(self) -> None:
         # Fold the convenience fields into llm_params, which is what travels in the JobSpec.
