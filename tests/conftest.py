@@ -196,3 +196,49 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str 
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class CpuHog:
+    """Busy-looping processes that keep the machine's cores taken while a test runs: what a
+    shared CI runner or a laptop building something else does to the workers under test.
+
+    The hogs run at the default priority (nice 0), as the other work on such a machine does,
+    so the worker processes compete with them for every core. Each hog is a process of its own
+    (no GIL shared with anything under test) that dies with the test process (parent-death
+    signal) and is killed by the fixture's teardown, also when the test failed.
+    """
+
+    def __init__(self, n: int | None = None):
+        self.n = n or os.cpu_count() or 2
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> "CpuHog":
+        from interactor.children import die_with_parent
+
+        while len(self.procs) < self.n:
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                               stdin=subprocess.DEVNULL, preexec_fn=die_with_parent))
+        return self
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait(10)
+        self.procs = []
+
+    @property
+    def running(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+
+@pytest.fixture
+def cpu_hog():
+    """One busy-looping process per core, started by the test (``cpu_hog.start()``), stopped
+    by it or at teardown at the latest."""
+    hog = CpuHog()
+    try:
+        yield hog
+    finally:
+        hog.stop()

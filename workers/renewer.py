@@ -67,6 +67,13 @@ class LeaseRenewer(Duty):
             new = [m for m in self._received if m not in self._reserved]
             written = [m for m in self._received if m in self._reserved]
             self._reserved.update(new)
+        since = time.monotonic() - self.last_renewed
+        if leases and since > 2 * self.interval_s and self.failing_since is None:
+            # Not Redis (that would be failing_since): this process did not get to run the round
+            # in time. Worth a line: leases fence their attempts by this very gap.
+            log.warning("lease renewal round %.2fs after the last one (every %.2fs planned): the process "
+                        "was starved of CPU or stopped", since, self.interval_s)
+        held = [lease for lease in leases if not lease.lost.is_set()]
         try:
             self.ledger.renew(leases)
             self.ledger.reserve(new)
@@ -82,6 +89,10 @@ class LeaseRenewer(Duty):
         if self.failing_since is not None:
             log.warning("lease renewal works again after %.0fs", time.monotonic() - self.failing_since)
             self.failing_since = None
+        for lease in held:
+            if lease.lost.is_set():
+                log.warning("episode %s attempt %d: lease lost, another attempt or the sweeper has the episode "
+                            "(last renewal %.2fs before this round)", lease.episode_id, lease.attempt, since)
         if gone:
             with self._lock:
                 self._received -= gone
