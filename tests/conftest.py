@@ -209,7 +209,7 @@ class CpuHog:
     """
 
     def __init__(self, n: int | None = None):
-        self.n = n or os.cpu_count() or 2
+        self.n = n or int(os.environ.get("CPU_HOG_PROCS", 0)) or os.cpu_count() or 2
         self.procs: list[subprocess.Popen] = []
 
     def start(self) -> "CpuHog":

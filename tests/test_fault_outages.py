@@ -108,7 +108,8 @@ def test_worker_frozen_past_its_lease_stops_driving_its_instances(sqlite_scenari
     assert all(dt < 1.0 for _, _, dt in late), late
     opened_late = {env_id: [(op, round(t - t_stop, 2)) for t, op in calls]
                    for env_id, calls in superseded.items() if min(t for t, _ in calls) >= t_stop}
-    assert not opened_late, (opened_late, [line for env_id in opened_late for line in attempt_lines(s, env_id)])
+    assert not opened_late, (t_stop, t_cont, opened_late, [line for env_id in opened_late for line in attempt_lines(s, env_id)],
+                             [(t, op, e) for t, op, _n, e in s.env.request_log if e in opened_late])
     s.faults["superseded_instances"] = len(superseded)
     s.faults["calls_after_thaw"] = len(late)
     f.print()

@@ -89,6 +89,8 @@ class LeaseRenewer(Duty):
         if self.failing_since is not None:
             log.warning("lease renewal works again after %.0fs", time.monotonic() - self.failing_since)
             self.failing_since = None
+        with self._lock:  # an attempt that finished meanwhile dropped its lease itself
+            held = [lease for lease in held if lease.token in self._leases]
         for lease in held:
             if lease.lost.is_set():
                 log.warning("episode %s attempt %d: lease lost, another attempt or the sweeper has the episode "
