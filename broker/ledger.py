@@ -532,8 +532,11 @@ class Ledger:
                 spec = None  # the runner dead-letters the episode as bad_task
         if len(out) > 4 and out[4]:
             previous = _parse_attempt_value(out[4])
-        lease = Lease(job_id, episode_id, int(out[1]), out[2].decode(), attempt_id, ttl_s=self.lease_ttl_ms / 1000,
-                      valid_until=0.0)
+        lease = Lease(job_id, episode_id, int(out[1]), out[2].decode(), attempt_id, ttl_s=self.lease_ttl_ms / 1000)
+        # Counted from when START was sent, not from its reply: a process stopped with the reply
+        # in flight must not take the lease for fresh (it may have expired and passed on since).
+        # Lease() counts from now when given no time, so the count is set here, not passed in.
+        lease.valid_until = 0.0
         lease.renewed(sent)
         return StartResult("ok", lease, spec=spec, previous=previous)
 
