@@ -73,7 +73,6 @@ class LeaseRenewer(Duty):
             # in time. Worth a line: leases fence their attempts by this very gap.
             log.warning("lease renewal round %.2fs after the last one (every %.2fs planned): the process "
                         "was starved of CPU or stopped", since, self.interval_s)
-        held = [lease for lease in leases if not lease.lost.is_set()]
         try:
             self.ledger.renew(leases)
             self.ledger.reserve(new)
@@ -89,12 +88,6 @@ class LeaseRenewer(Duty):
         if self.failing_since is not None:
             log.warning("lease renewal works again after %.0fs", time.monotonic() - self.failing_since)
             self.failing_since = None
-        with self._lock:  # an attempt that finished meanwhile dropped its lease itself
-            held = [lease for lease in held if lease.token in self._leases]
-        for lease in held:
-            if lease.lost.is_set():
-                log.warning("episode %s attempt %d: lease lost, another attempt or the sweeper has the episode "
-                            "(last renewal %.2fs before this round)", lease.episode_id, lease.attempt, since)
         if gone:
             with self._lock:
                 self._received -= gone
