@@ -202,8 +202,8 @@ class CpuHog:
     """Busy-looping processes that keep the machine's cores taken while a test runs: what a
     shared CI runner or a laptop building something else does to the workers under test.
 
-    The hogs run at the default priority (nice 0), as the other work on such a machine does,
-    so the worker processes compete with them for every core. Each hog is a process of its own
+    The hogs run at the test's own priority (nice 0 on a normal run), as the other work on such
+    a machine does, so the worker processes compete with them for every core. Each hog is a process of its own
     (no GIL shared with anything under test) that dies with the test process (parent-death
     signal) and is killed by the fixture's teardown, also when the test failed.
     """

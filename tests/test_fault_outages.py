@@ -88,6 +88,9 @@ def test_worker_frozen_past_its_lease_stops_driving_its_instances(sqlite_scenari
         os.kill(pid, signal.SIGCONT)
     s.faults["frozen_s"] = round(t_cont - t_stop, 1)
     s.wait(timeout=300)
+    if load == "busy":
+        assert cpu_hog.running  # the cores were taken until the job was done
+        cpu_hog.stop()
     f = s.check()
     assert f.completed == EPISODES and f.dead_lettered == 0
     assert f.attempts > EPISODES  # the freeze did cost attempts
