@@ -1,7 +1,9 @@
 """Faults that the first fault suite could not see (tests/test_faults.py's Scenario, same checks):
 
 * a worker frozen (SIGSTOP) past its lease, then thawed: its attempts stop driving their env
-  instances at once, and the successors' instances are their own;
+  instances at once, and the successors' instances are their own; once on an idle machine and
+  once with every core kept busy by other processes (a CPU hog), where the healthy worker must
+  not lose a lease either;
 * Redis losing the last second of its append-only file (a host crash under
   ``appendfsync everysec``): the ledger rolls back under a database that is ahead of it;
 * an env server and a model server down for longer than any retry: breakers hold the
