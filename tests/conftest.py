@@ -206,6 +206,7 @@ class CpuHog:
     a machine does, so the worker processes compete with them for every core. Each hog is a process of its own
     (no GIL shared with anything under test) that dies with the test process (parent-death
     signal) and is killed by the fixture's teardown, also when the test failed.
+    ``CPU_HOG_PROCS`` sets how many (one per core by default), to load a machine harder by hand.
     """
 
     def __init__(self, n: int | None = None):
