@@ -111,7 +111,7 @@ local mine_attempt, mine_id = string.match(latest, '^(%d+):(.*)$')
 if st == 'running' and mine_id == ARGV[5] then
   local token = ARGV[2] .. ':' .. mine_attempt
   if holder and holder ~= token then return {'busy', holder} end
-  if not holder then redis.call('SET', KEYS[4], token, 'PX', ARGV[3]) end
+  redis.call('SET', KEYS[4], token, 'PX', ARGV[3])  -- a full TTL from this call, which the worker counts from
   redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
   return {'ok', mine_attempt, token, redis.call('HGET', KEYS[7], ARGV[1]) or '',
           redis.call('HGET', KEYS[9], ARGV[1]) or ''}

@@ -350,3 +350,24 @@ def test_lease_counts_from_when_start_was_sent_not_from_its_reply(redis_client, 
     started = ledger.start(job.job_id, eps[0].episode_id, "w-stalled")
     assert started.status == "ok"
     assert not started.lease.valid()  # past its TTL less the margin, counted from the send
+
+
+def test_start_sent_again_after_a_lost_reply_gives_the_lease_a_full_ttl(redis_client, settings):
+    """START sent again with the same attempt id (its first reply was lost) returns the attempt
+    the first one started; the worker counts that lease from the second send, so Redis must
+    hold it a full TTL from there too, or the attempt would call on after its lease expired."""
+    from broker.records import EpisodeSpec, JobSpec
+
+    keys = Keys(settings.key_prefix)
+    ledger = Ledger(redis_client, keys, lease_ttl_s=1.2)
+    job = JobSpec(job_id="again", llm_base_url="http://127.0.0.1:1/v1", model="stand-in", episodes=1, groups=1)
+    eps = [EpisodeSpec(job_id="again", episode_id="again.1.1.1.1", group_id="again.1.1.1", group_size=1,
+                       env_name="arith", base_url="http://127.0.0.1:2", env_params={}, seed=1, queue="q",
+                       source="tasks.yaml entry 1 row 1")]
+    ledger.create_job(job, eps)
+    first = ledger.start(job.job_id, eps[0].episode_id, "w-retrying", attempt_id="a1")
+    time.sleep(0.6)  # the reply was lost; the runner sends START again after a backoff
+    again = ledger.start(job.job_id, eps[0].episode_id, "w-retrying", attempt_id="a1")
+    assert again.status == "ok" and again.lease.token == first.lease.token
+    expires = time.monotonic() + redis_client.pttl(keys.lease(eps[0].episode_id)) / 1000
+    assert expires >= again.lease.valid_until
