@@ -129,6 +129,9 @@ class Settings:
     retry_backoff_initial_s: float = 2.0
     retry_backoff_max_s: float = 60.0
     shutdown_grace_s: float = 30.0  # after SIGTERM, running episodes get this long to finish
+    # A worker process whose Celery consumer takes no task for this long while episodes wait in
+    # its queues and it has free slots is replaced (workers/consumer_watch.py); 0 turns it off.
+    worker_stall_s: float = 60.0
     # A server that is down (refused, reset, 429/502/503/504 with its readiness route down too)
     # holds its episodes, their budgets paused, for up to this long before they are
     # dead-lettered as env_outage/model_outage (workers/breakers.py). Redis too (broker_outage).
@@ -261,6 +264,8 @@ class Settings:
             problems.append("experience_top_k must be >= 1")
         if self.outage_budget_s < 0:
             problems.append("outage_budget_s must be >= 0")
+        if self.worker_stall_s < 0:
+            problems.append("worker_stall_s must be >= 0 (0 turns the consumer watch off)")
         if self.job_retention_s <= 0:
             problems.append("job_retention_s must be > 0")
         # URLs the workers connect to: the same check a task file's base_url gets (broker/urls.py).

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import redis.exceptions
 from celery import signals
@@ -26,6 +27,8 @@ app = make_app(settings)
 
 _runtime: WorkerRuntime | None = None
 _runtime_lock = threading.Lock()
+_last_received = [time.monotonic()]  # when the consumer last handed us a task (consumer watch)
+_watch = None
 
 
 def runtime() -> WorkerRuntime:
@@ -66,6 +69,7 @@ def _reserve(request=None, **_):
     # Received (prefetched) is not started: hold a reservation so that a worker dying in
     # between does not leave the episode waiting for the broker's visibility timeout.
     if request is not None and request.name == EPISODE_TASK:
+        _last_received[0] = time.monotonic()
         try:
             job_id, episode_id = request.args[:2]
             runtime().received(job_id, episode_id)
@@ -77,7 +81,18 @@ def _reserve(request=None, **_):
 def _start_runtime(**_):
     # At start, not on the first task: the runtime's sweeper must run in an idle worker too,
     # or a fleet with no consumer up would never re-run a dead worker's episodes.
-    runtime()
+    rt = runtime()
+    global _watch
+    if settings.worker_stall_s > 0 and _watch is None:
+        from celery.worker import state
+
+        from workers.consumer_watch import ConsumerWatch
+
+        _watch = ConsumerWatch(
+            rt.redis, settings.served_queues, settings.concurrency * app.conf.worker_prefetch_multiplier,
+            in_hand=lambda: len(state.reserved_requests), last_received=lambda: _last_received[0],
+            on_stall=_replace_this_process, stall_s=settings.worker_stall_s,
+            stopping=lambda: rt.shutdown_at is not None).start()
 
 
 @signals.worker_process_init.connect
@@ -99,3 +114,5 @@ def _quiet_per_task_lines(**_):
 def _on_shutdown(**_):
     if _runtime is not None:
         _runtime.begin_shutdown()
+    if _watch is not None:
+        _watch.stop()
