@@ -92,12 +92,19 @@ class LoadResult:
     running_reached: int = 0
     ramp_s: float = 0.0
     backlog_end: int = 0
+    episodes: int = 0  # episodes closed in the window (the env stand-in's close counter)
+    redis_calls: dict[str, int] = field(default_factory=dict)  # command -> calls in the window (commandstats)
     errors: list[str] = field(default_factory=list)
 
     @property
     def orch_cpu_ms_per_step(self) -> float:
         c = self.cpu_s
         return 1000 * (c.get("workers", 0) + c.get("consumer", 0) + c.get("redis", 0)) / max(1, self.steps)
+
+    @property
+    def orch_cpu_ms_per_episode(self) -> float:
+        c = self.cpu_s
+        return 1000 * (c.get("workers", 0) + c.get("consumer", 0) + c.get("redis", 0)) / max(1, self.episodes)
 
     def cpu_ms_per_step(self, role: str) -> float:
         return 1000 * self.cpu_s.get(role, 0.0) / max(1, self.steps)
@@ -192,6 +199,16 @@ def _stop(p: subprocess.Popen | None, sig=signal.SIGTERM, wait: float = 15.0) ->
         except ProcessLookupError:
             pass
         p.wait(5)
+
+
+def _command_calls(client: redis.Redis) -> dict[str, int]:
+    """Calls per command since the server started (``INFO commandstats``). Commands a Lua script
+    runs count under their own names, and the script itself under ``evalsha``."""
+    out = {}
+    for key, stats in client.info("commandstats").items():
+        name = key.removeprefix("cmdstat_")
+        out[name] = int(stats.get("calls", 0)) if isinstance(stats, dict) else 0
+    return out
 
 
 def _http_json(url: str, timeout: float = 5.0) -> Any:
@@ -408,19 +425,24 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
         allprocs = [pr for procs in roles.values() for pr in procs]
         snap0 = {r: _cpu_snapshot(p) for r, p in roles.items()}
         mach0 = psutil.cpu_times()
-        steps0 = _http_json(cluster.env_url + "/stats")["steps"]
+        env0 = _http_json(cluster.env_url + "/stats")
+        redis0 = _command_calls(client)
         t0w, t0 = time.time(), time.monotonic()
         time.sleep(spec.window_s / 2)
         res.worker_pss_load_mb = _pss_mb(cluster.roles()["workers"])
         time.sleep(max(0.0, spec.window_s / 2 - (time.monotonic() - t0 - spec.window_s / 2)))
-        steps1 = _http_json(cluster.env_url + "/stats")["steps"]
+        env1 = _http_json(cluster.env_url + "/stats")
+        redis1 = _command_calls(client)
         t1w, t1 = time.time(), time.monotonic()
         roles1 = cluster.roles()
         snap1 = {r: _cpu_snapshot(p) for r, p in roles1.items()}
         mach1 = psutil.cpu_times()
         del allprocs
 
-        res.steps = steps1 - steps0
+        res.steps = env1["steps"] - env0["steps"]
+        res.episodes = env1.get("closes", 0) - env0.get("closes", 0)
+        res.redis_calls = {cmd: n - redis0.get(cmd, 0) for cmd, n in redis1.items() if n > redis0.get(cmd, 0)}
+        res.redis_calls.pop("info", None)  # this harness's own two reads
         res.window_s = t1 - t0
         res.rate = res.steps / res.window_s
         res.efficiency = res.rate / spec.ideal_rate
@@ -451,7 +473,8 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
     finally:
         cluster.stop()
     log(f"  {res.rate:.1f} steps/s of ideal {spec.ideal_rate:.1f} (efficiency {res.efficiency:.3f}); "
-        f"orchestration CPU {res.orch_cpu_ms_per_step:.3f} ms/step; p99 record latency "
+        f"orchestration CPU {res.orch_cpu_ms_per_step:.3f} ms/step, {res.orch_cpu_ms_per_episode:.3f} ms/episode; "
+        f"Redis {sum(res.redis_calls.values()) / max(1, res.episodes):.1f} commands/episode; p99 record latency "
         f"{res.latency_ms.get('p99', float('nan')):.0f} ms; worker memory {res.mem_mb_per_episode:.3f} MB/episode"
         + (f"; problems: {res.errors}" if res.errors else ""))
     return res

@@ -19,6 +19,10 @@ TARGETS = {
     "ingest_rate": 40_000,  # SQLite, one consumer
     "enqueue_rate": 20_000,
     "latency_p99_ms_1000": 250.0,
+    # single-turn episodes (1 step each)
+    "single_efficiency_1000": 0.9,
+    "single_cpu_ms_per_step": 1.5,
+    "cpu_ms_per_episode_overhead": 1.0,  # beyond its steps: workers + consumer + Redis
 }
 CPU_TARGET_LEVELS = (256, 1000)
 
@@ -48,6 +52,33 @@ def role_ms(r: dict, role: str) -> float:
 
 def mem_per_ep(r: dict) -> float:
     return (r["worker_pss_load_mb"] - r["worker_pss_idle_mb"]) / r["spec"]["concurrency"]
+
+
+def ms_per_episode(r: dict) -> float:
+    c = r["cpu_s"]
+    if not r.get("episodes"):
+        return float("nan")
+    return 1000 * (c.get("workers", 0) + c.get("consumer", 0) + c.get("redis", 0)) / r["episodes"]
+
+
+def redis_calls_per_episode(r: dict) -> float:
+    return sum((r.get("redis_calls") or {}).values()) / r["episodes"] if r.get("episodes") else float("nan")
+
+
+def episode_overhead_ms(single: dict, multi: dict) -> float:
+    """CPU per episode beyond its steps, from two levels at the same concurrency: per step,
+    a 1-step run costs a + b and an n-step run a + b / n, so b = (1-step - n-step) * n / (n - 1)."""
+    n = multi["spec"]["steps"]
+    if n <= 1:
+        return float("nan")
+    return (orch_ms(single) - orch_ms(multi)) * n / (n - 1)
+
+
+def redis_extra_per_episode(single: dict, multi: dict) -> float:
+    """Redis commands per episode beyond its steps' own, the same way as :func:`episode_overhead_ms`."""
+    n = multi["spec"]["steps"]
+    per_step = lambda r: sum((r.get("redis_calls") or {}).values()) / r["steps"] if r["steps"] else float("nan")  # noqa: E731
+    return (per_step(single) - per_step(multi)) * n / (n - 1) if n > 1 else float("nan")
 
 
 def _by_c(runs: list[dict], c: int) -> dict | None:
@@ -90,6 +121,17 @@ def target_rows(res: dict) -> list[tuple]:
         c = r["spec"]["concurrency"]
         row(f"Worker memory per concurrent episode, concurrency {c}", "<= 0.2 MB", mem_per_ep(r),
             TARGETS["mem_mb_per_episode"], False, 3, " MB")
+    for r in res.get("single_turn", []):
+        c = r["spec"]["concurrency"]
+        if c == 1000:
+            row("Single-turn efficiency, concurrency 1000", ">= 0.9", r["efficiency"],
+                TARGETS["single_efficiency_1000"], True, 3)
+        row(f"Single-turn orchestration CPU per step, concurrency {c}", "<= 1.5 ms", orch_ms(r),
+            TARGETS["single_cpu_ms_per_step"], False, 3, " ms")
+        multi = _by_c(load, c)
+        if multi is not None:
+            row(f"Orchestration CPU per episode beyond its steps, concurrency {c}", "<= 1 ms",
+                episode_overhead_ms(r, multi), TARGETS["cpu_ms_per_episode_overhead"], False, 3, " ms")
     ing = res.get("ingest")
     if ing:
         row("Consumer ingest (records/s into SQLite, one consumer)", ">= 40,000", ing["rate"], TARGETS["ingest_rate"],
@@ -254,6 +296,29 @@ def render(res: dict, png_name: str | None) -> str:
         out.append(f"Model latency {cfg['model_latency_ms']:g} ms, env latency {cfg['env_latency_ms']:g} ms per call, "
                    f"pool `{res['load'][0]['spec']['pool']}`. CPU columns are ms per step.\n")
         out.append(_table(LOAD_HEADER, load_rows(res["load"])) + "\n")
+    single = res.get("single_turn") or []
+    if single:
+        out.append("## Single-turn episodes\n")
+        out.append("The same load with 1-step episodes (a prompt, one answer, one step: single-turn RL), where "
+                   "what an episode costs beyond its steps (its task message, lease, reset and close, attempt "
+                   "record, rows) is paid on every step. Ideal steps/s = C / (model + 4 x env).\n")
+        out.append(_table(LOAD_HEADER, load_rows(single)) + "\n")
+        rows = []
+        for r in single:
+            c = r["spec"]["concurrency"]
+            multi = _by_c(res.get("load") or [], c)
+            rows.append((c, _f(r.get("episodes"), 0), _f(ms_per_episode(r), 3),
+                         _f(episode_overhead_ms(r, multi), 3) if multi else "n/a",
+                         _f(redis_calls_per_episode(r), 1),
+                         _f(redis_extra_per_episode(r, multi), 1) if multi else "n/a",
+                         ", ".join(f"{k} {v / max(1, r['episodes']):.1f}" for k, v in
+                                   sorted((r.get("redis_calls") or {}).items(), key=lambda kv: -kv[1])[:8])))
+        out.append(_table(["C", "episodes in window", "orch. CPU ms/episode (1 step)",
+                           "CPU ms/episode beyond its steps", "Redis commands/episode",
+                           "Redis commands/episode beyond its steps", "top commands per episode"], rows) + "\n")
+        out.append("*Beyond its steps*: per step, a 1-step episode costs a + b and an n-step episode a + b / n "
+                   "(b: what the episode itself costs), so b = (1-step - n-step) x n / (n - 1), from the two runs "
+                   "at the same concurrency. Redis commands count those Lua scripts run under their own names.\n")
     if png_name:
         out.append(f"![benchmarks]({png_name})\n")
 

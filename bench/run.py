@@ -19,6 +19,9 @@ ROOT = harness.ROOT
 @dataclass
 class BenchConfig:
     levels: list[int] = field(default_factory=lambda: [256, 1000, 2000])
+    # single-turn episodes (one step each: GRPO on math and code), where the cost of an episode
+    # itself, not of its steps, decides; compared with the multi-step levels at the same C
+    single_turn_levels: list[int] = field(default_factory=lambda: [256, 1000])
     pool: str = "gevent"
     pools: list[str] = field(default_factory=lambda: ["gevent", "threads"])
     pool_level: int = 1000
@@ -34,7 +37,7 @@ class BenchConfig:
     warmup_s: float = 3.0
     ingest_records: int = 50_000
     enqueue_episodes: int = 100_000
-    skip: list[str] = field(default_factory=list)  # load, processes, pools, ingest, enqueue
+    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, ingest, enqueue
     out: str = str(ROOT / "docs" / "benchmarks.md")
     png: str = str(ROOT / "docs" / "benchmarks.png")
     work: str = str(ROOT / "runs" / "bench")
@@ -42,17 +45,19 @@ class BenchConfig:
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
-        base = dict(levels=[16], pools=[], pool_level=16, process_counts=[], model_latency_ms=200.0, steps=5,
+        base = dict(levels=[16], single_turn_levels=[16], pools=[], pool_level=16, process_counts=[],
+                    model_latency_ms=200.0, steps=5,
                     window_s=5.0, warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000,
                     ingest_runs=[("sqlite", 1)],
                     out=str(ROOT / "runs" / "bench" / "benchmarks.md"), png=str(ROOT / "runs" / "bench" / "benchmarks.png"))
         base.update(kw)
         return cls(**base)
 
-    def spec(self, concurrency: int, pool: str, workers: int | None = None) -> harness.LoadSpec:
+    def spec(self, concurrency: int, pool: str, workers: int | None = None, steps: int | None = None
+             ) -> harness.LoadSpec:
         return harness.LoadSpec(concurrency=concurrency, pool=pool, workers=workers or self.workers,
                                 model_latency_ms=self.model_latency_ms, env_latency_ms=self.env_latency_ms,
-                                steps=self.steps, window_s=self.window_s, warmup_s=self.warmup_s)
+                                steps=steps or self.steps, window_s=self.window_s, warmup_s=self.warmup_s)
 
 
 def _commit() -> str:
@@ -78,8 +83,9 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
         "config": {"workers": cfg.workers, "model_latency_ms": cfg.model_latency_ms,
                    "env_latency_ms": cfg.env_latency_ms, "steps": cfg.steps, "window_s": cfg.window_s,
                    "warmup_s": cfg.warmup_s, "levels": cfg.levels, "pool": cfg.pool, "pools": cfg.pools,
-                   "pool_level": cfg.pool_level, "process_counts": cfg.process_counts, "src": cfg.src},
-        "load": [], "pools": [], "processes": [], "ingest_runs": [],
+                   "pool_level": cfg.pool_level, "process_counts": cfg.process_counts, "src": cfg.src,
+                   "single_turn_levels": cfg.single_turn_levels},
+        "load": [], "single_turn": [], "pools": [], "processes": [], "ingest_runs": [],
     }
     load_by_c: dict[int, dict] = {}
     if "load" not in cfg.skip:
@@ -87,6 +93,10 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
             r = harness.to_json(harness.run_load(cfg.spec(c, cfg.pool), work, src=cfg.src, base=base))
             res["load"].append(r)
             load_by_c[c] = r
+    if "single" not in cfg.skip:
+        for c in cfg.single_turn_levels:
+            res["single_turn"].append(harness.to_json(harness.run_load(cfg.spec(c, cfg.pool, steps=1), work,
+                                                                       src=cfg.src, base=base)))
     if "processes" not in cfg.skip:
         for n in cfg.process_counts:
             if n == cfg.workers and cfg.pool_level in load_by_c:

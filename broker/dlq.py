@@ -43,6 +43,35 @@ class DeadLetterQueue:
         out.sort(key=lambda d: d.dead_at)
         return out
 
+    def newest(self, *, job_id: str | None = None, reason: str | None = None, limit: int = 1000,
+               scan_limit: int = 20_000, chunk: int = 500) -> tuple[list[DeadLetter], int, bool]:
+        """The newest ``limit`` letters matching the filters, newest first, read through the
+        index in chunks: a page shows a bounded number, so it must not unpack a DLQ of a million
+        letters to show a thousand. Returns ``(letters, matched, complete)``: ``matched`` counts
+        the matches among the letters read, and ``complete`` says whether the whole queue was
+        read (otherwise ``matched`` is a lower bound). At most ``scan_limit`` letters are
+        unpacked per call."""
+        out: list[DeadLetter] = []
+        matched = 0
+        start = 0
+        while start < scan_limit:
+            members = self.r.zrevrange(self.keys.dlq_index, start, start + chunk - 1)
+            if not members:
+                return out, matched, True
+            start += len(members)
+            if job_id:  # the member is "<job> <episode>": skip other jobs before unpacking
+                members = [m for m in members if m.decode().partition(" ")[0] == job_id]
+            for raw in self.r.hmget(self.keys.dlq, members) if members else []:
+                if raw is None:  # removed between the two reads
+                    continue
+                letter = unpack(raw)
+                if reason and letter.reason != reason:
+                    continue
+                matched += 1
+                if len(out) < limit:
+                    out.append(letter)
+        return out, matched, int(self.r.zcard(self.keys.dlq_index)) <= start
+
     def get(self, episode_id: str, job_id: str | None = None) -> DeadLetter | None:
         """One episode's letter, read by its key (episode ids start with their job id)."""
         candidates = [job_id] if job_id else [episode_id[:i] for i, ch in enumerate(episode_id) if ch == "."]

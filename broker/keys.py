@@ -32,6 +32,12 @@ class Keys:
     def job_attempt_ids(self, job_id: str) -> str:  # hash episode_id -> "<attempt>:<attempt_id>" of its latest START
         return f"{self.prefix}:job:{job_id}:attempt-ids"
 
+    def job_attempt_previous(self, job_id: str) -> str:  # hash episode_id -> "<attempt>:<attempt_id>" before the latest
+        return f"{self.prefix}:job:{job_id}:attempt-previous"
+
+    def job_submitting(self, job_id: str) -> str:  # marker with a TTL while the job's submit is being written
+        return f"{self.prefix}:job:{job_id}:submitting"
+
     def job_queues(self, job_id: str) -> str:  # set of the queues the job's episodes use
         return f"{self.prefix}:job:{job_id}:queues"
 
@@ -41,8 +47,8 @@ class Keys:
     def job_keys(self, job_id: str) -> list[str]:
         """Every per-job key (what retention expires once the job is finished)."""
         return [self.job_spec(job_id), self.job_episodes(job_id), self.job_state(job_id), self.job_attempts(job_id),
-                self.job_attempt_limit(job_id), self.job_attempt_ids(job_id), self.job_queues(job_id),
-                self.job_counts(job_id)]
+                self.job_attempt_limit(job_id), self.job_attempt_ids(job_id), self.job_attempt_previous(job_id),
+                self.job_queues(job_id), self.job_counts(job_id)]
 
     # --- leases and scheduling --------------------------------------------------------
     def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt>:<nonce>", with a TTL
@@ -63,6 +69,14 @@ class Keys:
     @property
     def sweep_lock(self) -> str:
         return f"{self.prefix}:sweep-lock"
+
+    @property
+    def sweep_clock(self) -> str:  # Redis time (ms) of the last sweep that reached Redis: outages show as a gap
+        return f"{self.prefix}:sweep-clock"
+
+    @property
+    def reclaim_hold(self) -> str:  # set (with a TTL) after such a gap: no lease is reclaimed while it lives
+        return f"{self.prefix}:reclaim-hold"
 
     @property
     def orphans(self) -> str:  # list of msgpack [base_url, env_name, instance id]: env instances to close

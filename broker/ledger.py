@@ -3,15 +3,39 @@
 Every state change is one Lua script, so that it is atomic with the fencing check beside it:
 
 * ``start``   - queued/retrying/running-without-lease -> running, takes the lease, counts the
-  attempt. A second delivery of a running or finished episode gets ``busy``/``finished`` and
+  attempt (running-without-lease not while reclaims are held after an outage, see below). A second delivery of a running or finished episode gets ``busy``/``finished`` and
   is dropped: the lease holder (or the sweeper, if the holder dies) owns the episode's future.
-* ``renew``   - extends leases whose token still matches.
-* ``publish`` - XADD a record only while the lease token matches, so an abandoned attempt can
-  never write into the results stream after another attempt took over.
+  The same START sent again (same worker and attempt_id: its reply was lost) gets its own
+  attempt back, with its predecessor, and counts nothing.
+* ``renew``   - extends the attempt's lease.
+* ``publish`` - XADD a record only while the attempt holds its episode, so an abandoned attempt
+  can never write into the results stream after another attempt took over.
 * ``finish``  - XADD the attempt record, move the state (done / failed / retrying / queued),
   park a dead letter, schedule a retry, drop the lease: all or nothing.
 * ``reclaim`` - for the sweeper: running with no live lease -> queued or failed.
 * ``move``    - guarded transitions for re-drive and reconcile.
+
+**Who holds an episode** (renew, publish and finish alike, ``_HOLDS_FN``): the attempt whose
+token the lease key carries; or, when the key is gone, the attempt the episode is still
+``running`` under (its ``"<attempt>:<attempt_id>"`` is the latest START's), which takes the
+lease back. A lease that lapsed is not lost: nobody else took the episode (a reclaim moves it
+out of ``running``, a new START changes the attempt id). An attempt loses its episode only when
+another token holds the lease or the episode moved on.
+
+**When the sweeper reclaims**: a running episode whose lease expired more than a third of the
+TTL ago - unless the sweep clock shows an outage. Every sweep, in every process, stamps the
+clock with Redis' time; a gap of more than half the TTL (at least two sweep intervals) means
+nobody reached Redis, so every lease may have lapsed under a live holder that could not renew.
+(A lease lapses under a live holder only after about two thirds of the TTL without Redis, so
+this sees every such outage as long as ``sweep_interval_s`` is under a third of the TTL, as
+by default: 5 s and 30 s.) Reclaims are then held for two TTLs, time for the holders to take
+their leases back, and the check runs inside the reclaim script too, so a sweep that stalled
+across the outage cannot reclaim on the far side of it. Holders take a lease back on their next renewal (every third of
+the TTL), step record or FINISH. So Redis being away - frozen, restarted, unreachable from
+everyone - never costs an attempt. What it cannot tell apart from a dead worker: a worker cut
+off from Redis while the sweepers still reach it (its attempts fence themselves by their own
+clock and are re-run, counted), and a worker whose renewer does not get to run for the whole
+hold after an outage.
 """
 
 from __future__ import annotations
@@ -44,6 +68,7 @@ from broker.records import (
 from broker.settings import Settings
 
 ANNOUNCE_CHUNK = 1000  # episodes per EpisodesEnqueued record
+SUBMIT_MARKER_TTL_S = 600.0  # a submit writing one chunk longer than this is taken for dead
 
 # Time in the scripts is Redis' own clock (TIME), never a worker's: a worker whose clock runs
 # behind cannot make a live lease look expired to the sweeper, or a dead one look alive
@@ -62,54 +87,90 @@ local function move(counts, old, new)
 end
 """
 
-# KEYS: state, attempts, counts, lease, running, reserved, episodes, attempt_ids
+# KEYS: state, attempts, counts, lease, running, reserved, episodes, attempt_ids, attempt_previous,
+#       reclaim_hold
 # ARGV: episode, token_prefix, ttl_ms, member, attempt_id
 # Returns {'ok', attempt, token, episode spec, previous attempt} so that starting costs one
 # round trip. "<attempt>:<attempt_id>" is kept per episode: the renewer checks it before
 # resuming a lease that lapsed during a Redis outage, the sweeper names the attempt it
-# reclaims, and the next attempt closes the previous one's env instance.
+# reclaims, and the next attempt closes the previous one's env instance (kept in
+# attempt_previous too, so that a repeated START can still name it).
+#
+# A START is idempotent per attempt_id: sent again with the same attempt_id (its reply was lost,
+# and redis-py or the runtime sent it again), it finds its own attempt - under its own lease, or
+# running with the lease lapsed and nobody else holding it - and returns that attempt again
+# instead of finding it "busy" and counting another one.
 _START = _NOW + _COUNTS_FN + """
 redis.call('ZREM', KEYS[6], ARGV[4])
 local st = redis.call('HGET', KEYS[1], ARGV[1])
 if not st then return {'unknown', ''} end
 if st == 'done' or st == 'failed' then return {'finished', st} end
 local holder = redis.call('GET', KEYS[4])
+local latest = redis.call('HGET', KEYS[8], ARGV[1]) or ''
+local mine_attempt, mine_id = string.match(latest, '^(%d+):(.*)$')
+if st == 'running' and mine_id == ARGV[5] then
+  local token = ARGV[2] .. ':' .. mine_attempt
+  if holder and holder ~= token then return {'busy', holder} end
+  redis.call('SET', KEYS[4], token, 'PX', ARGV[3])  -- a full TTL from this call, which the worker counts from
+  redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
+  return {'ok', mine_attempt, token, redis.call('HGET', KEYS[7], ARGV[1]) or '',
+          redis.call('HGET', KEYS[9], ARGV[1]) or ''}
+end
 if holder then return {'busy', holder} end
+-- Running with its lease lapsed right after an outage: its attempt is alive and about to take
+-- the lease back; another delivery takes over only as the sweeper would, once the hold is over.
+if st == 'running' and redis.call('EXISTS', KEYS[10]) == 1 then return {'busy', 'lease lapsed in an outage'} end
 local attempt = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 local token = ARGV[2] .. ':' .. attempt
 redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
 redis.call('HSET', KEYS[1], ARGV[1], 'running')
 move(KEYS[3], st, 'running')
 redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
-local previous = redis.call('HGET', KEYS[8], ARGV[1]) or ''
+if latest ~= '' then redis.call('HSET', KEYS[9], ARGV[1], latest) else redis.call('HDEL', KEYS[9], ARGV[1]) end
 redis.call('HSET', KEYS[8], ARGV[1], attempt .. ':' .. ARGV[5])
-return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', previous}
+return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', latest}
+"""
+
+# The one rule by which an attempt holds its episode, shared by renew, publish and finish:
+# the lease key carries its token; or the key is gone (it lapsed: a Redis outage longer than
+# the TTL, a stalled worker the sweeper has not reached yet) while the episode is still
+# ``running`` under this very attempt ("<attempt>:<attempt_id>" matches), and then the lease is
+# taken back. Nobody else took the episode in that case: the sweeper's reclaim moves it out of
+# ``running`` and a new START changes the attempt id. So a lease is lost only when another
+# token holds it, or the episode moved on. Returns 'held' | 'resumed' | false.
+_HOLDS_FN = """
+local function holds(lease, running, state, attempt_ids, token, ttl_ms, mem, episode, value)
+  local holder = redis.call('GET', lease)
+  if holder == token then return 'held' end
+  if holder then return false end
+  if redis.call('HGET', state, episode) ~= 'running' then return false end
+  if redis.call('HGET', attempt_ids, episode) ~= value then return false end
+  redis.call('SET', lease, token, 'PX', ttl_ms)
+  redis.call('ZADD', running, now + tonumber(ttl_ms), mem)
+  return 'resumed'
+end
 """
 
 # KEYS: lease, running, state, attempt_ids   ARGV: token, ttl_ms, member, episode, "<attempt>:<attempt_id>"
-# Extends a lease whose token matches. A lease that lapsed while nobody took over (a Redis
-# outage longer than the TTL, a stalled worker the sweeper has not reached yet) is taken again:
-# the episode is still running under this very attempt, so the attempt goes on instead of a
-# new one being spent. 1: held, 0: lost (another attempt, or the sweeper, has the episode).
-_RENEW = _NOW + """
-local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-elseif holder then
-  return 0
-else
-  if redis.call('HGET', KEYS[3], ARGV[4]) ~= 'running' then return 0 end
-  if redis.call('HGET', KEYS[4], ARGV[4]) ~= ARGV[5] then return 0 end
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-end
+# Extends a lease this attempt holds (or takes back one that lapsed, by the rule above).
+# 1: held, 0: lost (another attempt, or the sweeper, has the episode).
+_RENEW = _NOW + _HOLDS_FN + """
+local h = holds(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+if not h then return 0 end
+if h == 'held' then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 return 1
 """
 
-# KEYS: jobs, job spec   ARGV: job_id, created_at. 1: the id is ours now; 0: it exists.
+# KEYS: jobs, job spec, submitting   ARGV: job_id, created_at, marker_ttl_ms.
+# 1: the id is ours now; 0: it exists. The submitting marker (with a TTL, refreshed while the
+# submit writes) tells housekeeping that an indexed job without a spec yet is being written,
+# not gone; a submit that died leaves it to expire, and then housekeeping forgets the job.
 _CLAIM = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-return redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1])
+if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+if redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1]) == 0 then return 0 end
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+return 1
 """
 
 # KEYS: running   ARGV: grace_ms, limit. Members whose lease expiry passed grace_ms ago.
@@ -133,22 +194,27 @@ end
 return gone
 """
 
-# KEYS: lease, stream   ARGV: token, record
-_PUBLISH = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+# KEYS: lease, stream, running, state, attempt_ids
+# ARGV: token, record, ttl_ms, member, episode, "<attempt>:<attempt_id>"
+# XADD only while the attempt holds its episode (``holds``: a lapsed lease is taken back).
+_PUBLISH = _NOW + _HOLDS_FN + """
+if not holds(KEYS[1], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[3], ARGV[4], ARGV[5], ARGV[6]) then return -1 end
 redis.call('XADD', KEYS[2], '*', 'r', ARGV[2])
 return redis.call('XLEN', KEYS[2])
 """
 
-# KEYS: stream, lease_1 .. lease_n   ARGV: token_1 .. token_n, record_1 .. record_n
-# Each record is added only while its own lease token matches: one round trip for the records
-# of many episodes, fenced exactly as one PUBLISH each would be. Returns {ok_1 .. ok_n, xlen}.
-_PUBLISH_MANY = """
-local n = #KEYS - 1
+# KEYS: stream, running, then per record: lease, state, attempt_ids
+# ARGV: ttl_ms, then per record: token, record, member, episode, "<attempt>:<attempt_id>"
+# Each record is added only while its own attempt holds its episode: one round trip for the
+# records of many episodes, fenced exactly as one PUBLISH each would be. Returns {ok_1 .. ok_n, xlen}.
+_PUBLISH_MANY = _NOW + _HOLDS_FN + """
+local n = (#KEYS - 2) / 3
 local out = {}
 for i = 1, n do
-  if redis.call('GET', KEYS[i + 1]) == ARGV[i] then
-    redis.call('XADD', KEYS[1], '*', 'r', ARGV[n + i])
+  local k, a = 2 + (i - 1) * 3, 1 + (i - 1) * 5
+  if holds(KEYS[k + 1], KEYS[2], KEYS[k + 2], KEYS[k + 3], ARGV[a + 1], ARGV[1], ARGV[a + 3], ARGV[a + 4],
+           ARGV[a + 5]) then
+    redis.call('XADD', KEYS[1], '*', 'r', ARGV[a + 2])
     out[i] = 1
   else
     out[i] = 0
@@ -158,10 +224,12 @@ out[n + 1] = redis.call('XLEN', KEYS[1])
 return out
 """
 
-# KEYS: lease, state, counts, running, stream, retry, dlq, dlq_index
-# ARGV: token, episode, new_state, member, record, retry_at_ms, dead_letter, now_s
-_FINISH = _COUNTS_FN + """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+# KEYS: lease, state, counts, running, stream, retry, dlq, dlq_index, attempt_ids
+# ARGV: token, episode, new_state, member, record, retry_at_ms, dead_letter, now_s, ttl_ms,
+#       "<attempt>:<attempt_id>"
+# Only while the attempt holds its episode (``holds``: a lapsed lease counts as held).
+_FINISH = _NOW + _COUNTS_FN + _HOLDS_FN + """
+if not holds(KEYS[1], KEYS[4], KEYS[2], KEYS[9], ARGV[1], ARGV[9], ARGV[4], ARGV[2], ARGV[10]) then return 0 end
 redis.call('XADD', KEYS[5], '*', 'r', ARGV[5])
 local old = redis.call('HGET', KEYS[2], ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
@@ -176,9 +244,35 @@ end
 return 1
 """
 
-# KEYS: state, counts, lease, running, stream, dlq, dlq_index
-# ARGV: episode, member, new_state, record, dead_letter, now_s
-_RECLAIM = _COUNTS_FN + """
+# Outage detection, for the sweeper. Every sweep (in every worker and the consumer) stamps the
+# sweep clock with Redis' time. A gap longer than gap_ms since the last stamp means no sweeper
+# reached Redis meanwhile: Redis was away (stopped, restarting, frozen: its own clock jumps
+# too), so every lease may have lapsed with its holder alive and unable to renew. Reclaims are
+# then held for hold_ms, time for the renewers (and publishes, finishes) to take their leases
+# back. A gap can also mean no sweeper ran at all; then reclaims come hold_ms later, no harm.
+# Returns 1 while reclaims are held.
+_OUTAGE_FN = """
+local function reclaim_held(clock, hold, gap_ms, hold_ms)
+  local last = tonumber(redis.call('GET', clock) or '')
+  redis.call('SET', clock, now)
+  if last and now - last > tonumber(gap_ms) then
+    redis.call('SET', hold, '1', 'PX', hold_ms)
+    return 1
+  end
+  return redis.call('EXISTS', hold)
+end
+"""
+
+# KEYS: clock, hold   ARGV: gap_ms, hold_ms
+_SWEEP_CLOCK = _NOW + _OUTAGE_FN + """
+return reclaim_held(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+"""
+
+# KEYS: state, counts, lease, running, stream, dlq, dlq_index, clock, hold
+# ARGV: episode, member, new_state, record, dead_letter, now_s, gap_ms, hold_ms
+# With gap_ms '' the outage check is skipped (a caller that is no sweeper). -1: held.
+_RECLAIM = _NOW + _COUNTS_FN + _OUTAGE_FN + """
+if ARGV[7] ~= '' and reclaim_held(KEYS[8], KEYS[9], ARGV[7], ARGV[8]) == 1 then return -1 end
 if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
 local st = redis.call('HGET', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[2])
@@ -294,13 +388,21 @@ class Ledger:
         self._expired = client.register_script(_EXPIRED)
         self._claim = client.register_script(_CLAIM)
         self._reserve = client.register_script(_RESERVE)
+        self._sweep_clock = client.register_script(_SWEEP_CLOCK)
 
     # --- jobs ------------------------------------------------------------------------
-    def create_job(self, job: JobSpec, episodes: Sequence[EpisodeSpec], chunk: int = 5000) -> None:
+    def create_job(self, job: JobSpec, episodes: Sequence[EpisodeSpec], chunk: int = 5000,
+                   marker_ttl_s: float = SUBMIT_MARKER_TTL_S) -> None:
         """Record the job and every episode as queued, before any task is sent.
 
         Everything is encoded before the first write, so a value that cannot travel (an
-        integer past 64 bits, a lone surrogate) fails the call with nothing written."""
+        integer past 64 bits, a lone surrogate) fails the call with nothing written.
+
+        Between the claim and the spec (written last) the job is indexed without a spec; a
+        submitting marker with a TTL, refreshed before every chunk, tells housekeeping that
+        it is being written (broker/recovery.py forgets indexed jobs with neither). A submit
+        that outlived its marker stops with an error rather than finish a job that was
+        forgotten meanwhile."""
         k = self.k
         specs = [(e.episode_id, e.pack()) for e in episodes]
         announcements = [
@@ -313,10 +415,18 @@ class Ledger:
         # The id is claimed before anything else is written: a second submit of the same id
         # (the natural retry after a producer crash) must not reset finished episodes and run
         # them again (review M7). Resuming a job is its own command.
-        if not self._claim(keys=[k.jobs, k.job_spec(job.job_id)], args=[job.job_id, job.created_at]):
+        marker, marker_ms = k.job_submitting(job.job_id), int(marker_ttl_s * 1000)
+        if not self._claim(keys=[k.jobs, k.job_spec(job.job_id), marker], args=[job.job_id, job.created_at, marker_ms]):
             raise JobExists(job.job_id)
+
+        def still_ours() -> None:
+            if not self.r.set(marker, "1", px=marker_ms, xx=True):
+                raise RuntimeError(f"submitting job {job.job_id!r} took longer than its marker's "
+                                   f"{marker_ttl_s:.0f}s: housekeeping may have forgotten it; submit it again")
+
         for i in range(0, len(specs), chunk):
             part = specs[i : i + chunk]
+            still_ours()
             pipe = self.r.pipeline(transaction=False)
             pipe.hset(k.job_episodes(job.job_id), mapping=dict(part))
             pipe.hset(k.job_state(job.job_id), mapping={episode_id: QUEUED for episode_id, _ in part})
@@ -333,6 +443,8 @@ class Ledger:
         pipe.xadd(k.results, {"r": job_packed})
         for raw in announcements:
             pipe.xadd(k.results, {"r": raw})
+        pipe.delete(marker)
+        still_ours()
         pipe.execute()
 
     @classmethod
@@ -394,24 +506,21 @@ class Ledger:
         return int(self.r.hincrby(key, episode_id, n))
 
     # --- attempts --------------------------------------------------------------------
-    def start(self, job_id: str, episode_id: str, worker: str) -> StartResult:
+    def start(self, job_id: str, episode_id: str, worker: str, attempt_id: str | None = None) -> StartResult:
+        """Start an attempt. ``attempt_id`` (new if not given) makes the call repeatable: a
+        START whose reply was lost, sent again with the same worker and attempt_id, returns
+        the attempt it started (with its predecessor) instead of starting another."""
         k = self.k
-        attempt_id = new_attempt_id()
+        attempt_id = attempt_id or new_attempt_id()
         prefix = f"{worker}:{attempt_id}"
         sent = time.monotonic()
         keys = [k.job_state(job_id), k.job_attempts(job_id), k.job_counts(job_id), k.lease(episode_id), k.running,
-                k.reserved, k.job_episodes(job_id), k.job_attempt_ids(job_id)]
+                k.reserved, k.job_episodes(job_id), k.job_attempt_ids(job_id), k.job_attempt_previous(job_id),
+                k.reclaim_hold]
         out = self._start(keys=keys, args=[episode_id, prefix, self.lease_ttl_ms, member(job_id, episode_id),
                                            attempt_id])
         status = out[0].decode()
         previous = None
-        if status == "busy" and len(out) > 1 and out[1].decode().startswith(prefix + ":"):
-            # Our own START succeeded but its reply was lost, and redis-py sent it again (review
-            # L4): the lease it found is ours. Carry on with it instead of dropping the delivery.
-            token = out[1].decode()
-            attempt = int(token.rsplit(":", 1)[1])
-            raw_spec = self.r.hget(k.job_episodes(job_id), episode_id) or b""
-            status, out = "ok", [b"ok", str(attempt).encode(), token.encode(), raw_spec, b""]
         if status != "ok":
             return StartResult(status, detail=out[1].decode() if len(out) > 1 else "")
         raw_spec = out[3] if len(out) > 3 else b""
@@ -423,14 +532,17 @@ class Ledger:
                 spec = None  # the runner dead-letters the episode as bad_task
         if len(out) > 4 and out[4]:
             previous = _parse_attempt_value(out[4])
-        lease = Lease(job_id, episode_id, int(out[1]), out[2].decode(), attempt_id, ttl_s=self.lease_ttl_ms / 1000,
-                      valid_until=0.0)
+        lease = Lease(job_id, episode_id, int(out[1]), out[2].decode(), attempt_id, ttl_s=self.lease_ttl_ms / 1000)
+        # Counted from when START was sent, not from its reply: a process stopped with the reply
+        # in flight must not take the lease for fresh (it may have expired and passed on since).
+        # Lease() counts from now when given no time, so the count is set here, not passed in.
+        lease.valid_until = 0.0
         lease.renewed(sent)
         return StartResult("ok", lease, spec=spec, previous=previous)
 
     def renew(self, leases: Iterable[Lease]) -> None:
-        """Extend every lease (or take back one that lapsed with nobody else taking over); a
-        lease another attempt holds now is flagged lost."""
+        """Extend every lease (or take back one that lapsed with nobody else taking over: the
+        rule in ``_HOLDS_FN``); a lease another attempt holds now is flagged lost."""
         leases = list(leases)
         if not leases:
             return
@@ -473,19 +585,29 @@ class Ledger:
         return bool(self._reclaim_reserved(keys=[self.k.reserved, self.k.job_state(job_id)], args=[m, episode_id]))
 
     def publish(self, lease: Lease, payload: bytes) -> int:
-        """XADD under the lease. Returns the stream length, or -1 if the lease is gone."""
-        n = self._publish(keys=[self.k.lease(lease.episode_id), self.k.results], args=[lease.token, payload])
+        """XADD under the lease (a lapsed one is taken back, as by :meth:`renew`). Returns the
+        stream length, or -1 if the episode is no longer this attempt's (the lease is flagged lost)."""
+        k = self.k
+        n = self._publish(keys=[k.lease(lease.episode_id), k.results, k.running, k.job_state(lease.job_id),
+                                k.job_attempt_ids(lease.job_id)],
+                          args=[lease.token, payload, self.lease_ttl_ms, lease.member, lease.episode_id,
+                                lease.attempt_value])
         if n < 0:
             lease.lost.set()
         return int(n)
 
     def publish_many(self, items: Sequence[tuple[Lease, bytes]]) -> tuple[list[bool], int]:
-        """XADD several records, each under its own lease, in one round trip. Returns which
-        were added (a refused one's lease is flagged lost) and the stream length after."""
+        """XADD several records, each under its own lease (fenced as by :meth:`publish`), in
+        one round trip. Returns which were added (a refused one's lease is flagged lost) and
+        the stream length after."""
         if not items:
             return [], 0
-        keys = [self.k.results] + [self.k.lease(lease.episode_id) for lease, _ in items]
-        args = [lease.token for lease, _ in items] + [payload for _, payload in items]
+        k = self.k
+        keys = [k.results, k.running]
+        args: list = [self.lease_ttl_ms]
+        for lease, payload in items:
+            keys += [k.lease(lease.episode_id), k.job_state(lease.job_id), k.job_attempt_ids(lease.job_id)]
+            args += [lease.token, payload, lease.member, lease.episode_id, lease.attempt_value]
         out = self._publish_many(keys=keys, args=args)
         added = [bool(x) for x in out[:-1]]
         for (lease, _), ok in zip(items, added):
@@ -503,15 +625,35 @@ class Ledger:
         dead_letter: DeadLetter | None = None,
     ) -> bool:
         k = self.k
+        """Close the attempt: record, state, dead letter, retry, all or nothing, while the
+        attempt holds its episode (a lapsed lease counts, by the rule of :meth:`renew`). False
+        (and the lease flagged lost) when it does not: another attempt has it, or the episode
+        moved on - possibly by this very FINISH, sent before and its reply lost
+        (:meth:`finished_as` tells)."""
+        k = self.k
         ok = self._finish(
             keys=[k.lease(lease.episode_id), k.job_state(lease.job_id), k.job_counts(lease.job_id), k.running,
-                  k.results, k.retry, k.dlq, k.dlq_index],
+                  k.results, k.retry, k.dlq, k.dlq_index, k.job_attempt_ids(lease.job_id)],
             args=[lease.token, lease.episode_id, new_state, lease.member, record.pack(),
-                  int(retry_at * 1000) if retry_at else "", dead_letter.pack() if dead_letter else "", time.time()],
+                  int(retry_at * 1000) if retry_at else "", dead_letter.pack() if dead_letter else "", time.time(),
+                  self.lease_ttl_ms, lease.attempt_value],
         )
         if not ok:
             lease.lost.set()
         return bool(ok)
+
+    def finished_as(self, lease: Lease, new_state: str) -> bool:
+        """Whether the episode ended in ``new_state`` by this attempt's own FINISH: for a FINISH
+        that was refused when sent again after its reply was lost. The episode is in
+        ``new_state`` and its latest START is still this attempt (a later attempt would have
+        changed it; the sweeper's reclaim only moves a running episode to queued or failed, so
+        ``done`` or ``retrying`` under this attempt can only be this FINISH's doing)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(self.k.job_state(lease.job_id), lease.episode_id)
+        pipe.hget(self.k.job_attempt_ids(lease.job_id), lease.episode_id)
+        state, latest = pipe.execute()
+        return (state is not None and state.decode() == new_state
+                and latest is not None and latest.decode() == lease.attempt_value)
 
     # --- recovery --------------------------------------------------------------------
     def expired_running(self, grace_ms: int = 0, limit: int = 1000) -> list[str]:
@@ -519,14 +661,25 @@ class Ledger:
         return [m.decode() for m in self._expired(keys=[self.k.running], args=[int(grace_ms), limit])]
 
     def reclaim(self, job_id: str, episode_id: str, new_state: str, record: AttemptRecord | None,
-                dead_letter: DeadLetter | None = None) -> bool:
+                dead_letter: DeadLetter | None = None, *, outage: tuple[float, float] | None = None) -> bool:
+        """Running with no live lease -> ``new_state``. ``outage`` = (gap_s, hold_s): the
+        sweeper's outage rule (:meth:`sweep_clock`), checked in the same script, so that a
+        sweep that stalled across a Redis outage cannot reclaim on the far side of it."""
         k = self.k
-        return bool(self._reclaim(
+        gap, hold = (int(outage[0] * 1000), int(outage[1] * 1000)) if outage else ("", "")
+        return self._reclaim(
             keys=[k.job_state(job_id), k.job_counts(job_id), k.lease(episode_id), k.running, k.results,
-                  k.dlq, k.dlq_index],
+                  k.dlq, k.dlq_index, k.sweep_clock, k.reclaim_hold],
             args=[episode_id, member(job_id, episode_id), new_state, record.pack() if record else "",
-                  dead_letter.pack() if dead_letter else "", time.time()],
-        ))
+                  dead_letter.pack() if dead_letter else "", time.time(), gap, hold],
+        ) == 1
+
+    def sweep_clock(self, gap_s: float, hold_s: float) -> bool:
+        """Stamp the sweep clock; True while reclaims are held after an outage: no sweeper
+        reached Redis for more than ``gap_s``, so leases may have lapsed under live attempts,
+        which get ``hold_s`` to take them back (``_OUTAGE_FN``)."""
+        return self._sweep_clock(keys=[self.k.sweep_clock, self.k.reclaim_hold],
+                                 args=[int(gap_s * 1000), int(hold_s * 1000)]) == 1
 
     def move(self, job_id: str, episode_id: str, new_state: str, allowed_from: Sequence[str]) -> bool:
         return bool(self._move(keys=[self.k.job_state(job_id), self.k.job_counts(job_id)],

@@ -67,6 +67,10 @@ class Sweeper:
         self._last_reconcile = time.monotonic()
         self._last_housekeeping = 0.0
         self._reconcile_rounds = 0
+        # (gap, hold) in seconds. A lease lapses under a live holder only if Redis was away for
+        # about two thirds of its TTL (renewals come every third): a gap of half the TTL is an
+        # outage. Sweeps come every sweep_interval_s from each process; twice that is no gap.
+        self.outage = (max(settings.lease_ttl_s / 2, 2 * settings.sweep_interval_s), 2 * settings.lease_ttl_s)
 
     def tick(self, *, reclaim: bool = True) -> SweepReport:
         """One sweep, by whichever process takes the sweep lock first. The lock is released
@@ -75,8 +79,16 @@ class Sweeper:
 
         ``reclaim=False`` skips re-queuing expired leases: right after Redis was unreachable
         the workers' renewers need a round to take back leases that lapsed meanwhile (their
-        attempts are alive and waiting, see Ledger.renew)."""
+        attempts are alive and waiting, see Ledger.renew).
+
+        The same holds fleet-wide by Redis' own clock: every tick stamps the sweep clock, and a
+        gap in it longer than ``self.outage[0]`` seconds (nobody swept: Redis was away) holds
+        reclaims for ``self.outage[1]``, however little this process saw of the outage (a
+        sweeper that slept through it, or started after it). The check is repeated inside each
+        reclaim (Ledger.sweep_clock, Ledger.reclaim)."""
         report = SweepReport()
+        if self.ledger.sweep_clock(*self.outage):
+            reclaim = False
         token = os.urandom(8).hex()
         # Short: a holder that is frozen or killed mid-sweep stops every sweep (and with it
         # every reclaim) until the lock expires. A sweep that outlasts it may overlap the next
@@ -124,13 +136,13 @@ class Sweeper:
                 letter = DeadLetter(job_id=job_id, episode_id=episode_id, group_id=spec.group_id,
                                     env_name=spec.env_name, reason=errors.WORKER_LOST, error_class="LeaseExpired",
                                     error=message, attempts=attempt, spec=spec.shown())
-                if self.ledger.reclaim(job_id, episode_id, FAILED, record, letter):
+                if self.ledger.reclaim(job_id, episode_id, FAILED, record, letter, outage=self.outage):
                     report.dead.append(m)
                     self._orphaned(spec, attempt, attempt_id)
                     log.error("episode %s dead-lettered: %s", episode_id, message)
             else:
                 record = AttemptRecord(**base, status=ABANDONED, error="worker lost (lease expired)")
-                if self.ledger.reclaim(job_id, episode_id, QUEUED, record):
+                if self.ledger.reclaim(job_id, episode_id, QUEUED, record, outage=self.outage):
                     send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
                     report.reclaimed.append(m)
                     self._orphaned(spec, attempt, attempt_id)
@@ -175,7 +187,11 @@ class Sweeper:
     def _housekeeping(self) -> None:
         """Retention (review L1): a finished job's keys expire ``job_retention_s`` after it
         finished (a re-drive makes it active again and takes the expiry back); the jobs index
-        and the dead-letter queue forget jobs whose keys are gone; the poison stream is capped."""
+        and the dead-letter queue forget jobs whose keys are gone; the poison stream is capped.
+
+        A job indexed without a spec is gone (retention expired its keys), or its submit died
+        after claiming the id (its keys are deleted), unless its submitting marker says it is
+        being written right now (Ledger.create_job): that one is left alone."""
         now = time.monotonic()
         if now - self._last_housekeeping < max(self.settings.reconcile_interval_s, 10.0):
             return
@@ -185,6 +201,9 @@ class Sweeper:
             return
         pipe = self.r.pipeline(transaction=False)
         for job_id in job_ids:
+            # The marker before the spec: a submit deletes its marker as it writes its spec (in
+            # one transaction), so a job seen with neither has no submit under way.
+            pipe.exists(self.keys.job_submitting(job_id))
             pipe.exists(self.keys.job_spec(job_id))
             pipe.ttl(self.keys.job_spec(job_id))
         answers = pipe.execute()
@@ -192,9 +211,11 @@ class Sweeper:
         retention = int(self.settings.job_retention_s)
         gone = []
         pipe = self.r.pipeline(transaction=False)
-        for job_id, exists, ttl, c in zip(job_ids, answers[0::2], answers[1::2], counts):
+        for job_id, submitting, exists, ttl, c in zip(job_ids, answers[0::3], answers[1::3], answers[2::3], counts):
             if not exists:
-                gone.append(job_id)
+                if not submitting:
+                    gone.append(job_id)
+                    pipe.delete(*self.keys.job_keys(job_id))  # a dead submit's partial writes
                 continue
             active = c[QUEUED] or c[RUNNING] or c[RETRYING]
             if not active and ttl == -1:

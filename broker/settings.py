@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from broker.tokens import TOKEN_MODES, TOKENS_AUTO
+from broker.urls import origin_of as _origin_of, url_problem
 
 ENV_PREFIX = "INTERACTOR_"
 
@@ -30,36 +31,42 @@ class Secret(str):
         return str.__str__(self)
 
 
-_SECRET_QUERY_RE = re.compile(r"(?i)((?:^|&)[^=&]*(?:password|passwd|pwd|token|secret|key|auth)[^=&]*=)[^&]*")
+# Query (and fragment) parameters whose values are secrets: passwords, tokens, API keys, OAuth
+# codes, signed-URL signatures and credentials.
+_SECRET_QUERY_RE = re.compile(
+    r"(?i)((?:^|[&;])[^=&;]*(?:password|passwd|pwd|token|secret|key|auth|code|sig|credential|session)[^=&;]*=)"
+    r"[^&;]*")
 
 
 def redact_url(url: str) -> str:
-    """``redis://:pw@host/0`` -> ``redis://:***@host/0``, ``...?password=pw`` ->
-    ``...?password=***``: URLs are logged and stored, passwords are not."""
-    if "@" not in url and "?" not in url:  # nothing to hide (the common case, on every request)
+    """``redis://:pw@host/0`` -> ``redis://:***@host/0``, ``https://TOKEN@host`` ->
+    ``https://***@host``, ``...?password=pw`` -> ``...?password=***``: URLs are logged and
+    stored, secrets are not. A username alone is hidden too: it is often a token."""
+    if "@" not in url and "?" not in url and "#" not in url:  # nothing to hide (the common case)
         return url
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable url>"
     netloc = parts.netloc
-    if "@" in netloc and parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user, has_password, _ = userinfo.partition(":")
+        if has_password:
+            netloc = f"{user}:***@{host}"
+        else:
+            netloc = f"***@{host}"
     query = _SECRET_QUERY_RE.sub(r"\1***", parts.query) if parts.query else parts.query
-    if netloc == parts.netloc and query == parts.query:
+    fragment = _SECRET_QUERY_RE.sub(r"\1***", parts.fragment) if parts.fragment else parts.fragment
+    if netloc == parts.netloc and query == parts.query and fragment == parts.fragment:
         return url
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
 
 
 def origin_of(url: str) -> str:
-    """``scheme://host:port`` of a URL (lower case, default port made explicit, no userinfo)."""
-    try:
-        parts = urlsplit(url.strip())
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower(), 0)
-    except ValueError:
-        return ""
-    host = (parts.hostname or "").lower()
-    return f"{parts.scheme.lower()}://{host}:{port}" if host else ""
+    """``scheme://host:port`` of a URL that broker.urls accepts (lower case, default port
+    explicit), else "": a URL the connecting client could read differently has no origin."""
+    return _origin_of(url)
 
 
 class SettingsError(ValueError):
@@ -126,6 +133,9 @@ class Settings:
     retry_backoff_initial_s: float = 2.0
     retry_backoff_max_s: float = 60.0
     shutdown_grace_s: float = 30.0  # after SIGTERM, running episodes get this long to finish
+    # A worker process whose Celery consumer takes no task for this long while episodes wait in
+    # its queues and it has free slots is replaced (workers/consumer_watch.py); 0 turns it off.
+    worker_stall_s: float = 60.0
     # A server that is down (refused, reset, 429/502/503/504 with its readiness route down too)
     # holds its episodes, their budgets paused, for up to this long before they are
     # dead-lettered as env_outage/model_outage (workers/breakers.py). Redis too (broker_outage).
@@ -158,6 +168,9 @@ class Settings:
     consumer_batch: int = 2000  # records per transaction at most (a commit's fixed cost is shared)
     consumer_block_ms: int = 1000
     consumer_claim_idle_ms: int = 30_000
+    # Re-runs of one episode whose completed attempt's steps were lost (a Redis failover), after
+    # which the consumer fails it as steps_lost instead of re-running it again.
+    consumer_reopens_max: int = 3
 
     def __post_init__(self) -> None:
         if str(self.tokens).lower() in ("1", "true", "yes", "on"):  # --tokens with no server named
@@ -261,8 +274,21 @@ class Settings:
             problems.append("experience_top_k must be >= 1")
         if self.outage_budget_s < 0:
             problems.append("outage_budget_s must be >= 0")
+        if self.worker_stall_s < 0:
+            problems.append("worker_stall_s must be >= 0 (0 turns the consumer watch off)")
         if self.job_retention_s <= 0:
             problems.append("job_retention_s must be > 0")
+        # URLs the workers connect to: the same check a task file's base_url gets (broker/urls.py).
+        for name in ("llm_base_url", "env_base_url"):
+            value = getattr(self, name)
+            if value or name == "llm_base_url":
+                problem = url_problem(value)
+                if problem:
+                    problems.append(f"{name} {redact_url(value)!r}: {problem}")
+        for origin in (o.strip() for o in self.llm_trusted_origins.split(",")):
+            problem = url_problem(origin) if origin else ""
+            if problem:
+                problems.append(f"llm_trusted_origins entry {redact_url(origin)!r}: {problem}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             problems.append(f"redis_url must start with redis://, rediss:// or unix://, not {redact_url(self.redis_url)!r}")
         if problems:

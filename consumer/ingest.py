@@ -13,7 +13,10 @@
   down) is waited for with backoff, its records left pending: the consumer never crash-loops.
 * Lost steps: a completion whose steps are not all stored once every record before its close
   has been committed can never get them (a Redis failover lost them). The episode is set back
-  to retrying in the store and re-queued in the ledger (``reopen_lost_completions``).
+  to retrying in the store and re-queued in the ledger (``reopen_lost_completions``), at most
+  ``consumer_reopens_max`` times; after that, or at once when a missing step is in the poison
+  stream (the store refused it: a re-run would bring the same data), it is failed as
+  ``steps_lost`` in the store and the ledger, so that its group and job end.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
 from broker.dlq import DeadLetterQueue
-from broker.records import DONE, FAILED, QUEUED, RecordError, unpack
+from broker.records import DONE, FAILED, QUEUED, AttemptRecord, RecordError, StepRecord, unpack
 from broker.recovery import SweepDuty, Sweeper
 from broker.settings import Settings
+from broker.errors import STEPS_LOST
+from consumer.storage import EP_FAILED as FAILED_STATUS
 from consumer.storage import ResultStore, StoreError
 from consumer.storage.errors import StoreUnavailable, classify
 
@@ -198,11 +203,11 @@ class Ingestor:
                 if isinstance(err, StoreUnavailable):
                     raise err from exc
                 poison.append((entry_id, rec.pack(), f"rejected by the store: {err}"))
-        if not kept and len(records) > 1:
-            # Every record failing alone is not a bad record: the store (or our code) is at
-            # fault. Park nothing; wait and try again.
-            poison[:] = [p for p in poison if not p[2].startswith("rejected by the store")]
-            raise StoreUnavailable(f"every record of a batch of {len(records)} was rejected")
+        # Even when every record of the batch fails alone, each one is parked: a store that
+        # cannot take writes at all fails with an error classify() calls unavailable (that
+        # batch is retried, never parked), so what is left is data the store refuses; waiting
+        # for it would stall the stream for good. An episode whose step was parked is failed as
+        # steps_lost once its completion is found short (reopen_lost_completions).
         records[:] = kept
         return fixes
 
@@ -220,7 +225,9 @@ class Ingestor:
     def _park(self, poison: list) -> None:
         pipe = self.r.pipeline(transaction=False)
         for entry_id, raw, why in poison:
-            pipe.xadd(self.keys.poison, {"id": entry_id, "r": raw or b"", "error": why})
+            fields = {"id": entry_id, "r": raw or b"", "error": why}
+            fields.update(_poison_owner(raw))
+            pipe.xadd(self.keys.poison, fields)
             log.error("record %s moved to %s: %s", entry_id, self.keys.poison, why)
         pipe.execute()
         self.stats["poison"] += len(poison)
@@ -252,7 +259,18 @@ class Ingestor:
         for episode_id, job_id, attempt_id, entry in waiting:
             if not entry or (floor is not None and floor < _id_tuple(entry)):
                 continue  # a record before the close is still pending somewhere: may yet arrive
-            if not self.store.reopen_lost_completion(episode_id, attempt_id):
+            status = self.store.reopen_lost_completion(
+                episode_id, attempt_id, max_reopens=self.settings.consumer_reopens_max,
+                poisoned=self._poisoned(episode_id, attempt_id))
+            if not status:
+                continue
+            if status == FAILED_STATUS:
+                # The ledger follows, so that the job's count of finished episodes is complete;
+                # its failed state is what `interactor dlq redrive --job J --failed` re-drives.
+                self.ledger.move(job_id, episode_id, FAILED, [DONE])
+                log.error("episode %s: attempt %s completed but some of its steps never reached the database; "
+                          "failed as %s (%s)", episode_id, attempt_id, STEPS_LOST,
+                          (self.store.episode(episode_id) or {}).get("error"))
                 continue
             spec = self.ledger.episode_spec(job_id, episode_id)
             if self.ledger.move(job_id, episode_id, QUEUED, [DONE]):
@@ -262,6 +280,25 @@ class Ingestor:
                       episode_id, attempt_id)
         self.stats["reopened"] += len(reopened)
         return reopened
+
+    def _poisoned(self, episode_id: str, attempt_id: str) -> bool:
+        """Whether a record of this attempt of the episode was parked in the poison stream
+        (capped at about 10k entries, read in pages; only when a completion is found short)."""
+        want_ep, want_attempt = episode_id.encode(), attempt_id.encode()
+        start = "-"
+        while True:
+            page = self.r.xrange(self.keys.poison, min=start, max="+", count=500)
+            for entry_id, fields in page:
+                ep, aid = fields.get(b"episode"), fields.get(b"attempt_id")
+                if ep is None:  # parked before the owner was written beside the record
+                    owner = _poison_owner(fields.get(b"r"))
+                    ep, aid = owner.get("episode", "").encode(), owner.get("attempt_id", "").encode()
+                if ep == want_ep and aid == want_attempt:
+                    return True
+            if len(page) < 500:
+                return False
+            last = page[-1][0].decode() if isinstance(page[-1][0], bytes) else page[-1][0]
+            start = "(" + last
 
     # --- stream upkeep ----------------------------------------------------------------------
     def trim(self) -> None:
@@ -329,6 +366,19 @@ class Ingestor:
             if self.sweeper is not None:
                 self.sweeper.stop()
         log.info("consumer %s stopped: %s", self.name, self.stats)
+
+
+def _poison_owner(raw) -> dict[str, str]:
+    """The episode and attempt_id of a parked record, when it decodes and has them."""
+    try:
+        rec = unpack(raw) if raw else None
+    except RecordError:
+        return {}
+    if type(rec) is StepRecord:
+        return {"episode": rec.env_id, "attempt_id": rec.attempt_id or f"n{rec.attempt}"}
+    if type(rec) is AttemptRecord:
+        return {"episode": rec.episode_id, "attempt_id": rec.attempt_id or f"n{rec.attempt}"}
+    return {}
 
 
 def _id_tuple(entry_id) -> tuple[int, int]:

@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = ["EnvError", "params_with_row", "import_object", "split_object_path", "valid_object_path", "construct", "normalize_answer", "jsonable"]
 
-_PATH_RE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+_PATH_RE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*", re.ASCII)
 
 
 class EnvError(ValueError):
@@ -39,7 +39,8 @@ class EnvError(ValueError):
 
 
 def valid_object_path(path: Any) -> bool:
-    """True for ``package.module:Class`` (also ``module:Outer.Inner``). The one rule for every
+    """True for ``package.module:Attr``: one attribute of the module, no dotted path after the
+    colon (``module:os.abort`` would reach whatever the module imported). The one rule for every
     ``module:Attr`` a task file or a setting names: env classes, episode hooks, allow-lists."""
     return isinstance(path, str) and bool(_PATH_RE.fullmatch(path))
 
@@ -57,17 +58,24 @@ _imports_lock = threading.Lock()
 
 
 def import_object(path: str) -> Any:
-    """``module:Attr`` -> the object (cached). ImportError/AttributeError propagate."""
+    """``module:Attr`` -> the object (cached). ImportError/AttributeError propagate.
+
+    The object must be defined in the module named (its ``__module__``), not merely reachable
+    from it: an allow-list that admits ``somemodule:*`` admits that module's own classes and
+    functions, never ``os.abort`` or a class it imported from elsewhere."""
     with _imports_lock:
         obj = _imports.get(path)
         if obj is not None:
             return obj
     if not valid_object_path(path):
-        raise ImportError(f"{path!r} is not of the form 'module:Class'")
+        raise ImportError(f"{path!r} is not of the form 'module:Attr' (one attribute, no dotted path)")
     module_name, _, attr = path.partition(":")
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+    obj = getattr(importlib.import_module(module_name), attr)
+    defined_in = getattr(obj, "__module__", None)
+    if inspect.ismodule(obj) or defined_in != module_name:
+        raise ImportError(f"{path!r} is not defined in {module_name} (it comes from "
+                          f"{getattr(obj, '__name__', None) if inspect.ismodule(obj) else defined_in}); "
+                          "only what a module defines itself may be named")
     with _imports_lock:
         _imports[path] = obj
     return obj

@@ -32,7 +32,7 @@ import redis
 
 from broker.keys import Keys
 from broker.settings import Settings
-from interactor.children import spawn_role
+from interactor.children import descendants, spawn_role
 from interactor.metrics import FleetReader
 
 log = logging.getLogger("interactor.autoscale")
@@ -104,38 +104,6 @@ def leases_by_pid(client: redis.Redis, keys: Keys, hostname: str) -> dict[int, i
         host, _, pid = worker.rpartition("-")
         if host == hostname and pid.isdigit():
             out[int(pid)] = out.get(int(pid), 0) + 1
-    return out
-
-
-def descendants(pid: int) -> set[int]:
-    """``pid`` and every process below it (Linux /proc; just ``pid`` elsewhere).
-
-    ``interactor worker`` may run Celery in a child (a supervisor restarts it if it dies), and a
-    prefork pool has children too: the lease tokens name whichever process runs the episode.
-    """
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return {pid}
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
-        fields_ = stat[stat.rfind(b")") + 2:].split()
-        if len(fields_) > 1:
-            children.setdefault(int(fields_[1]), []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        if p not in out:
-            out.add(p)
-            todo.extend(children.get(p, ()))
     return out
 
 

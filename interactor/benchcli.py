@@ -43,6 +43,8 @@ def cmd_bench(args) -> int:
         kw["warmup_s"] = args.warmup
     if args.levels is not None:
         kw["levels"] = _ints(args.levels)
+    if args.single_turn_levels is not None:
+        kw["single_turn_levels"] = _ints(args.single_turn_levels)
     if args.pools is not None:
         kw["pools"] = _words(args.pools)
     if args.process_counts is not None:
@@ -63,6 +65,7 @@ def register(sub, add) -> None:
     sp = add("bench", cmd_bench, "run the benchmark harness; writes docs/benchmarks.md and docs/benchmarks.png")
     sp.add_argument("--quick", action="store_true", help="a small, fast configuration (writes under runs/bench/)")
     sp.add_argument("--levels", help="concurrency levels of the load runs, e.g. 64,256,1000")
+    sp.add_argument("--single-turn-levels", help="concurrency levels of the 1-step load runs, e.g. 256,1000 ('' for none)")
     sp.add_argument("--pools", help="pools to compare, e.g. gevent,threads,prefork ('' for none)")
     sp.add_argument("--pool-level", type=int, help="concurrency of the pool and process comparisons (1000)")
     sp.add_argument("--workers", type=int, help="worker processes sharing the concurrency (2)")
@@ -73,7 +76,7 @@ def register(sub, add) -> None:
     sp.add_argument("--warmup", type=float, help="seconds between all slots busy and the window (3)")
     sp.add_argument("--ingest-records", type=int)
     sp.add_argument("--enqueue-episodes", type=int)
-    sp.add_argument("--skip", help="parts to skip: load,processes,pools,ingest,enqueue")
+    sp.add_argument("--skip", help="parts to skip: load,single,processes,pools,ingest,enqueue")
     sp.add_argument("--process-counts", help="worker process counts compared at --pool-level, e.g. 2,4 ('' for none)")
     sp.add_argument("--out", help="the Markdown report (docs/benchmarks.md)")
     sp.add_argument("--png", help="the plot (docs/benchmarks.png); '' for none")

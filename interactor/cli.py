@@ -25,8 +25,8 @@ import signal
 import sys
 import threading
 
-from broker.settings import SettingsError
-from interactor.children import die_with_parent, spawn, stop_event
+from broker.settings import SettingsError, redact_url
+from interactor.children import catch, exit_code, spawn, stop_event, watch_parent
 from interactor.common import SETTING_FLAGS, add_setting_flags, redis_for, settings_from_args
 
 log = logging.getLogger("interactor")
@@ -48,6 +48,8 @@ def cmd_worker(args) -> int:
         from gevent import monkey
 
         monkey.patch_all()
+    # After gevent's patching, so that the watch is one of its greenlets (see main()).
+    watch_parent()
     from workers.tasks import app
 
     argv = ["worker", "-P", settings.pool, "-c", str(settings.concurrency), "-Q", ",".join(settings.served_queues),
@@ -67,7 +69,10 @@ def _supervise_worker(argv: list[str]) -> int:
     Celery gives up on some broker reconnects with an "Unrecoverable error" (kombu's Redis
     channel can lose its connection object mid-reconnect: celery/kombu #582, #970), and the
     worker process exits. Episodes are safe (leases, reservations), but a fleet must not shrink
-    by itself: the child is restarted. SIGTERM/SIGINT are passed on and end the supervisor.
+    by itself: the child is restarted. SIGTERM/SIGINT/SIGHUP are passed on and end the
+    supervisor: SIGINT as it is (Celery reads a second one as a cold shutdown), SIGTERM and SIGHUP
+    as one SIGTERM (Celery restarts on SIGHUP, and every SIGTERM would restart the grace period
+    of its running episodes).
     """
     import subprocess
     import time
@@ -75,25 +80,37 @@ def _supervise_worker(argv: list[str]) -> int:
     stopping = threading.Event()
     child: list[subprocess.Popen] = []
 
+    termed: set[int] = set()  # children already sent SIGTERM
+
     def forward(signum, _frame):
         stopping.set()
-        if child and child[0].poll() is None:
-            child[0].send_signal(signum)
+        p = child[0] if child else None
+        if p is None or p.poll() is not None:
+            return
+        if signum == signal.SIGINT:
+            p.send_signal(signal.SIGINT)
+        elif p.pid not in termed:
+            termed.add(p.pid)
+            p.send_signal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        catch(sig, forward)
     env = {**os.environ, _WORKER_CHILD: "1"}
     restarts = 0
-    while True:
+    while not stopping.is_set():
         # Own session: a terminal's Ctrl-C reaches only us, and we pass it on once (Celery reads
-        # a second SIGINT as "cold shutdown"). The child dies with us (parent-death signal).
-        child[:] = [spawn([sys.executable, "-m", "interactor.cli", *argv], env=env, preexec_fn=die_with_parent)]
+        # a second SIGINT as "cold shutdown"). If we die without a word, the child gets SIGTERM
+        # (children.spawn) and hands back its episodes.
+        child[:] = [spawn([sys.executable, "-m", "interactor.cli", *argv], env=env)]
+        if stopping.is_set():  # a signal came while it was starting: it must have it too
+            forward(signal.SIGTERM, None)
         code = child[0].wait()
         if stopping.is_set():
             return code
         restarts += 1
         log.error("worker process exited with %s without being asked to; restarting (%d)", code, restarts)
         time.sleep(min(10.0, 0.5 * restarts))
+    return 0
 
 
 def _raise_open_files_limit() -> None:
@@ -134,13 +151,28 @@ def cmd_consumer(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from producer.enqueue import submit
+    from producer.enqueue import plan, submit_plan
 
     settings = settings_from_args(args)
-    sub = submit(redis_for(settings), settings, args.tasks, job_id=args.job_id)
+    planned = plan(settings, args.tasks, args.job_id)
+    if not args.no_preflight:
+        refused = preflight_refusal(settings, planned.episodes)
+        if refused:
+            print(f"interactor: {refused}", file=sys.stderr)
+            return 2
+    sub = submit_plan(redis_for(settings), settings, planned)
     print(json.dumps({"job_id": sub.job.job_id, "episodes": sub.job.episodes, "groups": sub.job.groups,
                       "enqueue_s": round(sub.enqueue_s, 3)}))
     return 0
+
+
+def preflight_refusal(settings, episodes) -> str:
+    """What to print instead of enqueueing, or "" when every server answered (see
+    interactor/preflight.py)."""
+    from interactor.preflight import check, refusal
+
+    problems = check(settings, episodes)
+    return refusal(problems) if problems else ""
 
 
 def cmd_run(args) -> int:
@@ -149,7 +181,7 @@ def cmd_run(args) -> int:
     if not args.tasks and not args.resume:
         raise SettingsError("name task files to run, or --resume JOB")
     return run_local(settings_from_args(args), args.tasks, workers=args.workers, job_id=args.job_id, resume=args.resume,
-                     ui=_ui_address(args))
+                     ui=_ui_address(args), preflight=not args.no_preflight)
 
 
 def cmd_demo(args) -> int:
@@ -160,6 +192,12 @@ def cmd_demo(args) -> int:
 
 def _ui_address(args) -> tuple[str, int] | None:
     return (args.ui_host, args.ui_port) if args.ui else None
+
+
+def _add_preflight_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-preflight", action="store_true",
+                   help="enqueue without first asking the model endpoint and env servers whether they answer "
+                        "(for servers that start later)")
 
 
 def _add_ui_flags(p: argparse.ArgumentParser) -> None:
@@ -318,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=int, default=None,
                     help="local worker processes (default: one per core; --concurrency is split between them)")
     sp.add_argument("--job-id")
+    _add_preflight_flag(sp)
     _add_ui_flags(sp)
     sp = add("demo", cmd_demo, "run the bundled example batch against the stand-in servers")
     sp.add_argument("--workers", type=int, default=None)
@@ -325,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("submit", cmd_submit, "validate and enqueue task files")
     sp.add_argument("tasks", nargs="+")
     sp.add_argument("--job-id")
+    _add_preflight_flag(sp)
     sp = add("worker", cmd_worker, "run a worker")
     sp.set_defaults(argv=None)
     sp.add_argument("--name", default=None)
@@ -403,11 +443,33 @@ def main(argv: list[str] | None = None) -> int:
     from consumer.storage import StoreError
     from producer.taskfile import TaskFileError
 
+    if os.environ.get(_WORKER_CHILD) != "1":
+        # Started by another interactor command: stop (as on SIGTERM) if it dies without
+        # stopping us. A Celery worker process starts its watch itself, after gevent's patching.
+        watch_parent()
     try:
         return args.fn(args)
     except (SettingsError, TaskFileError, StoreError, JobExists) as exc:
         print(f"interactor: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP in run/demo, before any report
+        return exit_code(exc)
+    except Exception as exc:
+        import redis  # (not at the top: a gevent worker patches the socket modules before redis loads)
+
+        if not isinstance(exc, redis.RedisError):
+            raise
+        # a command that needs Redis says so in one line, not a traceback
+        print(f"interactor: Redis at {_redis_shown(args)} is unreachable: {type(exc).__name__}: "
+              f"{exc}", file=sys.stderr)
+        return 2
+
+
+def _redis_shown(args) -> str:
+    try:
+        return redact_url(settings_from_args(args).redis_url) or "(no REDIS_URL)"
+    except Exception:  # noqa: BLE001 - only for the message
+        return "(the configured URL)"
 
 
 if __name__ == "__main__":

@@ -3,12 +3,16 @@
 Starts an embedded Redis unless ``REDIS_URL`` is set, enqueues the job, runs local worker
 processes and a consumer, shows progress, and prints the summary. The children run in their
 own sessions so that Ctrl-C reaches only us; we then stop them in order (workers hand back
-what they run, the consumer commits what it holds) and say what was left.
+what they run, the consumer commits what it holds) and say what was left. SIGTERM and SIGHUP
+do the same as Ctrl-C; if we are killed outright, the children notice (interactor/children.py)
+and a guard process stops them in the same order, the embedded Redis last.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +22,7 @@ from broker.embedded import EmbeddedRedis
 from broker.ledger import Ledger
 from broker.redisconn import connect
 from broker.settings import Settings, redact_url
-from interactor.children import spawn_role, terminate
+from interactor.children import Guard, exit_code, interrupt_on_signals, spawn, spawn_role, terminate
 from interactor.report import print_left, print_results, progress_line
 
 
@@ -28,11 +32,23 @@ def default_workers(concurrency: int) -> int:
     return max(1, min(os.cpu_count() or 1, concurrency))
 
 
+# The order a guard stops a run's children in when `interactor run` died without doing it:
+# as LocalFleet.stop does, workers first, then the consumer, and what they all need (the
+# embedded Redis, the demo's servers) last.
+STAGE_WORKERS, STAGE_CONSUMER, STAGE_LAST = 0, 1, 2
+
+
+def start_guard(settings: Settings, log_dir: Path) -> Guard:
+    return Guard({STAGE_WORKERS: settings.shutdown_grace_s + 10, STAGE_CONSUMER: 30, STAGE_LAST: 10},
+                 log_path=log_dir / "guard.log")
+
+
 class LocalFleet:
     """Worker and consumer child processes, restarted if one dies unexpectedly."""
 
-    def __init__(self, settings: Settings, workers: int | None, log_dir: Path):
+    def __init__(self, settings: Settings, workers: int | None, log_dir: Path, guard: Guard | None = None):
         self.settings = settings
+        self.guard = guard
         self.n_workers = max(1, workers or default_workers(settings.concurrency))
         self.log_dir = log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -43,7 +59,12 @@ class LocalFleet:
 
     def _spawn(self, name: str) -> None:
         role = "consumer" if name == "consumer" else "worker"
+        old = self.procs.get(name)
         self.procs[name] = spawn_role(role, name, env=self.env, log_path=self.log_dir / f"{name}.log")
+        if self.guard is not None:
+            if old is not None:
+                self.guard.drop(old)
+            self.guard.add(self.procs[name], STAGE_CONSUMER if role == "consumer" else STAGE_WORKERS)
 
     def start(self) -> None:
         self._spawn("consumer")
@@ -65,10 +86,32 @@ class LocalFleet:
 
 
 def run_local(settings: Settings, tasks: list[str], *, workers: int | None = None, job_id: str | None = None,
-              resume: str | None = None, ui: tuple[str, int] | None = None) -> int:
+              resume: str | None = None, ui: tuple[str, int] | None = None, guard: Guard | None = None,
+              preflight: bool = True) -> int:
     """Run one job to its end on this machine. ``ui``: (host, port) of a results browser to
     serve meanwhile, and after the summary until Ctrl-C (with Redis still up, so that dead
-    letters can be read; read-only, nothing is re-driven with the workers gone)."""
+    letters can be read; read-only, nothing is re-driven with the workers gone). ``guard``:
+    the caller's (``demo``), else we start our own.
+
+    Ctrl-C, SIGTERM and SIGHUP stop the run alike; the exit code is 128 + the signal's number
+    (130, 143, 129). ``preflight``: ask the model endpoint and env servers before anything is
+    enqueued (interactor/preflight.py), and refuse with exit 2 when one does not answer."""
+    with interrupt_on_signals():
+        own_guard = guard is None
+        if own_guard:
+            guard = start_guard(settings, Path(settings.run_dir) / "logs")
+        done = False
+        try:
+            code = _run_local(settings, tasks, workers, job_id, resume, ui, guard, preflight)
+            done = True
+            return code
+        finally:
+            if own_guard:
+                guard.close(done=done)
+
+
+def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id: str | None, resume: str | None,
+               ui: tuple[str, int] | None, guard: Guard, preflight: bool = True) -> int:
     from consumer.storage import open_store
     from producer.enqueue import new_job_id, plan, submit_plan
 
@@ -76,21 +119,35 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
     run_dir.mkdir(parents=True, exist_ok=True)
     job_id = resume or job_id or new_job_id()
     planned = None if resume else plan(settings, tasks, job_id)  # a bad file stops us before anything starts
+    if planned is not None and preflight:
+        from interactor.preflight import check, refusal
+
+        problems = check(settings, planned.episodes)
+        if problems:
+            print(f"interactor: {refusal(problems)}", file=sys.stderr)
+            return 2
 
     embedded = None
-    if not settings.redis_url:
-        embedded = EmbeddedRedis(run_dir / "redis", port=None, password=_persistent_password(run_dir)).start()
-        settings = settings.replace(redis_url=embedded.url)
-        print(f"embedded Redis on 127.0.0.1:{embedded.port} (data in {run_dir / 'redis'})")
-    else:
-        print(f"Redis at {redact_url(settings.redis_url)}")
-    client = connect(settings)
-    ledger = Ledger.for_settings(client, settings)
-    fleet = LocalFleet(settings, workers, run_dir / "logs")
+    fleet: LocalFleet | None = None
     browser = None
-    interrupted = False
+    interrupted: KeyboardInterrupt | None = None
     t0 = time.monotonic()
     try:
+        if not settings.redis_url:
+            embedded = EmbeddedRedis(run_dir / "redis", port=None, password=_persistent_password(run_dir))
+            try:
+                embedded.start()
+                guard.add(embedded.proc, STAGE_LAST)
+            except BaseException:  # not started, or interrupted while starting: not left running
+                embedded.stop(kill=True)
+                raise
+            settings = settings.replace(redis_url=embedded.url)
+            print(f"embedded Redis on 127.0.0.1:{embedded.port} (data in {run_dir / 'redis'})")
+        else:
+            print(f"Redis at {redact_url(settings.redis_url)}")
+        client = connect(settings)
+        ledger = Ledger.for_settings(client, settings)
+        fleet = LocalFleet(settings, workers, run_dir / "logs", guard)
         store = open_store(settings.results_store)
         if ui is not None:  # first: a port in use stops us before anything is enqueued or started
             browser = _start_browser(settings, client, *ui)
@@ -112,28 +169,33 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
         fleet.start()
         try:
             _wait(job_id, total, ledger, store, fleet, t0)
-        except KeyboardInterrupt:
-            interrupted = True
-            print(f"\ninterrupted: stopping workers (up to {settings.shutdown_grace_s:.0f}s for running episodes; "
-                  "Ctrl-C again to kill)")
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+            _say(f"\n{_how(exc)}: stopping workers (up to {settings.shutdown_grace_s:.0f}s for running episodes; "
+                 "Ctrl-C again to kill)")
         try:
             fleet.stop(settings.shutdown_grace_s + 10)
         except KeyboardInterrupt:
             fleet.stop(0)
         results = store.results(job_id)
         store.close()
+        if interrupted is not None:
+            # A closed terminal (SIGHUP) leaves nowhere to print: the stop above has been done,
+            # and the report is for whoever still reads.
+            with contextlib.suppress(OSError):
+                print()
+                print_results(job_id, results, settings.results_store_shown)
+                print_left(ledger.counts(job_id), job_id, run_dir)
+            return exit_code(interrupted)
         print()
         print_results(job_id, results, settings.results_store_shown)
-        if interrupted:
-            print_left(ledger.counts(job_id), job_id, run_dir)
-            return 130
         if fleet.restarts:
             print(f"note: {fleet.restarts} local processes were restarted; see {run_dir / 'logs'}")
         if browser is not None:
             _keep_serving(browser)
         return 0 if results["job"].get("failed", 0) == 0 else 1
     finally:
-        if fleet.procs:
+        if fleet is not None and fleet.procs:
             fleet.stop(5)
         if browser is not None:
             browser.stop()
@@ -141,7 +203,20 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
             embedded.stop()
 
 
+def _how(exc: KeyboardInterrupt) -> str:
+    signum = getattr(exc, "signum", None)
+    return "interrupted" if signum is None else f"interrupted ({signal.Signals(signum).name})"
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
+
+
 def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0: float) -> None:
+    from interactor.metrics import FleetReader
+
+    breakers = BreakerNotes(FleetReader(ledger.r, fleet.settings))
     last_steps, last_t = 0, time.monotonic()
     rate = 0.0
     tty = sys.stdout.isatty()
@@ -157,6 +232,9 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
             rate = (steps - last_steps) / (now - last_t)
             last_steps, last_t = steps, now
         line = progress_line(counts, res, total, rate, now - t0)
+        said = breakers.news(now)
+        if said:  # on lines of their own: a stalled bar says why it is stalled
+            print(("\n" if tty else "") + "\n".join(said), flush=True)
         if tty:
             print("\r" + line, end="", flush=True)
         elif now - last_print >= 5:
@@ -167,6 +245,41 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
                 and not res.get("short_trajectories", 0)):
             print("\r" + line if tty else line)
             return
+
+
+class BreakerNotes:
+    """What the workers' circuit breakers know, told to whoever watches the progress bar: a
+    server that is down (a wrong port, a server not started) otherwise shows only as
+    ``0.0 steps/s``. Each open breaker is named when it opens, again every ``repeat_s`` while it
+    stays open, and once when it closes."""
+
+    def __init__(self, reader, *, every_s: float = 2.0, repeat_s: float = 30.0):
+        self.reader = reader
+        self.every_s = every_s
+        self.repeat_s = repeat_s
+        self._read_at = -1e9
+        self._told: dict[tuple[str, str], float] = {}  # open breaker -> when last told
+
+    def news(self, now: float) -> list[str]:
+        if now - self._read_at < self.every_s:
+            return []
+        self._read_at = now
+        try:
+            open_now = {(b["kind"], b["server"]): b for b in self.reader.breakers()}
+        except Exception:  # noqa: BLE001 - Redis away: the workers' own waiting covers it
+            return []
+        out = []
+        budget = self.reader.settings.outage_budget_s
+        for key, b in sorted(open_now.items()):
+            if now - self._told.get(key, -1e9) >= self.repeat_s:
+                self._told[key] = now
+                down = time.time() - b["since"] if b.get("since") else 0.0
+                out.append(f"{b['kind']} server {b['server']} down {down:.0f}s: {b['error'][:160]}; its episodes "
+                           f"wait up to {budget / 60:.0f} min for it")
+        for key in [k for k in self._told if k not in open_now]:
+            del self._told[key]
+            out.append(f"{key[0]} server {key[1]} answers again")
+        return out
 
 
 def _start_browser(settings: Settings, client, host: str, port: int):
@@ -202,22 +315,33 @@ def run_demo(settings: Settings, *, workers: int | None = None, ui: tuple[str, i
 
     folder = Path(examples.__file__).parent
     servers = []
-    try:
-        env_url = _start_server(servers, "examples.envserver", [])
-        model_url = _start_server(servers, "examples.model_standin", ["--latency-ms", "50"])
-        print(f"example env server at {env_url}, model stand-in at {model_url}/v1 (a stand-in, not a model)")
-        settings = settings.replace(env_base_url=env_url, llm_base_url=model_url + "/v1", model="stand-in")
-        return run_local(settings, [str(folder / "tasks.yaml")], workers=workers, ui=ui)
-    finally:
-        for p in servers:
-            p.terminate()
-            p.wait(5)
+    with interrupt_on_signals():
+        guard = start_guard(settings, Path(settings.run_dir) / "logs")
+        done = False
+        try:
+            env_url = _start_server(servers, guard, "examples.envserver", [])
+            model_url = _start_server(servers, guard, "examples.model_standin", ["--latency-ms", "50"])
+            print(f"example env server at {env_url}, model stand-in at {model_url}/v1 (a stand-in, not a model)")
+            settings = settings.replace(env_base_url=env_url, llm_base_url=model_url + "/v1", model="stand-in")
+            code = run_local(settings, [str(folder / "tasks.yaml")], workers=workers, ui=ui, guard=guard)
+            terminate(servers, 5)
+            done = True
+            return code
+        except KeyboardInterrupt as exc:  # before the run started, or its own stopping cut short
+            return exit_code(exc)
+        finally:
+            if not done:  # and the guard looks at what else may still run
+                terminate(servers, 5)
+            guard.close(done=done)
 
 
-def _start_server(servers: list, module: str, extra: list[str]) -> str:
-    p = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *extra], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+def _start_server(servers: list, guard: Guard, module: str, extra: list[str]) -> str:
+    # Not stopped with us by the kernel but by the guard, last: the workers need them to end
+    # their episodes' steps and close their env instances before they can stop.
+    p = spawn([sys.executable, "-m", module, "--port", "0", *extra], stdout=subprocess.PIPE,
+              stderr=subprocess.DEVNULL, text=True, with_parent=False)
     servers.append(p)
+    guard.add(p, STAGE_LAST)
     line = p.stdout.readline()
     if "listening on" not in line:
         raise RuntimeError(f"{module} did not start: {line!r}")

@@ -236,7 +236,10 @@ class FleetReader:
         active = [j for j in job_ids if counts[j]["queued"] + counts[j]["running"] + counts[j]["retrying"] > 0]
         finished = [j for j in job_ids if j not in set(active)]
         shown = [job_id] if job_id else active + finished[-RECENT_FINISHED_JOBS:]
-        totals = {s: sum(counts[j][s] for j in job_ids) for s in LEDGER_STATES}
+        # `status JOB` counts that job's episodes; the fleet-wide figures (queues, leases,
+        # stream) stay fleet-wide
+        counted = [job_id] if job_id else job_ids
+        totals = {s: sum(counts[j][s] for j in counted if j in counts) for s in LEDGER_STATES}
         inflight = self.inflight()
         queues = self.queues(inflight)
         depths = self.queue_depths(queues)

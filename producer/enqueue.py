@@ -18,7 +18,8 @@ import redis
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
 from broker.records import JobSpec
-from broker.settings import Settings
+from broker.settings import Settings, SettingsError
+from envs.base import valid_object_path
 from producer.taskfile import PlannedJob, plan_job
 
 log = logging.getLogger("interactor.producer")
@@ -28,7 +29,16 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
+def check_job_settings(settings: Settings) -> None:
+    """What the job takes from the settings, checked before anything is asked of a server."""
+    if settings.episode_hook and not valid_object_path(settings.episode_hook):
+        # Workers refuse it too; saying so here spares a job whose every episode is dead-lettered.
+        raise SettingsError(f"episode_hook must be 'module:attribute' (no dotted attribute path), "
+                            f"got {settings.episode_hook!r}")
+
+
 def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
+    check_job_settings(settings)
     return JobSpec(
         job_id=job_id,
         llm_base_url=settings.llm_base_url,
@@ -57,7 +67,9 @@ class Submitted:
 
 
 def plan(settings: Settings, paths: list[str], job_id: str | None = None) -> PlannedJob:
-    """Read and validate every task file; raises TaskFileError naming the fault."""
+    """Read and validate every task file and the job's settings; raises TaskFileError or
+    SettingsError naming the fault."""
+    check_job_settings(settings)
     return plan_job(paths, job_id=job_id or new_job_id(), default_base_url=settings.env_base_url,
                     default_queue=settings.queue)
 

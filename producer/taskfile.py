@@ -37,13 +37,13 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
-from urllib.parse import urlsplit
-
 import msgpack
 import yaml
 
 from broker.records import EpisodeSpec
+from broker.settings import redact_url
 from broker.tokens import TOKEN_MODES, TOKENS_AUTO
+from broker.urls import url_problem
 from envs.base import valid_object_path
 
 __all__ = ["TaskFileError", "PlannedJob", "plan_job", "load_task_file", "derive_seed", "DATASET_FORMATS"]
@@ -65,6 +65,8 @@ if tuple(f.name for f in fields(EpisodeSpec))[:len(_SPEC_ORDER)] != _SPEC_ORDER:
 _ENV_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_\-]+")
 _SEED_MOD = 2**31
+_INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
+_LONG_DIGITS = re.compile(r"[0-9]{19}")  # an integer outside 64 bits has at least 19 digits
 _ABSENT = object()
 
 
@@ -149,8 +151,13 @@ def _check_plain(v: Any, where: str) -> str | None:
     """Return None if ``v`` is plain JSON data (str-keyed maps, lists, scalars), else a
     description of the first offending place. Specs travel as msgpack and reach the env as
     JSON, so dates, bytes, sets, Decimals or non-string keys must be caught here."""
-    if v is None or isinstance(v, (str, bool, int)):
+    if v is None or isinstance(v, (str, bool)):
         return None
+    if isinstance(v, int):
+        # Specs travel as msgpack, whose integers are 64 bits: a larger one cannot be sent.
+        if _INT_MIN <= v <= _UINT_MAX:
+            return None
+        return f"{where}: the integer {v} does not fit in 64 bits (write it as a string)"
     if isinstance(v, float):
         return None  # NaN/inf included: msgpack and Python's json both carry them
     if isinstance(v, dict):
@@ -189,14 +196,6 @@ def derive_seed(base: int, file_name: str, entry: int, row: int, k: int) -> int:
     return int.from_bytes(h.digest(), "big") % _SEED_MOD
 
 
-def _valid_url(url: str) -> bool:
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.netloc) and not any(c.isspace() for c in url)
-
-
 # --------------------------------------------------------------------------- datasets
 
 class _DatasetError(Exception):
@@ -230,17 +229,28 @@ def _read_jsonl(path: str) -> list[dict]:
             if not isinstance(row, dict):
                 raise _DatasetError(f"line {lineno}: row must be a JSON object, got {type(row).__name__}",
                                     row=len(rows) + 1)
+            if _LONG_DIGITS.search(line):  # rarely: only then is the row walked for a too-large integer
+                bad = _check_plain(row, "dataset")
+                if bad:
+                    raise _DatasetError(f"line {lineno}: {bad}", row=len(rows) + 1)
             rows.append(row)
     return rows
 
 
 def _read_json(path: str) -> list[dict]:
     with open(path, "r", encoding="utf-8") as fh:
-        try:
-            data = json.load(fh)
-        except ValueError as exc:
-            raise _DatasetError(f"invalid JSON: {exc}") from None
-    return _rows_from_list(data, "a .json dataset")
+        text = fh.read()
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise _DatasetError(f"invalid JSON: {exc}") from None
+    rows = _rows_from_list(data, "a .json dataset")
+    if _LONG_DIGITS.search(text):
+        for r, row in enumerate(rows, 1):
+            bad = _check_plain(row, "dataset")
+            if bad:
+                raise _DatasetError(bad, row=r)
+    return rows
 
 
 def _read_yaml(path: str) -> list[dict]:
@@ -383,9 +393,12 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
             base_url, from_default = default_base_url, True
         else:
             from_default = False
-        if not isinstance(base_url, str) or not _valid_url(base_url):
+        # The check workers repeat before any call (broker/urls.py): refused here, at submit.
+        problem = url_problem(base_url)
+        if problem:
             src = " (the default)" if from_default else ""
-            raise fail("base_url", f"must be an http(s) URL{src}, got {base_url!r}")
+            shown = redact_url(base_url) if isinstance(base_url, str) else base_url
+            raise fail("base_url", f"not an accepted http(s) URL{src}: {problem}; got {shown!r}")
 
     seed = raw.get("seed", _ABSENT)
     if seed is _ABSENT:

@@ -196,3 +196,58 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str 
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class CpuHog:
+    """Busy-looping processes that keep the machine's cores taken while a test runs: what a
+    shared CI runner or a laptop building something else does to the workers under test.
+
+    The hogs run at the test's own priority (nice 0 on a normal run), as the other work on such
+    a machine does, so the worker processes compete with them for every core. Each hog is a process of its own
+    (no GIL shared with anything under test) that dies with the test process (parent-death
+    signal) and is killed by the fixture's teardown, also when the test failed.
+    ``CPU_HOG_PROCS`` sets how many (one per core by default), to load a machine harder by hand.
+    """
+
+    def __init__(self, n: int | None = None):
+        self.n = n or int(os.environ.get("CPU_HOG_PROCS", 0)) or os.cpu_count() or 2
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> "CpuHog":
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: only the call runs in the child
+        parent = os.getpid()
+
+        def die_with_parent() -> None:
+            prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the test process died between fork and prctl
+                os._exit(1)
+
+        while len(self.procs) < self.n:
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                               stdin=subprocess.DEVNULL, preexec_fn=die_with_parent))
+        return self
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait(10)
+        self.procs = []
+
+    @property
+    def running(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+
+@pytest.fixture
+def cpu_hog():
+    """One busy-looping process per core, started by the test (``cpu_hog.start()``), stopped
+    by it or at teardown at the latest."""
+    hog = CpuHog()
+    try:
+        yield hog
+    finally:
+        hog.stop()

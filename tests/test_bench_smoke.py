@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 def test_bench_quick_produces_the_table(tmp_path):
     out, png, work = tmp_path / "benchmarks.md", tmp_path / "benchmarks.png", tmp_path / "work"
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
-    cmd = [sys.executable, "-m", "interactor.cli", "bench", "--quick", "--levels", "4", "--pools", "threads",
+    cmd = [sys.executable, "-m", "interactor.cli", "bench", "--quick", "--levels", "4", "--single-turn-levels", "4",
+           "--pools", "threads",
            "--pool-level", "4", "--steps", "3", "--window", "3", "--warmup", "0.5", "--model-latency-ms", "100",
            "--ingest-records", "600", "--enqueue-episodes", "1000",
            "--out", str(out), "--png", str(png), "--work", str(work)]
@@ -29,11 +30,13 @@ def test_bench_quick_produces_the_table(tmp_path):
 
     text = out.read_text()
     for heading in ("## How to run", "## The machine", "## Targets", "## Load runs", "## Worker pools",
-                    "## Consumer ingest", "## Enqueue"):
+                    "## Consumer ingest", "## Enqueue", "## Single-turn episodes"):
         assert heading in text, heading
     for row in ("| Efficiency at concurrency 4 |", "| Orchestration CPU per step, concurrency 4 |",
                 "| Worker memory per concurrent episode, concurrency 4 |", "| Consumer ingest (records/s into SQLite, one consumer) |",
-                "| Enqueue (1,000-episode job, episodes/s) |", "| Record latency p99, concurrency 4 |"):
+                "| Enqueue (1,000-episode job, episodes/s) |", "| Record latency p99, concurrency 4 |",
+                "| Single-turn orchestration CPU per step, concurrency 4 |",
+                "| Orchestration CPU per episode beyond its steps, concurrency 4 |"):
         assert row in text, row
     assert "**Chosen default: `threads`**" in text
     assert png.exists() and png.stat().st_size > 1000
@@ -44,5 +47,10 @@ def test_bench_quick_produces_the_table(tmp_path):
     assert run["steps"] > 0 and run["running_reached"] == 4
     assert run["latency_n"] > 0 and run["latency_ms"]["p99"] > 0
     assert set(run["cpu_s"]) == {"workers", "consumer", "redis", "env", "model"}
+    (single,) = res["single_turn"]
+    assert single["errors"] == [], single["errors"]
+    assert single["spec"]["steps"] == 1 and single["episodes"] > 0 and single["steps"] >= single["episodes"] - 4
+    # every episode takes a START, a FINISH and a publish at least (commandstats read over the window)
+    assert single["redis_calls"].get("evalsha", 0) >= 2 * single["episodes"]
     assert res["ingest"]["records"] == 600 and not res["ingest"]["errors"] and res["ingest"]["backend"] == "sqlite"
     assert res["enqueue"]["episodes"] == 1000 and not res["enqueue"]["errors"]

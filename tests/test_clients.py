@@ -800,3 +800,28 @@ def test_a_trickling_server_cannot_hold_a_call_past_the_budget(phase):
         assert ei.value.reason == EPISODE_TIMEOUT
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_a_trickling_proxy_cannot_hold_a_call_past_the_budget(phase, monkeypatch):
+    """Calls through HTTP_PROXY take requests' path, not the urllib3 shortcut: the watchdog
+    must cut them at the deadline all the same (a proxy that trickles, or relays a server that
+    does)."""
+    from workers import http as ec
+
+    srv = Trickler(phase)  # it answers whatever it is sent, the proxy's absolute-URL request too
+    try:
+        monkeypatch.setenv("HTTP_PROXY", srv.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.setattr(ec, "_proxies", {})
+        client = EnvClient(fast(env_read_timeout_s=1.0))
+        assert client.http.pool_for("http://envs.invalid:8080/x") is None  # the proxied path
+        started = time.monotonic()
+        with pytest.raises(EpisodeError) as ei:
+            client.get_task_prompt("http://envs.invalid:8080", ENV, EID, deadline=started + 1.5)
+        took = time.monotonic() - started
+        assert ei.value.reason == EPISODE_TIMEOUT, ei.value
+        assert took < 3.0, f"held {took:.1f}s past a 1.5 s budget"
+    finally:
+        srv.close()

@@ -1,7 +1,9 @@
 """Faults that the first fault suite could not see (tests/test_faults.py's Scenario, same checks):
 
 * a worker frozen (SIGSTOP) past its lease, then thawed: its attempts stop driving their env
-  instances at once, and the successors' instances are their own;
+  instances at once, and the successors' instances are their own; once on an idle machine and
+  once with every core kept busy by other processes (a CPU hog), where the healthy worker must
+  not lose a lease either;
 * Redis losing the last second of its append-only file (a host crash under
   ``appendfsync everysec``): the ledger rolls back under a database that is ahead of it;
 * an env server and a model server down for longer than any retry: breakers hold the
@@ -61,8 +63,20 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_worker_frozen_past_its_lease_stops_driving_its_instances(sqlite_scenario):
+def attempt_lines(s: Scenario, env_id: str) -> list[str]:
+    """What the workers logged about the attempt that drove ``env_id``."""
+    episode, rest = env_id.split("~", 1)
+    attempt = rest.split("-", 1)[0]
+    needle = f"episode {episode} attempt {attempt}"
+    return [f"{name}: {line}" for name in s.procs.procs for line in s.procs.log(name).splitlines()
+            if needle in line or (episode in line and "lease" in line)]
+
+
+@pytest.mark.parametrize("load", ["idle", "busy"])
+def test_worker_frozen_past_its_lease_stops_driving_its_instances(sqlite_scenario, cpu_hog, load):
     s = sqlite_scenario("worker-sigstop", env_knobs={"log_requests": True}, model_latency_ms=400, max_attempts=5)
+    if load == "busy":
+        cpu_hog.start()
     s.start()
     wait_for(lambda: s.counts()["done"] >= 10, 120, what="the job under way")
     # The supervisor and the Celery worker it runs in a session of its own.
@@ -76,6 +90,9 @@ def test_worker_frozen_past_its_lease_stops_driving_its_instances(sqlite_scenari
         os.kill(pid, signal.SIGCONT)
     s.faults["frozen_s"] = round(t_cont - t_stop, 1)
     s.wait(timeout=300)
+    if load == "busy":
+        assert cpu_hog.running  # the cores were taken until the job was done
+        cpu_hog.stop()
     f = s.check()
     assert f.completed == EPISODES and f.dead_lettered == 0
     assert f.attempts > EPISODES  # the freeze did cost attempts
@@ -87,16 +104,35 @@ def test_worker_frozen_past_its_lease_stops_driving_its_instances(sqlite_scenari
         if env_id != won.get(episode):
             superseded.setdefault(env_id, []).append((t, op))
     assert superseded, "no attempt was superseded: the freeze did not land mid-episode"
-    # Every superseded instance was opened before the freeze (only w1's attempts lost leases),
-    # and after the thaw it saw nothing but its close, bar one call per attempt that was
-    # already past its last lease check when the process stopped.
-    late = [(env_id, op, round(t - t_cont, 2)) for env_id, calls in superseded.items()
-            for t, op in calls if op != "close" and t > t_cont]
-    assert len(late) <= len(superseded), late
-    assert all(dt < 1.0 for _, _, dt in late), late
-    assert all(min(t for t, _ in calls) < t_stop for calls in superseded.values())
+    # Only the frozen worker's attempts lost their leases: the healthy one, busy machine or not,
+    # kept every lease it took (its runner logs an attempt that stopped for a lost lease, or
+    # whose end it could not record for one).
+    healthy = [line for line in s.procs.log("w2").splitlines()
+               if " abandoned: " in line or "lease lost before completion" in line]
+    assert not healthy, healthy
+    s.faults["healthy_late_renewal_rounds"] = s.procs.log("w2").count("lease renewal round")
+    # After the thaw a superseded instance saw nothing but its close, bar one call: the one its
+    # attempt was already past its last lease check for when the process stopped (sent as the
+    # process resumed). Its next check waits for the renewer, which finds the lease lost.
+    late: dict[str, list[tuple[str, float]]] = {}
+    for env_id, calls in superseded.items():
+        for t, op in calls:
+            if op != "close" and t > t_cont:
+                late.setdefault(env_id, []).append((op, round(t - t_cont, 2)))
+    assert all(len(calls) == 1 and calls[0][1] < 1.0 for calls in late.values()), (late, [
+        line for env_id in late for line in attempt_lines(s, env_id)])
+    # And every superseded instance was opened before the freeze, or by that one late call (an
+    # attempt stopped between its check and its reset). A request the process sent just before
+    # it stopped may be logged by this (busy) test process a little after t_stop.
+    # (Closes do not count: a successor closes its predecessor's instance, opened or not.)
+    in_flight_s = 0.5
+    opened_late = {env_id: [(op, round(t - t_stop, 2)) for t, op in calls]
+                   for env_id, calls in superseded.items()
+                   if env_id not in late and min((t for t, op in calls if op != "close"), default=0) >= t_stop + in_flight_s}
+    assert not opened_late, (t_stop, t_cont, opened_late,
+                             [line for env_id in opened_late for line in attempt_lines(s, env_id)])
     s.faults["superseded_instances"] = len(superseded)
-    s.faults["calls_after_thaw"] = len(late)
+    s.faults["calls_after_thaw"] = sum(len(calls) for calls in late.values())
     f.print()
 
 

@@ -324,3 +324,50 @@ def test_model_429_and_5xx(scenario):
     assert sum(v for k, v in s.faults.items() if k in ("429", "500", "503")) > 20
     # Model errors are retried inside the call: no attempt is lost to them.
     assert f.completed == EPISODES
+
+
+def test_lease_counts_from_when_start_was_sent_not_from_its_reply(redis_client, settings):
+    """A worker stopped (SIGSTOP, a VM pause, a long GC) while its START is in flight gets the
+    reply late: the lease was taken in Redis when START ran, and may have expired and passed to
+    another attempt meanwhile. The attempt must fence itself by when START was sent, or it goes
+    on calling its env and model for another TTL on a lease that is no longer its own."""
+    from broker.records import EpisodeSpec, JobSpec
+
+    ledger = Ledger(redis_client, Keys(settings.key_prefix), lease_ttl_s=1.2)  # valid 0.9 s after sending
+    job = JobSpec(job_id="stalled", llm_base_url="http://127.0.0.1:1/v1", model="stand-in", episodes=1, groups=1)
+    eps = [EpisodeSpec(job_id="stalled", episode_id="stalled.1.1.1.1", group_id="stalled.1.1.1", group_size=1,
+                       env_name="arith", base_url="http://127.0.0.1:2", env_params={}, seed=1, queue="q",
+                       source="tasks.yaml entry 1 row 1")]
+    ledger.create_job(job, eps)
+    real_start = ledger._start
+
+    def start_reply_held_up(**kw):
+        out = real_start(**kw)
+        time.sleep(1.0)  # the process stopped before it read the reply
+        return out
+
+    ledger._start = start_reply_held_up
+    started = ledger.start(job.job_id, eps[0].episode_id, "w-stalled")
+    assert started.status == "ok"
+    assert not started.lease.valid()  # past its TTL less the margin, counted from the send
+
+
+def test_start_sent_again_after_a_lost_reply_gives_the_lease_a_full_ttl(redis_client, settings):
+    """START sent again with the same attempt id (its first reply was lost) returns the attempt
+    the first one started; the worker counts that lease from the second send, so Redis must
+    hold it a full TTL from there too, or the attempt would call on after its lease expired."""
+    from broker.records import EpisodeSpec, JobSpec
+
+    keys = Keys(settings.key_prefix)
+    ledger = Ledger(redis_client, keys, lease_ttl_s=1.2)
+    job = JobSpec(job_id="again", llm_base_url="http://127.0.0.1:1/v1", model="stand-in", episodes=1, groups=1)
+    eps = [EpisodeSpec(job_id="again", episode_id="again.1.1.1.1", group_id="again.1.1.1", group_size=1,
+                       env_name="arith", base_url="http://127.0.0.1:2", env_params={}, seed=1, queue="q",
+                       source="tasks.yaml entry 1 row 1")]
+    ledger.create_job(job, eps)
+    first = ledger.start(job.job_id, eps[0].episode_id, "w-retrying", attempt_id="a1")
+    time.sleep(0.6)  # the reply was lost; the runner sends START again after a backoff
+    again = ledger.start(job.job_id, eps[0].episode_id, "w-retrying", attempt_id="a1")
+    assert again.status == "ok" and again.lease.token == first.lease.token
+    expires = time.monotonic() + redis_client.pttl(keys.lease(eps[0].episode_id)) / 1000
+    assert expires >= again.lease.valid_until

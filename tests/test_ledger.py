@@ -402,23 +402,13 @@ def test_start_returns_the_previous_attempt(ledger, job, redis_client, keys):
 
 
 def test_start_whose_reply_was_lost_is_retried_as_ours(ledger, job, redis_client, keys):
-    """redis-py repeats a START whose reply was lost; the repeat finds our own lease and
-    carries on with it instead of dropping the delivery (review L4)."""
+    """redis-py repeats a START whose reply was lost (same worker, same attempt id); the
+    repeat finds our own lease and carries on with it instead of dropping the delivery."""
     first = ledger.start(JOB, ep_id(2), "w1")
-    token = first.lease.token
-    prefix = token.rsplit(":", 1)[0]
-    # Same worker and attempt id prefix: what the retried EVALSHA sends.
-    import broker.ledger as L
-
-    orig = L.new_attempt_id
-    L.new_attempt_id = lambda: first.lease.attempt_id
-    try:
-        again = ledger.start(JOB, ep_id(2), "w1")
-    finally:
-        L.new_attempt_id = orig
-    assert again.status == "ok" and again.lease.token == token and prefix
+    again = ledger.start(JOB, ep_id(2), "w1", attempt_id=first.lease.attempt_id)
+    assert again.status == "ok" and again.lease.token == first.lease.token
     assert ledger.attempts(JOB, ep_id(2)) == 1
-    assert again.spec is not None
+    assert again.spec is not None and again.previous is None
 
 
 def test_lease_is_valid_only_within_its_ttl_by_local_clock(ledger, job):
@@ -556,11 +546,160 @@ def test_lease_expiry_then_reclaim_and_restart(redis_client, keys):
     assert redis_client.exists(keys.lease(ep_id(1))) == 0
     assert ledger.expired_running() == [lease.member]
     assert ledger.expired_running(grace_ms=60_000) == []
-    # the holder cannot write once its lease expired
-    assert ledger.publish(lease, step_rec(lease)) == -1 and lease.lost.is_set()
+    # the sweeper re-queued it: the holder cannot write once its lease expired and was reclaimed
     assert ledger.reclaim(JOB, ep_id(1), QUEUED, attempt_rec(lease, ABANDONED)) is True
+    assert ledger.publish(lease, step_rec(lease)) == -1 and lease.lost.is_set()
     assert ledger.expired_running() == []
     again = start_ok(ledger, ep_id(1), "w2")
     assert again.attempt == 2
     assert ledger.attempts(JOB, ep_id(1)) == 2
     assert_counts_consistent(ledger, 2)
+
+
+# --- a lapsed lease is taken back by publish and finish too --------------------------------
+
+
+def test_publish_takes_back_a_lapsed_lease_nobody_took(ledger, job, redis_client, keys):
+    """Redis away past the TTL: the lease key is gone, the episode still running under this
+    attempt. The attempt's next record (not only its renewer) takes the lease back."""
+    a = start_ok(ledger, ep_id(1))
+    b = start_ok(ledger, ep_id(2))
+    redis_client.delete(keys.lease(ep_id(1)), keys.lease(ep_id(2)))
+    assert ledger.publish(a, step_rec(a)) > 0 and not a.lost.is_set()
+    assert redis_client.get(keys.lease(ep_id(1))).decode() == a.token
+    assert redis_client.pttl(keys.lease(ep_id(1))) > 2000
+    assert redis_client.zscore(keys.running, a.member) > time.time() * 1000
+    added, _ = ledger.publish_many([(b, step_rec(b)), (a, step_rec(a, 2))])
+    assert added == [True, True] and not b.lost.is_set()
+    assert redis_client.get(keys.lease(ep_id(2))).decode() == b.token
+
+
+def test_publish_many_refuses_only_the_attempts_that_lost_their_episode(ledger, job, redis_client, keys):
+    a = start_ok(ledger, ep_id(1))
+    b = start_ok(ledger, ep_id(2))
+    c = start_ok(ledger, ep_id(3))
+    redis_client.delete(keys.lease(ep_id(1)), keys.lease(ep_id(2)), keys.lease(ep_id(3)))
+    assert ledger.reclaim(JOB, ep_id(2), QUEUED, None)  # the sweeper re-queued b's episode
+    redis_client.set(keys.lease(ep_id(3)), "other-worker:x:2")  # someone else holds c's
+    n0 = stream_len(redis_client, keys)
+    added, n = ledger.publish_many([(a, step_rec(a)), (b, step_rec(b)), (c, step_rec(c))])
+    assert added == [True, False, False] and n == n0 + 1
+    assert not a.lost.is_set() and b.lost.is_set() and c.lost.is_set()
+    assert redis_client.exists(keys.lease(ep_id(2))) == 0
+    assert redis_client.get(keys.lease(ep_id(3))) == b"other-worker:x:2"
+
+
+def test_finish_takes_back_a_lapsed_lease_nobody_took(ledger, job, redis_client, keys):
+    a = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))
+    assert ledger.finish(a, attempt_rec(a), DONE)
+    assert ledger.state(JOB, ep_id(1)) == DONE and not a.lost.is_set()
+    assert redis_client.exists(keys.lease(ep_id(1))) == 0
+    assert redis_client.zscore(keys.running, a.member) is None
+    assert_counts_consistent(ledger)
+
+
+def test_finish_never_takes_back_a_lease_over_a_later_attempt(ledger, job, redis_client, keys):
+    old = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None)
+    new = start_ok(ledger, ep_id(1), "w2")
+    redis_client.delete(keys.lease(ep_id(1)))  # the new attempt's lapsed too
+    assert not ledger.finish(old, attempt_rec(old), DONE) and old.lost.is_set()
+    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert ledger.finish(new, attempt_rec(new), DONE)
+
+
+# --- a FINISH sent again after its reply was lost -----------------------------------------
+
+
+@pytest.mark.parametrize("new_state", [DONE, RETRYING, QUEUED, FAILED])
+def test_finished_as_recognises_our_own_finish(ledger, job, redis_client, keys, new_state):
+    """The first FINISH ran, its reply was lost; sent again it is refused (the attempt no
+    longer holds a running episode). finished_as reads how the episode ended: by this attempt."""
+    a = start_ok(ledger, ep_id(1))
+    assert ledger.finish(a, attempt_rec(a), new_state, retry_at=time.time() + 60 if new_state == RETRYING else None)
+    n = stream_len(redis_client, keys)
+    assert not ledger.finish(a, attempt_rec(a), new_state)  # the repeat writes nothing
+    assert stream_len(redis_client, keys) == n
+    assert ledger.finished_as(a, new_state)
+    assert not ledger.finished_as(a, DONE if new_state != DONE else FAILED)
+
+
+def test_finished_as_is_false_when_another_attempt_ended_it(ledger, job, redis_client, keys):
+    old = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None)
+    new = start_ok(ledger, ep_id(1), "w2")
+    assert ledger.finish(new, attempt_rec(new), DONE)
+    assert not ledger.finish(old, attempt_rec(old), DONE)
+    assert not ledger.finished_as(old, DONE)
+    assert ledger.finished_as(new, DONE)
+
+
+# --- a START sent again after its reply was lost ------------------------------------------
+
+
+def test_start_sent_again_returns_its_attempt_and_predecessor(ledger, job, redis_client, keys):
+    """A START whose reply was lost, sent again with its attempt_id, gets its own attempt
+    back with the predecessor's (number, id): not 'busy', not a second attempt counted, and
+    the predecessor's env instance can still be closed."""
+    first = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None)
+    second = ledger.start(JOB, ep_id(1), "w2", attempt_id="a" * 24)
+    assert second.status == "ok" and second.previous == (1, first.attempt_id)
+    again = ledger.start(JOB, ep_id(1), "w2", attempt_id="a" * 24)
+    assert again.status == "ok" and again.lease.token == second.lease.token and again.lease.attempt == 2
+    assert again.previous == (1, first.attempt_id) and again.spec is not None
+    # and after its lease lapsed during the outage that lost the reply, nobody else holding it
+    redis_client.delete(keys.lease(ep_id(1)))
+    late = ledger.start(JOB, ep_id(1), "w2", attempt_id="a" * 24)
+    assert late.status == "ok" and late.lease.token == second.lease.token
+    assert redis_client.get(keys.lease(ep_id(1))).decode() == second.lease.token
+    assert ledger.attempts(JOB, ep_id(1)) == 2
+    assert late.previous == (1, first.attempt_id)
+    # another delivery (another attempt id) still finds the episode busy
+    assert ledger.start(JOB, ep_id(1), "w3").status == "busy"
+    assert_counts_consistent(ledger)
+
+
+# --- the sweeper's outage rule ------------------------------------------------------------
+
+
+def test_a_gap_in_the_sweep_clock_holds_reclaims(ledger, job, redis_client, keys):
+    """No sweeper reached Redis for longer than the gap: leases may have lapsed under live
+    attempts, so reclaims are held - also inside reclaim itself (a sweep that stalled across
+    the outage) - until the hold ends."""
+    a = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))
+    outage = (0.3, 1.0)
+    assert ledger.sweep_clock(*outage) is False  # first stamp
+    assert ledger.sweep_clock(*outage) is False  # no gap
+    time.sleep(0.5)
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None, outage=outage) is False  # the gap, seen by reclaim
+    assert ledger.sweep_clock(*outage) is True  # held
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None, outage=outage) is False
+    assert ledger.renew([a]) is None and not a.lost.is_set()  # the renewer takes it back meanwhile
+    deadline = time.monotonic() + 10
+    while ledger.sweep_clock(*outage):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None, outage=outage) is False  # live lease: refused
+    redis_client.delete(keys.lease(ep_id(1)))
+    assert ledger.sweep_clock(*outage) is False
+    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None, outage=outage) is True
+
+
+def test_no_other_delivery_takes_over_a_lease_lapsed_in_an_outage(ledger, job, redis_client, keys):
+    """While reclaims are held after an outage, a second delivery of a running episode whose
+    lease lapsed is dropped like the sweeper's reclaim would be: the attempt takes it back."""
+    a = start_ok(ledger, ep_id(1))
+    redis_client.delete(keys.lease(ep_id(1)))
+    redis_client.set(keys.reclaim_hold, "1", px=60_000)
+    assert ledger.start(JOB, ep_id(1), "w2").status == "busy"
+    assert ledger.attempts(JOB, ep_id(1)) == 1
+    ledger.renew([a])
+    assert not a.lost.is_set()
+    redis_client.delete(keys.lease(ep_id(1)), keys.reclaim_hold)
+    assert ledger.start(JOB, ep_id(1), "w2").status == "ok"  # no outage: a lapsed lease is a dead worker's

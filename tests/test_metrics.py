@@ -230,3 +230,16 @@ def test_job_metrics_and_status_over_http(settings, procs, env_server, model_ser
             watch.wait(30)
     assert watch.returncode == 0 and job in out_path.read_text()
     assert os.path.exists(db)
+
+
+def test_status_of_one_job_counts_only_its_episodes(settings, redis_client, tmp_path):
+    """`interactor status JOB`: its episodes line is JOB's, not every job's in Redis."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = submit(redis_client, settings, [write_tasks(tmp_path / "a", "http://127.0.0.1:9", guess=2, rows=1)])
+    b = submit(redis_client, settings, [write_tasks(tmp_path / "b", "http://127.0.0.1:9", guess=3, rows=2)])
+    reader = FleetReader(redis_client, settings)
+    assert reader.snapshot(a.job.job_id)["episodes"]["queued"] == a.job.episodes
+    assert reader.snapshot(b.job.job_id)["episodes"]["queued"] == b.job.episodes
+    assert reader.snapshot()["episodes"]["queued"] == a.job.episodes + b.job.episodes
+    assert reader.snapshot("no-such-job")["episodes"]["queued"] == 0

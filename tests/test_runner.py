@@ -346,3 +346,141 @@ def test_closing_an_attempt_outlasts_redis_errors(runtime, settings, redis_clien
     assert failures == {"grant": 0, "limit": 0}
     assert DeadLetterQueue(redis_client, settings).list(job_id=job.job_id) == []
     assert Ledger(redis_client, Keys(settings.key_prefix)).states(job.job_id)[ep.episode_id] == "retrying"
+
+
+class ReplyCutter:
+    """A TCP proxy in front of the real Redis that can lose replies: a request containing a
+    given byte string goes through and runs, then the connection is cut before its reply
+    reaches the client - what a network failure right after a command looks like."""
+
+    def __init__(self, port: int):
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cuts: dict[bytes, int] = {}
+        self.cut = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, needle: bytes, times: int) -> None:
+        with self._lock:
+            self.cuts[needle] = times
+
+    def _take(self, data: bytes) -> bool:
+        with self._lock:
+            for needle, left in self.cuts.items():
+                if left and needle in data:
+                    self.cuts[needle] = left - 1
+                    return True
+        return False
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(client,), daemon=True).start()
+
+    def _pump(self, client: socket.socket) -> None:
+        import select
+
+        server = socket.create_connection(("127.0.0.1", self.target))
+        drop_reply = False
+        try:
+            while True:
+                ready, _, _ = select.select([client, server], [], [], 60)
+                if client in ready:
+                    data = client.recv(65536)
+                    if not data:
+                        return
+                    drop_reply = drop_reply or self._take(data)
+                    server.sendall(data)
+                if server in ready:
+                    data = server.recv(65536)
+                    if not data:
+                        return
+                    if drop_reply:  # it ran; its reply is lost with the connection
+                        self.cut += 1
+                        return
+                    client.sendall(data)
+        except OSError:
+            return
+        finally:
+            client.close()
+            server.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def cutter(redis_server):
+    c = ReplyCutter(redis_server.port)
+    yield c
+    c.close()
+
+
+def through(runtime, settings, cutter) -> Ledger:
+    """The runtime's own ledger calls (start, finish) go through the cutter, with one retry
+    of redis-py's (so that a few cuts exhaust it)."""
+    from broker.redisconn import connect
+
+    url = settings.redis_url.replace(f"127.0.0.1:{cutter.target}/", f"127.0.0.1:{cutter.port}/")
+    assert url != settings.redis_url
+    runtime.ledger = Ledger.for_settings(connect(settings.replace(redis_url=url), retries=1), settings)
+    # Scripts loaded first: a cut EVALSHA must be one that ran, not one refused as NOSCRIPT.
+    for script in vars(runtime.ledger).values():
+        if hasattr(script, "sha") and hasattr(script, "script"):
+            runtime.ledger.r.script_load(script.script)
+    return runtime.ledger
+
+
+def test_a_finish_whose_reply_was_lost_is_recognised(runtime, settings, redis_client, env_server, model_server,
+                                                     cutter):
+    """The FINISH of a completed attempt runs, its reply is lost, redis-py sends it again, the
+    repeat is cut too, and the runtime retries it through the outage: every repeat is refused
+    (the episode is done already). The runtime reads how the episode ended and reports the
+    completion, instead of a lost lease (or an AttributeError)."""
+    _, env_url = env_server
+    _, model_url = model_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1")
+    through(runtime, settings, cutter)
+    cutter.arm(b":dlq:index", 3)  # the keys only FINISH (and the sweeper's reclaim) name
+    assert runtime.run(job.job_id, ep.episode_id) == "completed"
+    assert cutter.cut == 3
+    ledger = Ledger(redis_client, Keys(settings.key_prefix))
+    assert ledger.state(job.job_id, ep.episode_id) == "done" and ledger.attempts(job.job_id, ep.episode_id) == 1
+    closing = [r for r in stream_records(redis_client, settings) if isinstance(r, AttemptRecord)]
+    assert len(closing) == 1 and closing[0].status == "completed"
+
+
+def test_a_start_whose_reply_was_lost_is_not_a_second_attempt(runtime, settings, redis_client, env_server,
+                                                              model_server, cutter):
+    """START runs but its replies are lost until redis-py gives up. The runtime sends it again
+    with the same attempt_id and gets that attempt back - not requeued to find a phantom lease
+    busy, not a further attempt counted - and with it the predecessor, whose env instance it
+    closes."""
+    from broker.keys import env_instance_id
+    from workers.envclient import EnvClient
+
+    env, env_url = env_server
+    _, model_url = model_server
+    job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url=model_url + "/v1")
+    ledger = Ledger(redis_client, Keys(settings.key_prefix))
+    # A first attempt whose worker died: its instance is live, its lease gone, the sweeper re-queued it.
+    first = ledger.start(job.job_id, ep.episode_id, "dead-worker").lease
+    client = EnvClient(settings)
+    client.reset(env_url, ep.env_name, env_instance_id(ep.episode_id, first.attempt, first.attempt_id),
+                 ep.env_params, ep.seed, deadline=time.monotonic() + 10)
+    client.shutdown()
+    redis_client.delete(Keys(settings.key_prefix).lease(ep.episode_id))
+    assert ledger.reclaim(job.job_id, ep.episode_id, "queued", None)
+    live = env.stats()["live"]
+    through(runtime, settings, cutter)
+    cutter.arm(b":reserved", 3)  # of the runtime's own calls, only START names it
+    assert runtime.run(job.job_id, ep.episode_id) == "completed"
+    assert cutter.cut == 3
+    assert ledger.attempts(job.job_id, ep.episode_id) == 2
+    assert ledger.state(job.job_id, ep.episode_id) == "done"
+    assert env.stats()["live"] == live - 1  # the predecessor's instance was closed

@@ -98,6 +98,24 @@ def test_original_tables_and_queries(store):
     rows = store.sql("SELECT env_name, COUNT(*) AS episodes, AVG(reward) AS avg_reward, MAX(reward) AS best_reward "
                      "FROM session_steps WHERE is_session_completed = 1 GROUP BY env_name")
     assert [tuple(r) for r in rows] == [("arith", 1, 2.0, 2.0)]
+    # The flags are booleans, as the original system's ORM declares them: its users filter on
+    # them bare, and the documentation's "= 1" works too (on PostgreSQL through the schema's
+    # boolean = integer operator).
+    for table, flags in (("job_environments", ("finished", "is_deleted")),
+                         ("session_steps", ("is_terminal", "is_truncated", "is_session_completed", "is_trainable"))):
+        assert {c: t for c, t in column_types(store, table).items() if c in flags} == {c: "boolean" for c in flags}
+    rows = store.sql("SELECT session_id, step_id FROM session_steps WHERE is_session_completed ORDER BY session_id")
+    assert [tuple(r) for r in rows] == [("e1", 2)]
+    rows = store.sql("SELECT session_id, step_id FROM session_steps WHERE NOT is_session_completed AND is_trainable "
+                     "ORDER BY session_id, step_id")
+    assert [tuple(r) for r in rows] == [("e1", 1), ("f1", 1)]
+    assert [tuple(r) for r in store.sql("SELECT env_id FROM job_environments WHERE finished")] == [("e1",)]
+    assert [tuple(r) for r in store.sql("SELECT env_id FROM job_environments WHERE finished = 1")] == [("e1",)]
+    assert len(store.sql("SELECT env_id FROM job_environments WHERE finished = 0 AND is_deleted = 0")) == 2
+    assert len(store.sql("SELECT env_id FROM job_environments WHERE finished <> 1 AND NOT is_deleted")) == 2
+    assert store.sql("SELECT COUNT(*) FROM session_steps WHERE is_terminal = 1 OR is_truncated = 1")[0][0] == 1
+    assert tuple(store.sql("SELECT COUNT(*), SUM(finished) FROM job_environments")[0]) == (3, 1)
+    assert store.sql("SELECT SUM(is_trainable) FROM session_steps WHERE session_id = 'none'")[0][0] is None
     # env_params as the env got them, env_state as the original wrote it.
     params = store.sql("SELECT env_params FROM job_environments WHERE env_id = 'e2'")[0][0]
     assert json.loads(params) == {"dataset": {"q": "e2"}}
@@ -109,6 +127,14 @@ def column_names(store, table):
         return [r[1] for r in store.sql(f"PRAGMA table_info({table})")]
     return [r[0] for r in store.sql("SELECT column_name FROM information_schema.columns WHERE table_name = ? "
                                     "ORDER BY ordinal_position", (table,))]
+
+
+def column_types(store, table):
+    """column -> type, lower case ("boolean", "bigint", "text", ...)."""
+    if hasattr(store, "path"):
+        return {r[1]: r[2].lower() for r in store.sql(f"PRAGMA table_info({table})")}
+    return {r[0]: r[1] for r in store.sql("SELECT column_name, data_type FROM information_schema.columns "
+                                          "WHERE table_name = ?", (table,))}
 
 
 def test_sqlite_commits_are_durable(tmp_path):
@@ -215,6 +241,125 @@ def test_lost_steps_reopen_the_episode(store):
     store.write_batch(episode("e1", [1.0], attempt=2))  # the re-run completes
     assert store.episode("e1")["status"] == "completed"
     assert store.sql("SELECT finished FROM job_environments WHERE env_id = 'e1'")[0][0] == 1
+
+
+def test_nul_characters_and_large_token_counts_are_stored(store):
+    # A model may answer with a NUL character and count tokens past 2^31; an env's error text
+    # may hold a NUL too. PostgreSQL's text cannot hold NUL: both backends store U+FFFD instead.
+    ok = step("e1", 1, last=True, tokens=2**40)
+    ok.response = "a\x00b"
+    bad = close("e2", "failed", reason="env_server_error", steps=0, total=0.0)
+    bad.error = "HTTP 500: boom\x00tail"
+    store.write_batch([announce(("e1", "arith", "g1"), ("e2", "arith", "g1")), ok, close("e1"), bad])
+    (row,) = store.episode_trajectory("e1")
+    assert row["response"] == "a\ufffdb" and row["prompt_tokens"] == 2**40 and row["completion_tokens"] == 2**39
+    assert store.episode("e1")["status"] == "completed" and store.episode("e1")["prompt_tokens"] == 2**40
+    assert store.attempts("e2")[0]["error"] == "HTTP 500: boom\ufffdtail"
+    assert store.episode("e2")["status"] == "failed" and store.episode("e2")["error"] == "HTTP 500: boom\ufffdtail"
+    assert store.results(JOB)["job"]["prompt_tokens"] == 2**40
+
+
+def test_lost_steps_fail_the_episode_once_reruns_run_out(store):
+    store.write_batch([announce(("e1", "arith", "g1"))])
+    recs = episode("e1", [1.0, 2.0], size=1)
+    store.write_batch([recs[0], recs[2]], ["1-0", "1-2"])  # step 2 never arrives
+    assert store.reopen_lost_completion("e1", "e1-a1", max_reopens=1) == "retrying"
+    assert store.episode("e1")["reopens"] == 1
+    recs = episode("e1", [1.0, 2.0], attempt=2, size=1)
+    store.write_batch([recs[0], recs[2]], ["2-0", "2-2"])  # lost again
+    assert store.reopen_lost_completion("e1", "e1-a2", max_reopens=1) == "failed"
+    ep = store.episode("e1")
+    assert ep["status"] == "failed" and ep["reason"] == "steps_lost" and "after 1 re-run" in ep["error"]
+    assert ep["finished_at"] is not None
+    assert trajectory(store, "e1") == [] and set(set_aside(store, "e1").values()) == {"steps_lost"}
+    g = store.group("g1")
+    assert not g["complete"] and g["failed"] == 1 and "steps_lost" in g["incomplete_reason"]
+    assert not store.sql("SELECT finished FROM job_environments WHERE env_id = 'e1'")[0][0]
+    assert store.completing() == []
+
+
+def test_a_lost_step_refused_by_the_store_fails_the_episode_at_once(store):
+    store.write_batch([announce(("e1", "arith", "g1"))])
+    recs = episode("e1", [1.0, 2.0], size=1)
+    store.write_batch([recs[0], recs[2]], ["1-0", "1-2"])
+    assert store.reopen_lost_completion("e1", "e1-a1", max_reopens=3, poisoned=True) == "failed"
+    ep = store.episode("e1")
+    assert ep["status"] == "failed" and ep["reason"] == "steps_lost" and "poison" in ep["error"]
+    assert store.group("g1")["failed"] == 1
+
+
+@pytest.mark.parametrize("batches", ["one batch", "close later"])
+def test_rerun_numbered_lower_after_a_rollback_completes_the_episode(store, batches):
+    # Attempts 1 and 2 of e1 ran and their steps were stored; Redis then lost both STARTs, so
+    # the re-run is numbered 1 again (and its worker's clock says it started earlier still).
+    store.write_batch([job(2, 1), announce(("e1", "arith", "g1"), ("e2", "arith", "g1"))]
+                      + episode("e2", [1.0], size=2))
+    store.write_batch([step("e1", 1, attempt=1, aid="A1"), step("e1", 1, attempt=2, aid="A2")])
+    assert trajectory(store, "e1") == [(1, "A2")]
+    rerun = [step("e1", 1, attempt=1, aid="A3", t=900.0, reward=0.5),
+             step("e1", 2, attempt=1, aid="A3", t=901.0, reward=0.5, cum=1.0, last=True),
+             close("e1", attempt=1, aid="A3", total=1.0, steps=2, started=899.0)]
+    if batches == "one batch":
+        store.write_batch(rerun)
+    else:
+        store.write_batch(rerun[:2])
+        assert trajectory(store, "e1") == [(1, "A2")]  # a lower number, running: not the trajectory yet
+        store.write_batch(rerun[2:])
+    ep = store.episode("e1")
+    assert (ep["status"], ep["attempt_id"], ep["steps"], ep["total_reward"]) == ("completed", "A3", 2, 1.0)
+    assert trajectory(store, "e1") == [(1, "A3"), (2, "A3")]
+    assert set_aside(store, "e1") == {("A1", 1): "superseded", ("A2", 1): "completed_by_other"}
+    assert store.group("g1")["complete"] and store.results(JOB)["job"]["completed"] == 2
+    assert store.sql("SELECT finished FROM job_environments WHERE env_id = 'e1'")[0][0]
+    # The attempt it displaced closing later changes nothing.
+    store.write_batch([step("e1", 2, attempt=2, aid="A2"), close("e1", "retrying", attempt=2, aid="A2", steps=0)])
+    assert trajectory(store, "e1") == [(1, "A3"), (2, "A3")] and store.episode("e1")["status"] == "completed"
+
+
+def test_dead_letter_of_a_rerun_numbered_lower_fails_the_episode(store):
+    # As above, but the re-run numbered 1 fails for good: the ledger holds the episode failed,
+    # so must the database (its group incomplete), or the job never ends.
+    store.write_batch([job(2, 1), announce(("e1", "arith", "g1"), ("e2", "arith", "g1"))]
+                      + episode("e2", [1.0], size=2))
+    store.write_batch([step("e1", 1, attempt=1, aid="A1"), step("e1", 1, attempt=2, aid="A2")])
+    store.write_batch([step("e1", 1, attempt=1, aid="A3", t=900.0)])
+    store.write_batch([close("e1", "failed", attempt=1, aid="A3", reason="env_bad_request", steps=0, total=0.0,
+                             started=899.0)])
+    ep = store.episode("e1")
+    assert (ep["status"], ep["attempt_id"], ep["reason"]) == ("failed", "A3", "env_bad_request")
+    assert trajectory(store, "e1") == []
+    g = store.group("g1")
+    assert not g["complete"] and g["failed"] == 1
+    # A re-drive (attempt 3 by the ledger's count) takes over and completes it.
+    store.write_batch(episode("e1", [1.0], attempt=3, aid="A4"))
+    assert store.episode("e1")["status"] == "completed" and store.group("g1")["complete"]
+
+
+def test_running_attempt_set_aside_by_a_late_dead_letter_takes_its_rows_back(store):
+    # Two consumers: attempt 1's dead letter is committed after the first steps of the
+    # attempt that followed it (a re-drive, numbered 2). The episode shows failed for a moment;
+    # attempt 2's next records take over again with all of its rows.
+    store.write_batch([announce(("e1", "arith", "g1"))] + [step("e1", 1, attempt=2)])
+    store.write_batch([close("e1", "failed", attempt=1, reason="env_bad_request", steps=0, total=0.0)])
+    assert store.episode("e1")["status"] == "failed" and trajectory(store, "e1") == []
+    store.write_batch([step("e1", 2, attempt=2, last=True), close("e1", attempt=2, steps=2, total=2.0, size=1)])
+    ep = store.episode("e1")
+    assert (ep["status"], ep["attempt_id"], ep["steps"]) == ("completed", "e1-a2", 2)
+    assert trajectory(store, "e1") == [(1, "e1-a2"), (2, "e1-a2")] and set_aside(store, "e1") == {}
+
+
+def test_a_job_id_submitted_again_after_retention_is_flagged(store, caplog):
+    first = job()
+    store.write_batch([first] + episode("e1", [1.0]))
+    store.write_batch([first])  # the same record delivered again: nothing to say
+    assert "submitted again" not in caplog.text
+    again = job()
+    again.created_at = first.created_at + 3600 * 24 * 8
+    store.write_batch([again] + episode("e1", [0.0], aid="rerun"))
+    assert f"job {JOB} was submitted again" in caplog.text
+    # Accepted (README, limits): the first run's trajectory stays.
+    assert trajectory(store, "e1") == [(1, "e1-a1")]
+    assert set_aside(store, "e1") == {("rerun", 1): "completed_by_other"}
 
 
 def test_attempts_counted(store):
@@ -362,7 +507,7 @@ def test_a_results_file_of_the_previous_schema_is_migrated_in_place(tmp_path):
     old_file(path)
     s = open_store(path)
     try:
-        assert s.schema_version() == 2
+        assert s.schema_version() == 3
         assert column_names(s, "session_steps")[:len(ORIGINAL_SESSION_STEPS)] == ORIGINAL_SESSION_STEPS
         assert [(r["step_id"], r["attempt"], r["attempt_id"]) for r in s.episode_trajectory("e1")] == [
             (1, 2, "n2"), (2, 2, "n2")]
@@ -387,6 +532,78 @@ def test_a_results_file_of_the_previous_schema_is_migrated_in_place(tmp_path):
         s.close()
     tables = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert "attempt_steps" not in tables and "v1_session_steps" not in tables
+
+
+def test_a_results_file_of_schema_v2_gains_the_reopen_count(tmp_path):
+    path = str(tmp_path / "v2.sqlite")
+    open_store(path).close()
+    con = sqlite3.connect(path)
+    con.execute("ALTER TABLE episodes DROP COLUMN reopens")  # what v2 made
+    con.execute("INSERT INTO episodes (episode_id, job_id, status, attempt, attempts) VALUES ('e1', 'J', 'running', 1, 1)")
+    con.execute("PRAGMA user_version = 2")
+    con.commit()
+    con.close()
+    s = open_store(path)
+    try:
+        assert s.schema_version() == 3 and s.episode("e1")["reopens"] == 0
+    finally:
+        s.close()
+
+
+def test_a_postgres_store_of_the_previous_schema_is_migrated_in_place(pg_server):
+    import pathlib
+
+    import psycopg
+
+    url = pg_server.create_database()
+    ddl = (pathlib.Path(__file__).parent / "postgres_schema_v2.sql").read_text()
+    with psycopg.connect(url, autocommit=True) as conn:
+        for stmt in ddl.split(";"):
+            if stmt.strip():
+                conn.execute(stmt)
+        conn.execute("INSERT INTO store_meta VALUES ('schema_version', '2')")
+        conn.execute("INSERT INTO job_environments (job_id, env_id, env_name, env_params, group_id, finished, "
+                     "is_deleted, created_at) VALUES ('job1', 'e1', 'arith', '{}', 'g1', 1, 0, now()), "
+                     "('job1', 'e2', 'arith', '{}', 'g1', 0, 0, now())")
+        conn.execute("INSERT INTO session_steps (session_id, step_id, env_name, group_id, job_id, response, step_reward, "
+                     "reward, is_terminal, is_truncated, is_session_completed, is_trainable, attempt, attempt_id, "
+                     "prompt_tokens) VALUES ('e1', 1, 'arith', 'g1', 'job1', 'a', 1.0, 1.0, 0, 0, 0, 1, 1, 'x', 7), "
+                     "('e1', 2, 'arith', 'g1', 'job1', 'b', 1.0, 2.0, 1, 0, 1, 1, 1, 'x', 7)")
+        conn.execute("INSERT INTO episodes (episode_id, job_id, group_id, env_name, status, attempt, attempt_id, "
+                     "attempts, completed_attempt_id, expected_steps, steps, total_reward) VALUES "
+                     "('e1', 'job1', 'g1', 'arith', 'completed', 1, 'x', 1, 'x', 2, 2, 2.0)")
+    # Readers of this code on a store no writer has migrated yet.
+    r = open_store(url, readonly=True)
+    try:
+        assert [row[4] for row in r.export_steps("e1", trainable_only=True)] == [1, 2]
+        assert [row["is_session_completed"] for row in r.episode_trajectory("e1")] == [False, True]
+        assert r.results("job1")["job"]["completed"] == 1
+    finally:
+        r.close()
+    s = open_store(url)
+    try:
+        assert s.schema_version() == 3
+        types = column_types(s, "session_steps")
+        assert {types[c] for c in ("is_terminal", "is_truncated", "is_session_completed", "is_trainable")} == {"boolean"}
+        assert types["prompt_tokens"] == types["completion_tokens"] == "bigint"
+        assert column_types(s, "superseded_steps")["is_trainable"] == "boolean"
+        assert {column_types(s, "job_environments")[c] for c in ("finished", "is_deleted")} == {"boolean"}
+        assert [tuple(r) for r in s.sql("SELECT env_id FROM job_environments WHERE finished")] == [("e1",)]
+        assert tuple(s.sql("SELECT COUNT(*), SUM(finished) FROM job_environments")[0]) == (2, 1)
+        assert s.sql("SELECT env_name, COUNT(*) AS episodes, AVG(reward) AS avg_reward, MAX(reward) AS best_reward "
+                     "FROM session_steps WHERE is_session_completed = 1 GROUP BY env_name") == [("arith", 1, 2.0, 2.0)]
+        assert [tuple(r) for r in s.sql("SELECT step_id FROM session_steps WHERE is_session_completed")] == [(2,)]
+        assert s.episode("e1")["reopens"] == 0
+        # Readers and the writer work on the migrated store.
+        assert [r["is_session_completed"] for r in s.episode_trajectory("e1")] == [False, True]
+        assert [row[4] for row in s.export_steps("e1", trainable_only=True)] == [1, 2]
+        s.write_batch(episode("e2", [1.0], aid="y") + [step("e3", 1, tokens=2**40)])
+        assert s.episode("e2")["status"] == "completed" and s.episode_trajectory("e3")[0]["prompt_tokens"] == 2**40
+        assert [tuple(r) for r in s.sql("SELECT env_id FROM job_environments WHERE finished = 1 ORDER BY env_id")] == [
+            ("e1",), ("e2",)]
+    finally:
+        s.close()
+    open_store(url).close()  # opened again: nothing left to migrate
 
 
 def test_a_newer_schema_is_refused(tmp_path):

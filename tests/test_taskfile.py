@@ -488,7 +488,7 @@ def test_inproc_entries_need_no_base_url(tmp_path):
             dataset: [{{seed: 1}}, {{seed: 2}}]
             env_num: 2
           - env_name: reasoning_gym
-            env_class: mypkg.envs:Outer.Inner        # env_class alone implies inproc
+            env_class: mypkg.envs:Inner              # env_class alone implies inproc
             env_params: {{task: leg_counting}}
           - env_name: guess_number                   # http entries are unchanged
             base_url: {URL}
@@ -502,7 +502,7 @@ def test_inproc_entries_need_no_base_url(tmp_path):
         ("inproc", "envs.textarena_env:TextArenaEnv", "")}
     assert {e.env_params["dataset"]["seed"] for e in ta} == {1, 2}
     (rg,) = by_env["reasoning_gym"]
-    assert (rg.transport, rg.env_class) == ("inproc", "mypkg.envs:Outer.Inner")
+    assert (rg.transport, rg.env_class) == ("inproc", "mypkg.envs:Inner")
     (http,) = by_env["guess_number"]
     assert (http.transport, http.env_class, http.base_url) == ("http", "", URL)
     again = unpack(ta[0].pack())
@@ -520,6 +520,9 @@ def test_inproc_entries_ignore_the_default_base_url(tmp_path):
     ("{env_name: e, transport: inproc}", "env_class", "missing"),
     ("{env_name: e, transport: inproc, env_class: 'mypkg.envs.MyEnv'}", "env_class", "module:Class"),
     ("{env_name: e, transport: inproc, env_class: 'a b:C'}", "env_class", "module:Class"),
+    # One attribute of the module: a dotted path reaches whatever the module imported (os.abort).
+    ("{env_name: e, transport: inproc, env_class: 'mypkg.envs:Outer.Inner'}", "env_class", "module:Class"),
+    ("{env_name: e, transport: inproc, env_class: 'workers.experience:os.abort'}", "env_class", "module:Class"),
     ("{env_name: e, transport: inproc, env_class: 5}", "env_class", "module:Class"),
     ("{env_name: e, env_class: 'm:C', base_url: 'URL'}", "base_url", "not used with transport inproc"),
     ("{env_name: e, transport: http, env_class: 'm:C', base_url: 'URL'}", "env_class", "only used with"),
@@ -527,3 +530,58 @@ def test_inproc_entries_ignore_the_default_base_url(tmp_path):
 def test_inproc_entry_errors(tmp_path, entry, field, words):
     msg = _err(tmp_path, f"environments: [{entry.replace('URL', URL)}]\n")
     assert "entry 1" in msg and f"field {field!r}" in msg and words in msg, msg
+
+
+# --------------------------------------------------------------------------- URLs and integers
+
+@pytest.mark.parametrize("url, words", [
+    # urlsplit reads the host after the '@' (localhost), the HTTP client ends it at the '\\'.
+    ("http://127.0.0.1:9\\@localhost:8000/v1", "backslash"),
+    ("http://user:pw@env.local:8000", "user information"),
+    ("https://TOKEN@env.local", "user information"),
+    ("http://env.local:8000\t/x", "control character"),
+    ("http://env .local:8000", "whitespace"),
+    ("http://\u00e9nv.local:8000", "non-ASCII"),
+    ("http://env.local:0", "port"),
+    ("http://env.local:65536", "port"),
+    ("http://env.local:8000?x=1", "query"),
+    ("http://env.local:8000#x", "fragment"),
+    ("http://env.local:8000%2f@evil", "host"),
+    ("ftp://env.local", "http"),
+])
+def test_base_urls_the_client_could_read_differently_are_refused_naming_file_entry_and_field(tmp_path, url, words):
+    msg = _err(tmp_path, f"environments:\n  - {{env_name: fine, base_url: '{URL}'}}\n"
+                         f"  - env_name: e\n    base_url: '{url}'\n")
+    assert "tasks.yaml" in msg and "entry 2" in msg and "field 'base_url'" in msg and words in msg, msg
+    assert "pw" not in msg and "TOKEN" not in msg  # the refused URL is shown redacted
+
+
+def test_the_default_base_url_gets_the_same_check(tmp_path):
+    msg = _err(tmp_path, "environments: [{env_name: e}]\n", default_base_url="http://127.0.0.1:9\\@localhost:8000")
+    assert "entry 1" in msg and "field 'base_url'" in msg and "(the default)" in msg and "backslash" in msg, msg
+
+
+@pytest.mark.parametrize("params, where", [
+    ("{big: 123456789012345678901234567890}", "env_params.big"),
+    ("{small: -9223372036854775809}", "env_params.small"),
+    ("{nested: {deep: [1, 18446744073709551616]}}", "env_params.nested.deep[1]"),
+])
+def test_an_integer_msgpack_cannot_carry_is_refused_naming_where(tmp_path, params, where):
+    msg = _err(tmp_path, f"environments: [{{env_name: e, base_url: '{URL}', env_params: {params}}}]\n")
+    assert "entry 1" in msg and "field 'env_params'" in msg and where in msg and "64 bits" in msg, msg
+
+
+def test_64_bit_integers_still_travel(tmp_path):
+    tf = task_file(tmp_path, f"environments: [{{env_name: e, base_url: '{URL}', "
+                             f"env_params: {{a: 18446744073709551615, b: -9223372036854775808}}}}]\n")
+    (ep,) = plan_job([tf], job_id="j").episodes
+    assert unpack(ep.pack()).env_params == {"a": 2**64 - 1, "b": -(2**63)}
+
+
+@pytest.mark.parametrize("fmt", [".jsonl", ".json"])
+def test_a_too_large_integer_in_a_json_dataset_names_its_row(tmp_path, fmt):
+    rows = [{"a": 1}, {"a": 2**70}]
+    path = tmp_path / f"d{fmt}"
+    path.write_text("\n".join(json.dumps(r) for r in rows) if fmt == ".jsonl" else json.dumps(rows))
+    msg = _err(tmp_path, f"environments: [{{env_name: e, base_url: '{URL}', dataset: d{fmt}}}]\n")
+    assert "entry 1" in msg and "row 2" in msg and "field 'dataset'" in msg and "64 bits" in msg, msg

@@ -92,7 +92,8 @@ def test_an_existing_job_id_is_refused_and_nothing_changes(settings, redis_clien
     # The command line says so and exits 2.
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
     env.update(settings.as_environ())
-    out = subprocess.run([sys.executable, "-m", "interactor.cli", "submit", str(tasks), "--job-id", "jobx"],
+    out = subprocess.run([sys.executable, "-m", "interactor.cli", "submit", str(tasks), "--job-id", "jobx",
+                          "--no-preflight"],  # no servers here: the id is what is refused
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "job id 'jobx' exists already" in out.stderr
     assert redis_client.llen(settings.queue) == queue_len

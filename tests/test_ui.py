@@ -15,6 +15,9 @@ import urllib.request
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import settings as settings_hyp
+from hypothesis import strategies as st
 
 from broker.keys import Keys
 from broker.ledger import Ledger
@@ -399,3 +402,69 @@ def test_interactor_run_with_ui_serves_while_it_runs_and_after(env_server, model
         proc.send_signal(signal.SIGINT)
         code = proc.wait(60)
     assert code == 0, proc.stdout.read()[-3000:]
+
+
+# --- bounded work per page --------------------------------------------------------------------
+@settings_hyp(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=12))
+def test_the_seen_part_of_a_prompt_is_the_longest_context_tail_that_starts_it(context, body):
+    as_msgs = lambda xs: [{"role": "user", "content": str(x)} for x in xs]  # noqa: E731
+    brute = next((n for n in range(min(len(context), len(body)), 0, -1) if context[-n:] == body[:n]), 0)
+    assert transcript._overlap(as_msgs(context), as_msgs(body)) == brute
+
+
+def test_the_seen_part_of_a_prompt_ignores_key_order():
+    a = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    b = [{"content": "y", "role": "assistant"}, {"role": "user", "content": "z"}]
+    assert transcript._overlap(a, b) == 1
+
+
+def test_api_jobs_refuses_unbounded_job_lists(db):
+    c = client_for(db)
+    assert c.get("/api/jobs?" + "&".join(f"job=j{i}" for i in range(101))).status_code == 400
+    assert c.get("/api/jobs?job=" + "x" * 201).status_code == 400
+    assert c.get("/api/jobs?job=" + JOB).status_code == 200
+
+
+def test_what_the_server_remembers_per_job_is_bounded(db):
+    from interactor.ui.source import MAX_REMEMBERED_JOBS
+
+    m = RateMeter(window_s=10)
+    for i in range(MAX_REMEMBERED_JOBS + 50):
+        m.sample(f"j{i}", i, now=float(i))
+    assert len(m._samples) == MAX_REMEMBERED_JOBS and "j0" not in m._samples and f"j{i}" in m._samples
+    store = open_store(db)
+    try:
+        src = Source(store, store_shown=db)
+        for i in range(MAX_REMEMBERED_JOBS + 50):
+            src.progress([f"gone{i}"])  # finished (nothing running) jobs are remembered a while
+        assert len(src._finished) <= MAX_REMEMBERED_JOBS
+    finally:
+        store.close()
+
+
+@pytest.mark.integration
+def test_dead_letter_pages_read_the_newest_letters_not_the_whole_queue(settings, redis_client):
+    from broker.dlq import DeadLetterQueue
+    from broker.records import DeadLetter
+
+    keys = Keys(settings.key_prefix)
+    pipe = redis_client.pipeline()
+    for i in range(3000):
+        job = "big" if i % 3 else "small"
+        d = DeadLetter(job_id=job, episode_id=f"{job}.e{i}", group_id="g", env_name="x",
+                       reason="env_bad_request" if i % 2 else "model_bad_request", dead_at=1000.0 + i)
+        pipe.hset(keys.dlq, f"{job} {d.episode_id}", d.pack())
+        pipe.zadd(keys.dlq_index, {f"{job} {d.episode_id}": d.dead_at})
+    pipe.execute()
+    dlq = DeadLetterQueue(redis_client, settings)
+
+    letters, matched, complete = dlq.newest(limit=10)
+    assert [d.dead_at for d in letters] == [1000.0 + i for i in range(2999, 2989, -1)]
+    assert matched == 3000 and complete
+    letters, matched, complete = dlq.newest(job_id="small", reason="model_bad_request", limit=5)
+    assert matched == 500 and complete and len(letters) == 5
+    assert all(d.job_id == "small" and d.reason == "model_bad_request" for d in letters)
+    # a bounded read says it is bounded: a lower bound, never a wrong total
+    letters, matched, complete = dlq.newest(limit=10, scan_limit=1000)
+    assert not complete and matched == 1000 and len(letters) == 10

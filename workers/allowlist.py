@@ -5,17 +5,20 @@ fleet's API key and run in the fleet's network, so the job gets no say in which 
 import or which hosts they call beyond what the worker's own settings allow (review M3, L9):
 
 * ``env_classes`` / ``episode_hooks``: ``module:Attr`` paths a worker may import, as patterns:
-  ``module:Attr`` exactly, ``module:*`` (anything in that module) or ``package.*`` (anything in
-  a module under that package). Nothing outside is imported at all, so an ``os:abort`` in a
+  ``module:Attr`` exactly, ``module:*`` (anything that module defines) or ``package.*``
+  (anything a module under that package defines). A path is one attribute of one module (no
+  dotted path after the colon), and what it names must be defined in that module
+  (``envs.base.import_object`` checks ``__module__``): ``somemodule:*`` never reaches the
+  ``os`` that module imported. Nothing off the list is imported at all, so an ``os:abort`` in a
   task file is a dead letter (``bad_task``), not a dead worker.
 * ``env_hosts``: env servers a worker may call (``host``, ``host:port`` or
-  ``scheme://host:port``); empty means any.
+  ``scheme://host:port``); empty means any. Whatever the list, a URL must pass
+  ``broker.urls.check_url``, and the comparison is made on the host and port it approved.
 """
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
+from broker.urls import UrlError, check_url, origin_of
 from envs.base import split_object_path
 
 # The bundled env adapters (inproc transport) and the built-in hooks.
@@ -49,21 +52,25 @@ class PathAllowlist:
 
 
 class HostAllowlist:
-    """Env servers a worker may call; empty = any."""
+    """Env servers a worker may call; empty = any host (still only URLs ``check_url`` accepts)."""
 
     def __init__(self, hosts: str):
-        self.entries = tuple(h.strip().lower() for h in hosts.split(",") if h.strip())
+        entries = []
+        for h in hosts.split(","):
+            h = h.strip().lower()
+            if h:
+                # scheme://host:port entries are compared as the origin check_url makes of them.
+                entries.append((origin_of(h) or h) if "://" in h else h)
+        self.entries = tuple(entries)
 
     def allows(self, url: str) -> bool:
+        try:
+            target = check_url(url)
+        except UrlError:
+            return False
         if not self.entries:
             return True
-        try:
-            parts = urlsplit(url)
-            host = (parts.hostname or "").lower()
-            port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower(), 0)
-        except ValueError:
-            return False
-        candidates = {host, f"{host}:{port}", f"{parts.scheme.lower()}://{host}:{port}"}
+        candidates = {target.host, f"{target.host}:{target.port}", target.origin}
         return any(e in candidates for e in self.entries)
 
     def __str__(self) -> str:

@@ -39,11 +39,14 @@ import redis
 import requests
 
 from broker.duty import Duty
-from broker.errors import ENV_OUTAGE, MODEL_OUTAGE, EpisodeError
+from broker.errors import BAD_TASK, ENV_OUTAGE, MODEL_OUTAGE, EpisodeError
 from broker.keys import Keys
 from broker.records import BreakerState
 from broker.settings import redact_url
+from broker.urls import url_problem
+from workers.allowlist import HostAllowlist
 from workers.budget import Budget
+from workers.http import proxies_for
 
 log = logging.getLogger("interactor.breakers")
 
@@ -156,30 +159,43 @@ class Breaker:
 class BreakerBoard:
     """The breakers of one worker process, and their publication in Redis."""
 
-    def __init__(self, client: redis.Redis | None, keys: Keys | None, worker: str | None = None):
+    def __init__(self, client: redis.Redis | None, keys: Keys | None, worker: str | None = None, *,
+                 env_hosts: HostAllowlist | None = None):
         self.r = client
         self.keys = keys
         self.worker = worker or f"{socket.gethostname()}-{os.getpid()}"
         self._lock = threading.Lock()
         self._breakers: dict[tuple[str, str], Breaker] = {}
         self._last_publish = 0.0
+        # Probes go to URLs a job named: no ~/.netrc credentials, no redirects followed (either
+        # would take the probe past the checks below), proxies as for the calls themselves.
         self._session = requests.Session()
+        self._session.trust_env = False
+        self.env_hosts = env_hosts or HostAllowlist("")
 
     def for_env(self, base_url: str) -> Breaker:
-        """The breaker of an env server; readiness: ``GET {base_url}/envs`` answers 2xx."""
+        """The breaker of an env server; readiness: ``GET {base_url}/envs`` answers 2xx. The URL
+        must pass the checks the env calls pass (broker/urls.py, the env host allow-list)."""
+        if not self.env_hosts.allows(base_url):
+            raise EpisodeError(BAD_TASK, f"env server {redact_url(base_url)!r}: "
+                               f"{url_problem(base_url) or 'not on INTERACTOR_ENV_HOSTS'}", transient=False)
         url = base_url.rstrip("/")
         return self.get(ENV, url, lambda: self._answers(url + "/envs", strict=True))
 
     def for_model(self, llm_base_url: str) -> Breaker:
         """The breaker of a model endpoint; readiness: ``GET {llm_base_url}/models`` answers at
         all, short of 429/5xx (a 401 or 404 still means a server is there). Probes never carry
-        the API key."""
+        the API key, and go only to a URL broker/urls.py accepts."""
+        problem = url_problem(llm_base_url)
+        if problem:
+            raise EpisodeError(BAD_TASK, f"model endpoint {redact_url(llm_base_url)!r}: {problem}", transient=False)
         url = llm_base_url.rstrip("/")
         return self.get(MODEL, url, lambda: self._answers(url + "/models", strict=False))
 
     def _answers(self, url: str, *, strict: bool) -> bool:
         try:
-            with self._session.get(url, timeout=(PROBE_TIMEOUT_S, PROBE_TIMEOUT_S), stream=True) as resp:
+            with self._session.get(url, timeout=(PROBE_TIMEOUT_S, PROBE_TIMEOUT_S), stream=True,
+                                   allow_redirects=False, proxies=proxies_for(url)) as resp:
                 status = resp.status_code
         except Exception:  # noqa: BLE001 - any failure to answer is "not up"
             return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
+from broker.errors import BAD_TASK, EpisodeError
 from envs.base import import_object, valid_object_path
 
 
@@ -26,8 +27,11 @@ class NullHook:
         return None
 
 
-class HookError(ValueError):
-    pass
+class HookError(EpisodeError, ValueError):
+    """A hook that cannot be loaded: the job named it, so its episodes are ``bad_task``."""
+
+    def __init__(self, message: str):
+        super().__init__(BAD_TASK, message, transient=False)
 
 
 class _Adapter:

@@ -114,7 +114,7 @@ def make_session(settings: Settings, pool_size: int | None = None) -> requests.S
     session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
     session.headers["User-Agent"] = USER_AGENT
     size = pool_size or max(10, settings.concurrency * 2)
-    adapter = HTTPAdapter(pool_connections=32, pool_maxsize=size, max_retries=0, pool_block=True)
+    adapter = _Adapter(pool_connections=32, pool_maxsize=size, max_retries=0, pool_block=True)
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session
@@ -297,6 +297,26 @@ class _TLSConnection(_Watched, _OneWrite, _QuickLivenessCheck, HTTPSConnection):
     pass
 
 
+class _WatchedPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _Connection
+
+
+class _WatchedTLSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _TLSConnection
+
+
+class _Adapter(HTTPAdapter):
+    """requests' adapter, whose proxy pools make the same connections as the shortcut's: a call
+    through HTTP(S)_PROXY arms the watchdog too, so a proxy that trickles (or relays a server
+    that does) cannot hold it past its deadline."""
+
+    def proxy_manager_for(self, proxy, **proxy_kwargs):
+        manager = super().proxy_manager_for(proxy, **proxy_kwargs)
+        if isinstance(manager, urllib3.ProxyManager) and manager.pool_classes_by_scheme.get("http") is not _WatchedPool:
+            manager.pool_classes_by_scheme = {"http": _WatchedPool, "https": _WatchedTLSPool}
+        return manager
+
+
 class HttpPool:
     """One per client per worker process, shared by its threads: a requests Session, and the
     urllib3 pool of each origin that the Session's adapter owns (``pool_for``)."""
@@ -377,19 +397,26 @@ def send(
     """
     started = time.monotonic()
     pool = http.pool_for(url)
-    if pool is None:
-        return _send_requests(http.session, method, url, deadline=deadline, timeout=timeout,
-                              max_bytes=max_bytes, what=what, body=body, headers=headers, started=started)
-    hdrs = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
-    if headers:
-        hdrs.update(headers)
-    if body is not None:
-        hdrs.setdefault("Content-Type", "application/json")
-    path = url[len(origin_prefix(url)):] or "/"
     _calls.deadline, _calls.watch = deadline, None
     try:
-        return _exchange(pool, method, path, hdrs, body, deadline=deadline, timeout=timeout, max_bytes=max_bytes,
-                         what=what, started=started)
+        if pool is None:  # through a proxy: requests' path, over the same watched connections
+            reply = _send_requests(http.session, method, url, deadline=deadline, timeout=timeout,
+                                   max_bytes=max_bytes, what=what, body=body, headers=headers, started=started)
+        else:
+            hdrs = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
+            if headers:
+                hdrs.update(headers)
+            if body is not None:
+                hdrs.setdefault("Content-Type", "application/json")
+            path = url[len(origin_prefix(url)):] or "/"
+            reply = _exchange(pool, method, path, hdrs, body, deadline=deadline, timeout=timeout,
+                              max_bytes=max_bytes, what=what, started=started)
+        w = _calls.watch
+        if w is not None and w.fired:
+            # The cut can look like an answer ending early (headers cut at a line, a body at EOF).
+            raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while the server "
+                                                "was still answering")
+        return reply
     except requests.exceptions.RequestException:
         w = _calls.watch
         if w is not None and w.fired:

@@ -46,6 +46,7 @@ from broker.errors import (
     ENV_SERVER_ERROR,
     ENV_UNREACHABLE,
     EPISODE_TIMEOUT,
+    WORKER_SHUTDOWN,
     EpisodeError,
 )
 from broker.records import EpisodeSpec
@@ -112,6 +113,14 @@ class _CallThread:
 
 
 _ENV_CALLS = None  # the process-wide OS lock that serialises env calls under gevent (_OSThread)
+# Why this process can run no inproc call any more ("" while it can): a call that never returned
+# holds _ENV_CALLS for good. Set once, by the call that holds the lock past its timeout.
+_WEDGED: list[str] = []
+_HOLDER: list[float] = []  # [the deadline (monotonic) of the call holding _ENV_CALLS], if any
+
+
+def wedged() -> str:
+    return _WEDGED[0] if _WEDGED else ""
 
 
 class _OSThread:
@@ -130,8 +139,10 @@ class _OSThread:
     its timeout (seen: 1 run in 12 of 16 concurrent reasoning-gym and textarena resets; none
     in 16 runs serialized). The GIL serialises CPU-bound env code anyway; what this costs is
     overlap between envs that block on I/O, which belong behind an env server or under the
-    threads pool. A call that never returns holds the lock: the instances queued behind it
-    time out as stuck too, and their attempts are retried like any stuck call's."""
+    threads pool. A call that never returns holds the lock for good, so the first call found
+    stuck wedges the process (``_WEDGED``): calls waiting behind it give up at once, and the
+    runtime hands their episodes back uncounted and has the process replaced (InprocEnv's
+    ``on_wedged``); only the stuck call's own attempt ends as ``env_unreachable``."""
 
     def __init__(self, name: str):
         import _queue
@@ -150,25 +161,38 @@ class _OSThread:
             item = self._q.get()
             if item is None:
                 return
-            fn, box = item
+            fn, box, started, end = item
             with self._lock:
+                started.append(True)
+                _HOLDER[:] = [end]
                 try:
                     box.append((fn(), None))
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                     box.append((None, exc))
+                finally:
+                    _HOLDER.clear()
 
     def call(self, fn: Callable[[], Any], timeout: float) -> tuple[bool, bool, Any, BaseException | None]:
         import gevent
 
         box: list = []
-        self._q.put((fn, box))
+        started: list = []
         end = time.monotonic() + timeout
+        self._q.put((fn, box, started, end))
         pause = 0.001
         while not box:
-            left = end - time.monotonic()
-            if left <= 0:
-                return False, True, None, None  # started or queued behind a stuck call: treat as stuck
-            gevent.sleep(min(pause, left))
+            now = time.monotonic()
+            past = now >= end
+            holder = _HOLDER[:1]  # one read: the OS thread may clear it meanwhile
+            # The call holding the lock past its own timeout never returns: nothing else can run.
+            if _WEDGED or (past and (started or (holder and now > holder[0]))):
+                if not _WEDGED:
+                    _WEDGED.append("an inproc call never returned and holds the process-wide env lock")
+                self.wedged_it = bool(started)  # the stuck call itself, not one waiting behind it
+                return False, True, None, None
+            if past and not (holder and now < end + timeout):
+                return False, True, None, None  # queued behind calls that do answer, for too long
+            gevent.sleep(min(pause, end - now) if not past else 0.02)
             pause = min(pause * 2, 0.02)
         value, exc = box[0]
         return True, False, value, exc
@@ -194,8 +218,10 @@ def _short(exc: BaseException) -> str:
 class InprocEnv:
     """The loop's env port for one episode of an inproc environment class."""
 
-    def __init__(self, spec: EpisodeSpec, budget: Budget | float, settings: Settings):
+    def __init__(self, spec: EpisodeSpec, budget: Budget | float, settings: Settings,
+                 on_wedged: Callable[[str], None] = lambda reason: None):
         self.spec = spec
+        self.on_wedged = on_wedged  # told once this process can run no inproc call any more
         self.budget = budget if isinstance(budget, Budget) else Budget.until(budget)
         self.settings = settings
         self.env: Any = None
@@ -259,6 +285,8 @@ class InprocEnv:
                 now = time.monotonic()
                 budget = min(CLOSE_BUDGET_S, max(self.deadline - now, CLOSE_MIN_BUDGET_S))
                 done, _, _, exc = runner.call(env.close, budget)
+                if wedged():
+                    self.on_wedged(wedged())
                 if not done:
                     log.warning("%s: no answer within %.1fs; instance abandoned", what, budget)
                 elif exc is not None:
@@ -282,12 +310,20 @@ class InprocEnv:
             raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out")
         if self._stuck:
             raise EpisodeError(ENV_UNREACHABLE, f"{what}: an earlier call of this instance never returned")
+        if wedged():
+            raise EpisodeError(WORKER_SHUTDOWN, f"{what}: this worker process is being replaced ({wedged()}); "
+                               "episode handed back", transient=True)
         if self._runner is None:
             self._runner = _new_call_thread(f"inproc:{self.spec.episode_id}")
         timeout = min(s.env_read_timeout_s, left)
         done, stuck, result, exc = self._runner.call(fn, timeout)
         if not done:
             self._stuck = stuck  # cancelled before it started: the thread is free
+            if wedged():
+                self.on_wedged(wedged())
+                if not getattr(self._runner, "wedged_it", False):  # only waiting behind the stuck call
+                    raise EpisodeError(WORKER_SHUTDOWN, f"{what}: this worker process is being replaced "
+                                       f"({wedged()}); episode handed back", transient=True)
             if deadline_passed(self.deadline):
                 raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out waiting for the env")
             raise EpisodeError(ENV_UNREACHABLE, f"{what}: no answer within {timeout:.1f}s (env_read_timeout_s)")

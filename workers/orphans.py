@@ -6,6 +6,10 @@ on the episode's last allowed attempt (dead-lettered by the sweeper, no next att
 re-queued to a queue nobody serves for a while. The sweeper pushes such instances to
 ``<prefix>:orphans``; this duty, on every worker process, pops a few each round and closes
 them (``DELETE``, 200 even for an unknown id, so a second close is harmless).
+
+An entry's ``base_url`` came from a job, through Redis: it gets the same checks as the job's
+own calls (broker/urls.py and the worker's env host allow-list), and is dropped unsent when
+it fails them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import redis
 from broker.duty import Duty
 from broker.keys import Keys
 from broker.records import OrphanInstance, RecordError, unpack
+from broker.settings import redact_url
+from broker.urls import url_problem
+from workers.allowlist import HostAllowlist
 from workers.envclient import EnvClient
 
 log = logging.getLogger("interactor.orphans")
@@ -27,12 +34,15 @@ BATCH = 20
 class OrphanCloser(Duty):
     name = "orphan-closer"
 
-    def __init__(self, client: redis.Redis, keys: Keys, env: EnvClient, interval_s: float = 2.0):
+    def __init__(self, client: redis.Redis, keys: Keys, env: EnvClient, interval_s: float = 2.0,
+                 env_hosts: HostAllowlist | None = None):
         super().__init__(interval_s)
         self.r = client
         self.keys = keys
         self.env = env
+        self.env_hosts = env_hosts or HostAllowlist("")
         self.closed = 0
+        self.refused = 0
 
     def tick(self) -> None:
         for raw in self.r.lpop(self.keys.orphans, BATCH) or []:
@@ -44,5 +54,10 @@ class OrphanCloser(Duty):
                 log.warning("dropping an unreadable orphan entry: %s", exc)
                 continue
             if orphan.base_url:
+                if not self.env_hosts.allows(orphan.base_url):
+                    self.refused += 1
+                    log.warning("not closing orphan %s at %s: %s", orphan.instance_id, redact_url(orphan.base_url),
+                                url_problem(orphan.base_url) or f"not on INTERACTOR_ENV_HOSTS ({self.env_hosts})")
+                    continue
                 self.env.close(orphan.base_url, orphan.env_name, orphan.instance_id)  # never raises
                 self.closed += 1

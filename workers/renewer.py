@@ -67,6 +67,12 @@ class LeaseRenewer(Duty):
             new = [m for m in self._received if m not in self._reserved]
             written = [m for m in self._received if m in self._reserved]
             self._reserved.update(new)
+        since = time.monotonic() - self.last_renewed
+        if leases and since > 2 * self.interval_s and self.failing_since is None:
+            # Not Redis (that would be failing_since): this process did not get to run the round
+            # in time. Worth a line: leases fence their attempts by this very gap.
+            log.warning("lease renewal round %.2fs after the last one (every %.2fs planned): the process "
+                        "was starved of CPU or stopped", since, self.interval_s)
         try:
             self.ledger.renew(leases)
             self.ledger.reserve(new)

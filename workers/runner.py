@@ -51,10 +51,13 @@ from broker.records import (
     EpisodeSpec,
     JobSpec,
     StepRecord,
+    new_attempt_id,
 )
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
 from broker.settings import Settings, origin_of, redact_url
+from broker.urls import url_problem
+from envs.base import valid_object_path
 from workers import limits
 from workers.allowlist import HostAllowlist, env_class_allowlist, hook_allowlist
 from workers.breakers import BreakerBoard, BreakerHeartbeat
@@ -96,6 +99,10 @@ class WorkerRuntime:
         self.model_gate = limits.shared_gate(settings.llm_max_concurrency)  # None: no cap
         self.jitter = limits.FirstWaveJitter.from_settings(settings)
         self.shutdown_at: float | None = None
+        # Why this process must be replaced ("" while healthy), and what replaces it: the Celery
+        # side sets on_unhealthy to a warm shutdown (workers/tasks.py), the supervisor restarts.
+        self.unhealthy_reason = ""
+        self.on_unhealthy: Callable[[str], None] | None = None
         self._jobs: dict[str, JobSpec] = {}
         self._untrusted_warned: set[str] = set()
         self._secrets = [s for s in (settings.llm_api_key.reveal(), _redis_password(settings.redis_url)) if s]
@@ -104,19 +111,32 @@ class WorkerRuntime:
         self.hooks = hook_allowlist(settings.episode_hooks, settings.episode_hook)
         self.env_hosts = HostAllowlist(settings.env_hosts)
         self.key_origins = settings.trusted_model_origins()
-        self.breakers = BreakerBoard(self.redis, self.keys, self.name)
+        self.breakers = BreakerBoard(self.redis, self.keys, self.name, env_hosts=self.env_hosts)
         # Background duties, each on its own thread (broker/duty.py).
         self.renewer = LeaseRenewer(self.ledger, min(settings.lease_ttl_s / 3, settings.sweep_interval_s)).start()
         self.sweeper = SweepDuty(Sweeper(self.redis, settings), settings.sweep_interval_s).start()
         self.publisher = StepPublisher(self.ledger, backlog_max=settings.stream_backlog_max)
-        self.orphans = OrphanCloser(self.redis, self.keys, self.env).start()
+        self.orphans = OrphanCloser(self.redis, self.keys, self.env, env_hosts=self.env_hosts).start()
         self.breaker_heartbeat = BreakerHeartbeat(self.breakers).start()
 
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
-        self.shutdown_at = time.monotonic() + grace
+        at = time.monotonic() + grace
+        self.shutdown_at = at if self.shutdown_at is None else min(self.shutdown_at, at)
         log.warning("shutdown: running episodes get %.0fs to finish, then are handed back", grace)
+
+    def unhealthy(self, reason: str) -> None:
+        """This process can no longer run its episodes properly (an inproc call that never
+        returned holds the process-wide env lock, workers/inproc.py): hand every running episode
+        back at once, uncounted (as at shutdown), and have the process replaced."""
+        if self.unhealthy_reason:
+            return
+        self.unhealthy_reason = reason
+        log.error("worker process unhealthy: %s; handing its episodes back and exiting to be restarted", reason)
+        self.shutdown_at = time.monotonic()
+        if self.on_unhealthy is not None:
+            self.on_unhealthy(reason)
 
     def stop(self) -> None:
         self.renewer.stop()
@@ -131,7 +151,13 @@ class WorkerRuntime:
 
     # --- one delivery ----------------------------------------------------------------
     def run(self, job_id: str, episode_id: str) -> str:
-        started = self.ledger.start(job_id, episode_id, self.name)  # also ends the reservation
+        # START is retried through a Redis outage with one attempt_id: a START that ran but
+        # whose reply was lost is then found again as ours, with its predecessor, rather than
+        # left behind as a phantom lease that makes the next delivery count another attempt.
+        attempt_id = new_attempt_id()
+        started = self._through_outage(episode_id, "starting", lambda: self.ledger.start(
+            job_id, episode_id, self.name, attempt_id=attempt_id),  # also ends the reservation
+            give_up=lambda: self.shutdown_at is not None and time.monotonic() >= self.shutdown_at)
         self.renewer.started(member(job_id, episode_id))
         if started.status != "ok":
             log.info("episode %s: delivery dropped (%s %s)", episode_id, started.status, started.detail)
@@ -215,8 +241,22 @@ class WorkerRuntime:
     # --- trust boundaries ------------------------------------------------------------
     def _refused(self, job: JobSpec, spec: EpisodeSpec) -> str:
         """Why this worker will not run the episode ("" = it will): code and hosts a job names
-        must be on the worker's own allow-lists; nothing is imported before that check."""
+        must be on the worker's own allow-lists; nothing is imported before that check. URLs get
+        the submit-time check again (broker/urls.py): the job may not have come from our producer."""
+        problem = url_problem(job.llm_base_url)
+        if problem:
+            return f"model endpoint {redact_url(job.llm_base_url)!r}: {problem}; nothing was called"
+        if spec.transport != "inproc":
+            problem = url_problem(spec.base_url)
+            if problem:
+                return f"env server {redact_url(spec.base_url)!r}: {problem}; nothing was called"
+        if job.episode_hook and not valid_object_path(job.episode_hook):
+            return (f"episode hook {job.episode_hook!r} is not 'module:attribute' (one attribute, no dotted "
+                    "path); it was not imported")
         if spec.transport == "inproc":
+            if not valid_object_path(spec.env_class):
+                return (f"env_class {spec.env_class!r} is not 'module:Class' (one attribute, no dotted path); "
+                        "it was not imported")
             if not self.env_classes.allows(spec.env_class):
                 return (f"env_class {spec.env_class!r} is not on this worker's allow-list "
                         f"(INTERACTOR_ENV_CLASSES: {self.env_classes}); it was not imported")
@@ -244,7 +284,7 @@ class WorkerRuntime:
         if spec.transport == "inproc":
             from workers.inproc import InprocEnv  # the env class runs inside this worker process
 
-            return InprocEnv(spec, budget, self.settings)
+            return InprocEnv(spec, budget, self.settings, on_wedged=self.unhealthy)
         return BoundEnv(self.env, spec, env_instance_id(spec.episode_id, lease.attempt, lease.attempt_id), budget,
                         guard, self.breakers.for_env(spec.base_url))
 
@@ -299,19 +339,19 @@ class WorkerRuntime:
     def _finish(self, lease: Lease, record: AttemptRecord, new_state: str, **kw) -> bool:
         """Close the attempt once its steps are in the stream (never the close before them).
 
-        Redis errors are retried (``_through_outage``): a FINISH whose reply was lost and that
-        is sent again finds its lease gone, so a refusal after a retry is checked against the
-        ledger (the episode in ``new_state`` under this very attempt means the first one
-        landed). Past the outage budget it gives up: the sweeper re-runs the episode."""
+        Redis errors are retried (``_through_outage``, and redis-py's own retry before it): a
+        FINISH whose reply was lost and that is sent again finds the episode moved on, so a
+        refusal is checked against the ledger (``Ledger.finished_as``: the episode in
+        ``new_state`` under this very attempt means the first one landed). Past the outage
+        budget it gives up: the sweeper re-runs the episode."""
         self.publisher.flush(lease)
         record = _encodable(record)
-        tries = 0
 
         def finish() -> bool:
-            nonlocal tries
-            tries += 1
             ok = self.ledger.finish(lease, record, new_state, **kw)
-            if not ok and tries > 1 and self.ledger.finished_as(lease, new_state):
+            # A refusal may be our own FINISH seen again: sent once by redis-py's retry or by
+            # _through_outage after its reply was lost, it ran the first time.
+            if not ok and self.ledger.finished_as(lease, new_state):
                 lease.lost.clear()
                 return True
             return ok
@@ -323,19 +363,22 @@ class WorkerRuntime:
                       "sweeper will re-run it", lease.episode_id, lease.attempt, exc)
             return False
 
-    def _through_outage(self, lease: Lease, what: str, fn: Callable[[], Any]) -> Any:
+    def _through_outage(self, lease: Lease | str, what: str, fn: Callable[[], Any],
+                        give_up: Callable[[], bool] = lambda: False) -> Any:
         """``fn()``, retried with backoff on Redis errors for up to the outage budget (then the
         last error is raised): closing an attempt must outlast a Redis restart, or the episode
-        would be reclaimed as a lost worker, an attempt counted against it for our outage."""
+        would be reclaimed as a lost worker, an attempt counted against it for our outage.
+        ``lease`` (or the episode id, before there is one) names it in the log; ``give_up()``
+        true ends the retries early (the last error is raised)."""
+        name = lease if isinstance(lease, str) else f"{lease.episode_id} attempt {lease.attempt}"
         t0, delay = time.monotonic(), 0.1
         while True:
             try:
                 return fn()
             except redis.RedisError as exc:
-                if time.monotonic() - t0 > self.settings.outage_budget_s:
+                if time.monotonic() - t0 > self.settings.outage_budget_s or give_up():
                     raise
-                log.warning("episode %s attempt %d: %s failed (%s); retrying", lease.episode_id, lease.attempt,
-                            what, exc)
+                log.warning("episode %s: %s failed (%s); retrying", name, what, exc)
                 time.sleep(delay)
                 delay = min(5.0, delay * 2)
 

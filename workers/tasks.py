@@ -7,7 +7,10 @@ the environment (``REDIS_URL``, ``INTERACTOR_*``).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
+import time
 
 import redis.exceptions
 from celery import signals
@@ -24,6 +27,8 @@ app = make_app(settings)
 
 _runtime: WorkerRuntime | None = None
 _runtime_lock = threading.Lock()
+_last_received = [time.monotonic()]  # when the consumer last handed us a task (consumer watch)
+_watch = None
 
 
 def runtime() -> WorkerRuntime:
@@ -32,16 +37,29 @@ def runtime() -> WorkerRuntime:
         with _runtime_lock:
             if _runtime is None:
                 _runtime = WorkerRuntime(settings)
+                _runtime.on_unhealthy = _replace_this_process
     return _runtime
+
+
+def _replace_this_process(reason: str) -> None:
+    # A warm shutdown of our own: Celery stops consuming, the running episodes hand themselves
+    # back (the runtime set their shutdown clock to now), and the process exits. Not asked to
+    # by a signal of its own, the supervisor (interactor/cli.py) starts a fresh process.
+    log.error("exiting to be replaced by a fresh worker process: %s", reason)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 @app.task(name=EPISODE_TASK)
 def run_episode_task(job_id: str, episode_id: str) -> None:
+    if runtime().unhealthy_reason:  # on its way out: the next process runs it
+        raise Reject(runtime().unhealthy_reason, requeue=True)
     try:
         runtime().run(job_id, episode_id)
     except redis.exceptions.RedisError as exc:
-        # Redis went away for longer than the client's own retries. The episode's state is
-        # in Redis, so hand the message back rather than acknowledging it as done.
+        # Redis away past the outage budget (the runtime retries START and the close through
+        # shorter outages, with one attempt_id, so a START whose reply was lost is found again
+        # as ours). The episode's state is in Redis, so hand the message back rather than
+        # acknowledging it as done.
         log.error("episode %s: Redis unavailable (%s); message requeued", episode_id, exc)
         raise Reject(str(exc), requeue=True) from None
 
@@ -51,6 +69,7 @@ def _reserve(request=None, **_):
     # Received (prefetched) is not started: hold a reservation so that a worker dying in
     # between does not leave the episode waiting for the broker's visibility timeout.
     if request is not None and request.name == EPISODE_TASK:
+        _last_received[0] = time.monotonic()
         try:
             job_id, episode_id = request.args[:2]
             runtime().received(job_id, episode_id)
@@ -62,7 +81,18 @@ def _reserve(request=None, **_):
 def _start_runtime(**_):
     # At start, not on the first task: the runtime's sweeper must run in an idle worker too,
     # or a fleet with no consumer up would never re-run a dead worker's episodes.
-    runtime()
+    rt = runtime()
+    global _watch
+    if settings.worker_stall_s > 0 and _watch is None:
+        from celery.worker import state
+
+        from workers.consumer_watch import ConsumerWatch
+
+        _watch = ConsumerWatch(
+            rt.redis, settings.served_queues, settings.concurrency * app.conf.worker_prefetch_multiplier,
+            in_hand=lambda: len(state.reserved_requests), last_received=lambda: _last_received[0],
+            on_stall=_replace_this_process, stall_s=settings.worker_stall_s,
+            stopping=lambda: rt.shutdown_at is not None).start()
 
 
 @signals.worker_process_init.connect
@@ -84,3 +114,5 @@ def _quiet_per_task_lines(**_):
 def _on_shutdown(**_):
     if _runtime is not None:
         _runtime.begin_shutdown()
+    if _watch is not None:
+        _watch.stop()

@@ -3,8 +3,13 @@
 Shaped like dramatiq's result backends: :class:`ResultStore` implements what callers use, in
 terms of a few primitives each backend provides (a transaction, queries, its DDL). The same
 SQL runs on both backends: written with ``?`` placeholders (PostgreSQL's module swaps them),
-booleans stored as 0/1 integers (so the original system's ``WHERE is_session_completed = 1``
-works on both), timestamps written by the database from epoch seconds.
+the original tables' flags written as Python booleans (BOOLEAN on PostgreSQL, 0/1 in SQLite;
+``WHERE is_session_completed`` and the original documentation's ``= 1`` work on both, and our
+own queries test them bare), timestamps written by the database from epoch seconds.
+
+Text: a NUL character (which PostgreSQL's text type cannot hold) is stored as U+FFFD on both
+backends, so that they store the same and a model answer or an env error holding one is not
+refused as bad data (:func:`_nul_free`).
 
 Writer: :meth:`ResultStore.write_batch` (the consumer, one transaction per batch; the
 rules are in :mod:`consumer.storage.plan`). Reader: every other public method (``interactor
@@ -22,6 +27,7 @@ Tables (docs/protocol.md, "What is stored"):
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -43,11 +49,14 @@ from consumer.storage.plan import (
     Batch,
     EpisodeState,
     Plan,
+    lost_completion,
     plan_batch,
     settle,
 )
 
-SCHEMA_VERSION = 2
+log = logging.getLogger("interactor.store")
+
+SCHEMA_VERSION = 3
 
 STEP_COLUMNS = (
     "session_id", "step_id", "env_name", "llm_model", "group_id", "job_id", "messages", "response",
@@ -157,12 +166,25 @@ class ResultStore:
         return result
 
     def _write_jobs(self, jobs: list[JobSpec]) -> None:
+        # A job id the store already holds under another creation time: Redis forgot the first
+        # run (its keys expired after the retention) and the id was submitted again. The first
+        # run's rows stay; the new run's episodes share their ids, so their completions are
+        # filed completed_by_other (README, limits). Said loudly, once per submission.
+        ids = [j.job_id for j in jobs]
+        held = dict(self.query(f"SELECT job_id, created_at FROM jobs WHERE job_id IN ({_marks(ids)})", ids))
+        for j in jobs:
+            if j.job_id in held and held[j.job_id] is not None and j.created_at is not None \
+                    and abs(float(held[j.job_id]) - float(j.created_at)) > 1e-6:
+                log.warning("job %s was submitted again after the store recorded it (created %s, now %s): the "
+                            "store keeps the first run, the new run's episodes are stored as completed_by_other; "
+                            "use a new job id", j.job_id, held[j.job_id], j.created_at)
         self.executemany(
             "INSERT INTO jobs (job_id, created_at, episodes, groups, model, llm_base_url, sources, spec) "
             "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (job_id) DO NOTHING",
             # URLs with their passwords starred: the database is read by more people than Redis.
-            [(j.job_id, j.created_at, j.episodes, j.groups, j.model, redact_url(j.llm_base_url), _json(j.sources),
-              _json(j.to_dict() | {"llm_base_url": redact_url(j.llm_base_url)})) for j in jobs],
+            [_clean((j.job_id, j.created_at, j.episodes, j.groups, j.model, redact_url(j.llm_base_url),
+                     _json(j.sources), _json(j.to_dict() | {"llm_base_url": redact_url(j.llm_base_url)})))
+             for j in jobs],
         )
 
     def _write_announced(self, announced: list[EpisodesEnqueued]) -> None:
@@ -170,10 +192,11 @@ class ResultStore:
         for a in announced:
             for env_id, env_name, group_id, params in a.episodes:
                 text = params.decode() if isinstance(params, (bytes, bytearray)) else _json(params)
-                rows.append((a.job_id, env_id, env_name, text, group_id, a.created_at))
+                rows.append(_clean((a.job_id, env_id, env_name, text, group_id, a.created_at)))
         self.executemany(
             "INSERT INTO job_environments (job_id, env_id, env_name, env_params, image, group_id, finished, "
-            f"is_deleted, created_at) VALUES (?, ?, ?, ?, NULL, ?, 0, 0, {self.TS}) ON CONFLICT (env_id) DO NOTHING",
+            f"is_deleted, created_at) VALUES (?, ?, ?, ?, NULL, ?, FALSE, FALSE, {self.TS}) "
+            "ON CONFLICT (env_id) DO NOTHING",
             rows,
         )
 
@@ -184,6 +207,8 @@ class ResultStore:
         now = time.time()
         for episode_id, attempt_id, reason in plan.moves:
             self._move_steps(episode_id, attempt_id, reason, now)
+        for episode_id, attempt_id in plan.restores:
+            self._restore_steps(episode_id, attempt_id)
         if plan.session_steps:
             self.executemany(
                 f"INSERT INTO session_steps ({_STEP_COLS}) VALUES ({self._step_values()}) "
@@ -194,7 +219,7 @@ class ResultStore:
             self.executemany(
                 f"INSERT INTO superseded_steps ({_STEP_COLS}, superseded_reason, superseded_at) "
                 f"VALUES ({self._step_values()}, ?, ?) ON CONFLICT (session_id, attempt_id, step_id) DO NOTHING",
-                [_step_row(s) + (reason, now) for s, reason in plan.superseded_steps],
+                [_step_row(s) + (_nul_free(reason), now) for s, reason in plan.superseded_steps],
             )
         # Token rows of every step that asked, trajectory or set aside: keyed by attempt, they
         # never move (consumer/storage/tokens.py).
@@ -223,6 +248,15 @@ class ResultStore:
         )
         self.execute("DELETE FROM session_steps WHERE session_id = ? AND attempt_id = ?", (episode_id, attempt_id))
 
+    def _restore_steps(self, episode_id: str, attempt_id: str) -> None:
+        """An attempt's rows back from superseded_steps (its completion was taken after they
+        had been set aside); rows set aside because the steps were lost stay there."""
+        where = "WHERE session_id = ? AND attempt_id = ? AND superseded_reason <> ?"
+        args = (episode_id, attempt_id, STEPS_LOST)
+        self.execute(f"INSERT INTO session_steps ({_STEP_COLS}) SELECT {_STEP_COLS} FROM superseded_steps {where} "
+                     "ON CONFLICT (session_id, step_id) DO NOTHING", args)
+        self.execute(f"DELETE FROM superseded_steps {where}", args)
+
     def _write_closes(self, closes: list[AttemptRecord]) -> None:
         cols = ", ".join(ATTEMPT_COLUMNS)
         marks = ", ".join("?" for _ in ATTEMPT_COLUMNS)
@@ -232,9 +266,9 @@ class ResultStore:
         self.executemany(
             f"INSERT INTO attempts ({cols}) VALUES ({marks}) ON CONFLICT (episode_id, attempt_id) DO UPDATE SET "
             f"{updates} WHERE excluded.status = 'completed' AND attempts.status <> 'completed'",
-            [(c.episode_id, c.attempt_id, c.attempt, c.job_id, c.status, c.reason, c.error_class, c.error,
-              float(c.total_reward or 0.0), c.steps, c.ended_by or None, c.prompt_tokens, c.completion_tokens,
-              c.started_at, c.finished_at, c.worker) for c in closes],
+            [_clean((c.episode_id, c.attempt_id, c.attempt, c.job_id, c.status, c.reason, c.error_class, c.error,
+                     float(c.total_reward or 0.0), c.steps, c.ended_by or None, c.prompt_tokens, c.completion_tokens,
+                     c.started_at, c.finished_at, c.worker)) for c in closes],
         )
 
     def _load_states(self, ids: Sequence[str]) -> dict[str, EpisodeState]:
@@ -262,9 +296,9 @@ class ResultStore:
         self.executemany(
             f"INSERT INTO episodes ({cols}) VALUES ({_marks(EPISODE_COLUMNS)}) "
             f"ON CONFLICT (episode_id) DO UPDATE SET {updates}",
-            [st.row(now) for st in plan.states.values()],
+            [_clean(st.row(now)) for st in plan.states.values()],
         )
-        flips = [(1 if st.status == EP_COMPLETED else 0, st.episode_id) for st in plan.states.values()
+        flips = [(st.status == EP_COMPLETED, st.episode_id) for st in plan.states.values()
                  if (st.status == EP_COMPLETED) != (st.loaded_status == EP_COMPLETED)]
         if flips:
             self.executemany("UPDATE job_environments SET finished = ? WHERE env_id = ?", flips)
@@ -325,25 +359,26 @@ class ResultStore:
             rows,
         )
 
-    def reopen_lost_completion(self, episode_id: str, attempt_id: str) -> bool:
-        """A completion whose steps never all arrived (lost in Redis): set its rows aside and
-        put the episode back to ``retrying`` (the consumer re-queues it). False when the episode
-        is no longer completing under that attempt."""
+    def reopen_lost_completion(self, episode_id: str, attempt_id: str, *, max_reopens: int | None = None,
+                               poisoned: bool = False) -> str:
+        """A completion whose steps never all arrived: set its rows aside and put the episode
+        back to ``retrying`` (the consumer re-queues it), or to ``failed`` (reason
+        ``steps_lost``) when a missing step is in the poison stream (``poisoned``) or the
+        episode was already reopened ``max_reopens`` times (:func:`plan.lost_completion`).
+        Returns the new status; "" when the episode is no longer completing under that
+        attempt."""
         with self.transaction():
             self.lock_episodes([episode_id])
             st = self._load_states([episode_id]).get(episode_id)
             if st is None or st.status != EP_COMPLETING or st.completed_attempt_id != attempt_id:
-                return False
-            self._move_steps(episode_id, attempt_id, STEPS_LOST, time.time())
-            st.status = EP_RETRYING
-            st.completed_attempt_id = ""
-            st.attempt_closed = "retrying"
-            st.reason, st.error_class = STEPS_LOST, "StepsLost"
-            st.error = (f"attempt {attempt_id} completed with {st.expected_steps} steps, "
-                        f"{st.steps} reached the database")
-            st.steps, st.total_reward, st.finished_at, st.close_entry = 0, 0.0, None, ""
-            self._save_states(Plan(states={episode_id: st}), time.time())
-        return True
+                return ""
+            now = time.time()
+            self._move_steps(episode_id, attempt_id, STEPS_LOST, now)
+            status = lost_completion(st, max_reopens=max_reopens, poisoned=poisoned)
+            if status == EP_FAILED:
+                st.finished_at = now
+            self._save_states(Plan(states={episode_id: st}), now)
+        return status
 
     # ------------------------------------------------------------------ reading
     def job_ids(self) -> list[str]:
@@ -701,11 +736,13 @@ class ResultStore:
             f"WHERE {' AND '.join(where)} ORDER BY e.group_id, e.episode_id", args)
 
     def export_steps(self, episode_id: str, *, trainable_only: bool) -> list[tuple]:
-        """The episode's trajectory rows as an export needs them, in step order."""
+        """The episode's trajectory rows as an export needs them, in step order. (The flag is
+        cast: a reader may meet a PostgreSQL store no writer has migrated yet, flags SMALLINT.)"""
         return self.query(
             "SELECT job_id, session_id, group_id, env_name, step_id, attempt, messages, response, step_reward, "
             "weight_version, is_trainable, is_terminal, is_truncated, prompt_tokens, completion_tokens, ended_by "
-            "FROM session_steps WHERE session_id = ?" + (" AND is_trainable = 1" if trainable_only else "")
+            "FROM session_steps WHERE session_id = ?"
+            + (" AND CAST(is_trainable AS INTEGER) = 1" if trainable_only else "")
             + " ORDER BY step_id", (episode_id,))
 
     def weight_versions(self, job_id: str) -> list[tuple[str, Any]]:
@@ -805,19 +842,32 @@ def _env_state(wv: Any) -> str | None:
     return text
 
 
+def _nul_free(v: Any) -> Any:
+    """``v`` with every NUL character replaced by U+FFFD (the replacement character), on both
+    backends: PostgreSQL's text type cannot hold NUL (the row would be refused and the record
+    parked as poison), and SQLite stores what PostgreSQL does. JSON columns never hold one (the
+    encoder escapes it as ``\\u0000``)."""
+    if type(v) is str and "\x00" in v:
+        return v.replace("\x00", "\ufffd")
+    return v
+
+
+def _clean(row: tuple) -> tuple:
+    return tuple(_nul_free(v) for v in row)
+
+
 def _step_row(s: StepRecord) -> tuple:
     wv = s.weight_version
     mj = s.messages_json
-    return (
+    return _clean((
         s.env_id, s.step_id, s.env_name, s.llm_model, s.group_id, s.job_id,
         mj.decode() if isinstance(mj, (bytes, bytearray)) else mj, s.response,
         float(s.step_reward or 0.0), float(s.cumulative_reward or 0.0), _env_state(wv),
-        1 if s.terminated else 0, 1 if s.truncated else 0, 1 if s.episode_finished else 0,
-        1 if s.is_trainable else 0, s.created_at,
+        bool(s.terminated), bool(s.truncated), bool(s.episode_finished), bool(s.is_trainable), s.created_at,
         s.attempt, s.attempt_id or f"n{s.attempt}", None if wv is None else str(wv), s.finish_reason,
         s.ended_by or None, s.env_latency_s, s.model_latency_s, s.prompt_tokens, s.completion_tokens,
         s.created_at,
-    )
+    ))
 
 
 def _decode_step(d: dict) -> dict:

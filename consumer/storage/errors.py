@@ -20,8 +20,18 @@ class StoreRejected(StoreError):
 
 
 _SQLITE_UNAVAILABLE = ("disk is full", "disk i/o error", "database is locked", "readonly database",
-                       "unable to open", "database table is locked", "no such table", "out of memory",
-                       "database disk image is malformed", "cannot commit", "file is not a database")
+                       "unable to open", "database table is locked", "no such table", "no such column",
+                       "out of memory", "database disk image is malformed", "cannot commit", "file is not a database",
+                       "access permission denied")
+
+# PostgreSQL SQLSTATE classes that say nothing about the records: the connection or the login
+# (08, 28), the database or schema (3D, 3F), the statement against this store's tables and
+# grants (42: a dropped table, a revoked privilege, a schema older than the code - another
+# record would fail the same way, so parking the lone record of a batch would lose it),
+# concurrency (40), a read-only or aborted transaction (25), resources (53), objects busy (55),
+# the server shutting down (57), I/O (58) and internal errors (XX). The data classes (22 data
+# exception, 23 constraint) and the rest stay "rejected".
+_PG_UNAVAILABLE_CLASSES = frozenset({"08", "28", "3D", "3F", "42", "40", "25", "53", "55", "57", "58", "XX"})
 
 
 def classify(exc: BaseException) -> StoreError:
@@ -41,8 +51,8 @@ def classify(exc: BaseException) -> StoreError:
     except ImportError:  # pragma: no cover
         psycopg = None
     if psycopg is not None and isinstance(exc, psycopg.Error):
-        if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) or getattr(exc, "sqlstate", "") in (
-                "53100", "53200", "53300", "57P01", "57P02", "57P03", "25006", "40001", "40P01"):
+        state = getattr(exc, "sqlstate", None) or ""
+        if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) or state[:2] in _PG_UNAVAILABLE_CLASSES:
             return StoreUnavailable(text)
         return StoreRejected(text)
     if isinstance(exc, StoreError):

@@ -13,6 +13,15 @@ The rules (docs/protocol.md, "What is stored"):
 * The first completion wins: once an attempt's completion is stored, no other attempt's steps
   enter ``session_steps``, whatever the ledger later says (a lost write in Redis can re-run an
   episode that already completed; the database keeps the first trajectory).
+* A completion is never set aside for its number. The ledger writes a completion only while the
+  attempt holds the lease, so every completion in the stream completed the episode; numbers
+  can repeat or go down (a Redis rollback that lost two STARTs numbers the re-run 1 again), and
+  worker clocks that break a tie can be wrong. So while the store holds no completion for the
+  episode, the completion of an attempt the numbers called older becomes the episode's: its
+  rows set aside so far come back to ``session_steps`` and the current attempt's leave it. A
+  dead letter (a ``failed`` close) of such an attempt likewise fails the episode: the ledger
+  holds it failed, and a database still saying running would leave its job unfinished. (A
+  re-driven attempt arriving after it takes over again, by its higher number.)
 * An attempt that closes without completing (retrying, abandoned, failed) has its rows moved
   aside; a failed episode keeps no rows in ``session_steps``.
 * A completed attempt whose steps are not all stored yet is ``completing``; it becomes
@@ -28,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from broker.errors import STEPS_LOST
 from broker.records import (
     ABANDONED,
     ATTEMPT_FAILED,
@@ -51,7 +61,7 @@ SUPERSEDED = "superseded"  # a newer attempt took over
 STALE = "stale"  # a step of an attempt older than the current one, arriving late
 ROLLED_BACK = "rolled_back"  # the same attempt number ran twice (Redis lost writes); the earlier run
 COMPLETED_BY_OTHER = "completed_by_other"  # the episode was completed by another attempt first
-STEPS_LOST = "steps_lost"  # completed, but some of its steps never reached the stream
+# STEPS_LOST (broker/errors.py): completed, but some of its steps never reached the database
 
 
 def closed_reason(close: AttemptRecord) -> str:
@@ -89,6 +99,7 @@ class EpisodeState:
     finished_at: float | None = None
     group_size: int = 0
     close_entry: str = ""  # stream id of the completed close (to tell lost steps from late ones)
+    reopens: int = 0  # times a completion of this episode was set aside because its steps were lost
     new: bool = False  # not in the database yet
     loaded_attempt_id: str = ""  # the current attempt when loaded (its rows may be stored)
     loaded_status: str = ""
@@ -97,7 +108,7 @@ class EpisodeState:
     COLUMNS = ("episode_id", "job_id", "group_id", "env_name", "llm_model", "status", "attempt", "attempt_id",
                "attempt_started", "attempt_closed", "completed_attempt_id", "attempts", "total_reward", "steps",
                "expected_steps", "reason", "error_class", "error", "ended_by", "prompt_tokens",
-               "completion_tokens", "started_at", "finished_at", "group_size", "close_entry")
+               "completion_tokens", "started_at", "finished_at", "group_size", "close_entry", "reopens")
 
     @property
     def placeholder(self) -> bool:
@@ -155,9 +166,12 @@ class Batch:
 
 @dataclass
 class Plan:
-    """Row operations, applied in this order: moves, then inserts, then the rest."""
+    """Row operations, applied in this order: moves, restores, then inserts, then the rest."""
 
     moves: list[tuple[str, str, str]] = field(default_factory=list)  # (episode, attempt_id, reason)
+    # (episode, attempt_id): rows of an attempt whose completion was taken after its rows had
+    # been set aside, back from superseded_steps (applied after the moves)
+    restores: list[tuple[str, str]] = field(default_factory=list)
     session_steps: list[StepRecord] = field(default_factory=list)
     superseded_steps: list[tuple[StepRecord, str]] = field(default_factory=list)  # (step, reason)
     closes: list[AttemptRecord] = field(default_factory=list)
@@ -199,6 +213,11 @@ class _Planner:
     def _switch(self, st: EpisodeState, number: int, attempt_id: str, started: float | None, same_number: bool) -> None:
         if st.attempt_id:
             self._set_aside_current(st, ROLLED_BACK if same_number else SUPERSEDED)
+        if st.status == EP_FAILED:
+            # A failed episode taken over (a re-drive; or an attempt that was running when a
+            # lower-numbered dead letter was processed after its rows and set them aside): any
+            # rows of the attempt set aside so far are its trajectory again.
+            self._bring_back(st, attempt_id)
         st.attempt, st.attempt_id, st.attempt_started = number, attempt_id, started
         st.attempt_closed = ""
         st.status = EP_RUNNING
@@ -217,6 +236,30 @@ class _Planner:
             return ROLLED_BACK if number == st.attempt else STALE
         self._switch(st, number, attempt_id, started, same_number=(number == st.attempt))
         return None
+
+    def _adopt(self, st: EpisodeState, number: int, attempt_id: str, started: float | None, completed: bool) -> None:
+        """A completion (or a dead letter) of an attempt other than the current one, with no
+        completion stored: that attempt becomes the current one, and completes (its rows set
+        aside so far come back) or fails in :meth:`close`."""
+        if st.attempt_id:
+            self._set_aside_current(st, COMPLETED_BY_OTHER if completed else SUPERSEDED)
+        if completed:
+            self._bring_back(st, attempt_id)
+        st.attempt, st.attempt_id, st.attempt_started = number, attempt_id, started
+        st.attempt_closed = ""
+        st.status = EP_RUNNING
+        st.reason = st.error_class = st.error = st.ended_by = None
+        st.finished_at = None
+
+    def _bring_back(self, st: EpisodeState, attempt_id: str) -> None:
+        """The attempt's rows set aside so far go (back) to session_steps: those of this batch
+        directly, stored ones by a restore."""
+        back = [s for s, _ in self.plan.superseded_steps if s.env_id == st.episode_id and attempt_key(s) == attempt_id]
+        if back:
+            self.plan.superseded_steps = [(s, why) for s, why in self.plan.superseded_steps
+                                          if not (s.env_id == st.episode_id and attempt_key(s) == attempt_id)]
+            self.pending.setdefault(st.episode_id, []).extend(back)
+        self.plan.restores.append((st.episode_id, attempt_id))
 
     # --- records ------------------------------------------------------------------------
     def step(self, st: EpisodeState, s: StepRecord) -> None:
@@ -245,6 +288,9 @@ class _Planner:
         if c.started_at and c.started_at > 0 and (st.started_at is None or c.started_at < st.started_at):
             st.started_at = c.started_at
         why = self._route(st, c.attempt, attempt_id, c.started_at or None)
+        if why in (STALE, ROLLED_BACK) and c.status in (COMPLETED, ATTEMPT_FAILED):
+            self._adopt(st, c.attempt, attempt_id, c.started_at or None, completed=c.status == COMPLETED)
+            why = None
         if why is not None:
             # An older attempt's close, or a close after another attempt's completion: recorded,
             # no effect. A dead letter after a completion means Redis forgot the completion.
@@ -309,6 +355,37 @@ def settle(st: EpisodeState, stored: tuple[int, float, int, int] | None) -> None
     st.status = EP_RUNNING
     st.steps, st.total_reward = n, reward
     st.prompt_tokens, st.completion_tokens = p_tokens, c_tokens
+
+
+def lost_completion(st: EpisodeState, *, max_reopens: int | None, poisoned: bool) -> str:
+    """Set aside a completion whose steps can no longer all arrive (the caller moves its rows
+    to superseded_steps as ``steps_lost``). Returns the episode's new status:
+
+    * ``retrying``: the episode is to run again (the steps were lost in Redis, and a re-run
+      brings new ones);
+    * ``failed``: running it again cannot help or has not: a missing step was refused by the
+      store and parked as poison (``poisoned``; a re-run would most likely produce the same
+      data), or the episode was already reopened ``max_reopens`` times. Without this bound an
+      episode whose steps never arrive would be re-run forever and its job never end."""
+    lost = st.expected_steps - st.steps
+    attempt_id = st.completed_attempt_id
+    if poisoned:
+        why = f"a step of attempt {attempt_id} was refused by the store (parked as poison)"
+    elif max_reopens is not None and st.reopens >= max_reopens:
+        why = f"steps lost again after {st.reopens} re-run(s)"
+    else:
+        why = ""
+    st.completed_attempt_id = ""
+    st.reason, st.error_class = STEPS_LOST, "StepsLost"
+    st.error = (f"attempt {attempt_id} completed with {st.expected_steps} steps, {st.steps} reached the database"
+                + (f": {why}" if why else "")) if lost > 0 else why or None
+    st.steps, st.total_reward, st.close_entry = 0, 0.0, ""
+    if why:
+        st.status, st.attempt_closed = EP_FAILED, ATTEMPT_FAILED
+        return EP_FAILED
+    st.reopens += 1
+    st.status, st.attempt_closed, st.finished_at = EP_RETRYING, ATTEMPT_RETRYING, None
+    return EP_RETRYING
 
 
 def now() -> float:

@@ -10,8 +10,13 @@ one database that exports, ``interactor results`` and the results browser read w
   statements, not per row); every insert is keyed with ``ON CONFLICT DO NOTHING``.
 * Schema: created and migrated under an advisory lock, so consumers starting together do it
   once; its version lives in ``store_meta``.
-* Booleans are 0/1 integers as in SQLite (the original queries say ``= 1``); the original
-  tables' ``created_at`` are ``timestamptz``.
+* The original tables' flags are ``BOOLEAN``, as the original system's ORM creates them, so
+  its users' ``WHERE is_session_completed`` works; its documentation also writes
+  ``WHERE is_session_completed = 1``, which PostgreSQL refuses for a boolean (no ``boolean =
+  integer`` operator), so the schema adds that operator (and ``<>``, both ways round: true is 1,
+  false is 0) in the tables' schema, and ``sum(boolean)`` (the number of true rows, as SQLite
+  sums its 0/1 flags). Token counts are ``BIGINT`` (the model client accepts
+  counts up to 2^53). The original tables' ``created_at`` are ``timestamptz``.
 * A lost connection is reopened on the next batch (the consumer retries the batch; nothing is
   acknowledged in Redis before its commit).
 """
@@ -43,10 +48,10 @@ _STEP_TABLE_COLUMNS = """
     step_reward DOUBLE PRECISION,
     reward DOUBLE PRECISION,
     env_state TEXT,
-    is_terminal SMALLINT,
-    is_truncated SMALLINT,
-    is_session_completed SMALLINT,
-    is_trainable SMALLINT,
+    is_terminal BOOLEAN,
+    is_truncated BOOLEAN,
+    is_session_completed BOOLEAN,
+    is_trainable BOOLEAN,
     created_at TIMESTAMPTZ,
     attempt INTEGER,
     attempt_id TEXT,
@@ -55,8 +60,8 @@ _STEP_TABLE_COLUMNS = """
     ended_by TEXT,
     env_latency_s DOUBLE PRECISION,
     model_latency_s DOUBLE PRECISION,
-    prompt_tokens INTEGER,
-    completion_tokens INTEGER,
+    prompt_tokens BIGINT,
+    completion_tokens BIGINT,
     created_ts DOUBLE PRECISION"""
 
 SCHEMA = f"""
@@ -70,8 +75,8 @@ CREATE TABLE IF NOT EXISTS job_environments (
     env_params TEXT,
     image TEXT,
     group_id TEXT,
-    finished SMALLINT NOT NULL DEFAULT 0,
-    is_deleted SMALLINT NOT NULL DEFAULT 0,
+    finished BOOLEAN NOT NULL DEFAULT FALSE,
+    is_deleted BOOLEAN NOT NULL DEFAULT FALSE,
     created_at TIMESTAMPTZ
 );
 CREATE INDEX IF NOT EXISTS job_environments_job ON job_environments (job_id);
@@ -127,6 +132,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     finished_at DOUBLE PRECISION,
     group_size INTEGER,
     close_entry TEXT,
+    reopens INTEGER NOT NULL DEFAULT 0,
     duration_s DOUBLE PRECISION,
     updated_at DOUBLE PRECISION
 );
@@ -167,6 +173,59 @@ CREATE TABLE IF NOT EXISTS groups (
 );
 CREATE INDEX IF NOT EXISTS groups_job ON groups (job_id);
 """ + "".join(ddl + ";\n" for _, ddl in BROWSE_INDEXES)
+
+
+# ``boolean = integer`` for the original documentation's ``WHERE is_session_completed = 1``
+# (schema v3 made the flags BOOLEAN). Created once per schema; CREATE OPERATOR has no IF NOT
+# EXISTS, so an existing one (another store in the same schema) is left as it is.
+BOOL_INT_OPERATORS = (
+    "CREATE OR REPLACE FUNCTION interactor_bool_eq_int(boolean, integer) RETURNS boolean "
+    "LANGUAGE sql IMMUTABLE AS 'SELECT $1::integer = $2'",
+    "CREATE OR REPLACE FUNCTION interactor_int_eq_bool(integer, boolean) RETURNS boolean "
+    "LANGUAGE sql IMMUTABLE AS 'SELECT $1 = $2::integer'",
+    "CREATE OR REPLACE FUNCTION interactor_bool_ne_int(boolean, integer) RETURNS boolean "
+    "LANGUAGE sql IMMUTABLE AS 'SELECT $1::integer <> $2'",
+    "CREATE OR REPLACE FUNCTION interactor_int_ne_bool(integer, boolean) RETURNS boolean "
+    "LANGUAGE sql IMMUTABLE AS 'SELECT $1 <> $2::integer'",
+    "DO $$ BEGIN "
+    "CREATE OPERATOR = (LEFTARG = boolean, RIGHTARG = integer, FUNCTION = interactor_bool_eq_int, "
+    "COMMUTATOR = =, NEGATOR = <>); "
+    "EXCEPTION WHEN duplicate_function THEN NULL; END $$",
+    "DO $$ BEGIN "
+    "CREATE OPERATOR = (LEFTARG = integer, RIGHTARG = boolean, FUNCTION = interactor_int_eq_bool, "
+    "COMMUTATOR = =, NEGATOR = <>); "
+    "EXCEPTION WHEN duplicate_function THEN NULL; END $$",
+    "DO $$ BEGIN "
+    "CREATE OPERATOR <> (LEFTARG = boolean, RIGHTARG = integer, FUNCTION = interactor_bool_ne_int, "
+    "COMMUTATOR = <>, NEGATOR = =); "
+    "EXCEPTION WHEN duplicate_function THEN NULL; END $$",
+    "DO $$ BEGIN "
+    "CREATE OPERATOR <> (LEFTARG = integer, RIGHTARG = boolean, FUNCTION = interactor_int_ne_bool, "
+    "COMMUTATOR = <>, NEGATOR = =); "
+    "EXCEPTION WHEN duplicate_function THEN NULL; END $$",
+    # SUM(finished) counts the true rows, as it does in SQLite and did on the SMALLINT flags
+    # (NULL over no non-null rows, as SUM does).
+    "CREATE OR REPLACE FUNCTION interactor_sum_bool(bigint, boolean) RETURNS bigint LANGUAGE sql IMMUTABLE "
+    "AS 'SELECT CASE WHEN $2 IS NULL THEN $1 ELSE COALESCE($1, 0) + $2::integer END'",
+    "DO $$ BEGIN "
+    "CREATE AGGREGATE sum(boolean) (SFUNC = interactor_sum_bool, STYPE = bigint); "
+    "EXCEPTION WHEN duplicate_function THEN NULL; END $$",
+)
+
+# Version 2 -> 3, in place: the original tables' flags become BOOLEAN (they were SMALLINT 0/1),
+# step token counts BIGINT, episodes gain their reopen count. ALTER ... TYPE rewrites each
+# table under an exclusive lock: readers and the other consumers wait for it once.
+_FLAGS = ("is_terminal", "is_truncated", "is_session_completed", "is_trainable")
+MIGRATE_2_TO_3 = (
+    "ALTER TABLE job_environments "
+    + ", ".join(f"ALTER COLUMN {c} DROP DEFAULT, ALTER COLUMN {c} TYPE BOOLEAN USING {c} <> 0, "
+                f"ALTER COLUMN {c} SET DEFAULT FALSE" for c in ("finished", "is_deleted")),
+    *(f"ALTER TABLE {t} " + ", ".join([f"ALTER COLUMN {c} TYPE BOOLEAN USING {c} <> 0" for c in _FLAGS]
+                                       + [f"ALTER COLUMN {c} TYPE BIGINT" for c in ("prompt_tokens",
+                                                                                    "completion_tokens")])
+      for t in ("session_steps", "superseded_steps")),
+    "ALTER TABLE episodes ADD COLUMN IF NOT EXISTS reopens INTEGER NOT NULL DEFAULT 0",
+)
 
 
 def _driver():
@@ -218,9 +277,14 @@ class PostgresStore(ResultStore):
                 raise StoreError(f"{_redact(self.url)}: results schema v{version} is newer than this code "
                                  f"(v{SCHEMA_VERSION})")
             if version < SCHEMA_VERSION:
+                if version == 2:
+                    for stmt in MIGRATE_2_TO_3:
+                        conn.execute(stmt)
                 for stmt in SCHEMA.split(";"):
                     if stmt.strip():
                         conn.execute(stmt)
+                for stmt in BOOL_INT_OPERATORS:
+                    conn.execute(stmt)
                 conn.execute("INSERT INTO store_meta (key, value) VALUES ('schema_version', %s) "
                              "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
             else:

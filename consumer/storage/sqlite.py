@@ -6,9 +6,10 @@ checkpoints, and a machine crash could lose batches already gone from Redis). Se
 (consumers) take turns through SQLite's own lock (``BEGIN IMMEDIATE``, a 30 s busy timeout);
 readers never block them.
 
-Schema versions (``PRAGMA user_version``): 2 is this code's. A file of version 1 (the tables
-before the original ``session_steps`` names and ``job_environments``) is migrated in place,
-in one transaction, when a writer opens it; a newer file is refused.
+Schema versions (``PRAGMA user_version``): 3 is this code's. A file of version 1 (the tables
+before the original ``session_steps`` names and ``job_environments``) or 2 (before the
+episodes' reopen count) is migrated in place, in one transaction, when a writer opens it; a
+newer file is refused.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ _STEP_TABLE_COLUMNS = """
     step_reward REAL,
     reward REAL,
     env_state TEXT,
-    is_terminal INTEGER,
-    is_truncated INTEGER,
-    is_session_completed INTEGER,
-    is_trainable INTEGER,
+    is_terminal BOOLEAN,
+    is_truncated BOOLEAN,
+    is_session_completed BOOLEAN,
+    is_trainable BOOLEAN,
     created_at TEXT,
     attempt INTEGER,
     attempt_id TEXT,
@@ -61,8 +62,8 @@ CREATE TABLE IF NOT EXISTS job_environments (
     env_params TEXT,
     image TEXT,
     group_id TEXT,
-    finished INTEGER NOT NULL DEFAULT 0,
-    is_deleted INTEGER NOT NULL DEFAULT 0,
+    finished BOOLEAN NOT NULL DEFAULT 0,
+    is_deleted BOOLEAN NOT NULL DEFAULT 0,
     created_at TEXT,
     UNIQUE (env_id)
 );
@@ -119,6 +120,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     finished_at REAL,
     group_size INTEGER,
     close_entry TEXT,
+    reopens INTEGER NOT NULL DEFAULT 0,
     duration_s REAL,
     updated_at REAL
 );
@@ -221,6 +223,12 @@ DROP TABLE v1_episodes;
 DROP TABLE v1_attempts;
 """
 
+# Version 2 -> 3: episodes gain their reopen count. The flags of the original tables are
+# declared BOOLEAN in new files, as the original system's ORM declares them; a version 2 file
+# keeps INTEGER (SQLite cannot change a column's declared type in place, and both hold the same
+# 0/1 integers, so every query answers the same).
+MIGRATE_2_TO_3 = "ALTER TABLE episodes ADD COLUMN reopens INTEGER NOT NULL DEFAULT 0"
+
 
 class SQLiteStore(ResultStore):
     TS = TS
@@ -283,7 +291,9 @@ class SQLiteStore(ResultStore):
                 if uv == 0:
                     _script(c, SCHEMA)
                 elif uv == 1:
-                    _script(c, MIGRATE_1_TO_2)
+                    _script(c, MIGRATE_1_TO_2)  # straight to this version's tables
+                elif uv == 2:
+                    _script(c, MIGRATE_2_TO_3)
                 c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
                 c.execute("COMMIT")
             except BaseException:

@@ -34,7 +34,7 @@ from urllib.parse import urlencode
 from flask import Flask, abort, jsonify, redirect, render_template, request, url_for
 
 from interactor.ui import plots, transcript
-from interactor.ui.source import AGGREGATE_TTL_S, Source
+from interactor.ui.source import AGGREGATE_TTL_S, MAX_JOBS, Source
 
 log = logging.getLogger("interactor.ui")
 
@@ -43,6 +43,7 @@ PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE = 50
 ADVANTAGE_EPS = 1e-6  # as `interactor export --eps`: advantage = (reward - mean) / (std + eps)
 MAX_LETTERS_SHOWN = 1000
+MAX_JOB_ID_CHARS = 200  # /api/jobs?job=...: each id is a Redis read; longer is not an id of ours
 # A step's full prompt is folded into the episode page up to this many messages; longer ones
 # (full-history prompts, message_cut 0) get a page of their own, or a long episode's page
 # would repeat its whole conversation once per step.
@@ -105,7 +106,10 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
 
     @app.get("/api/jobs")
     def api_jobs():
-        ids = request.args.getlist("job") or source.job_ids()
+        asked = request.args.getlist("job")
+        if len(asked) > MAX_JOBS or any(len(j) > MAX_JOB_ID_CHARS for j in asked):
+            abort(400, f"at most {MAX_JOBS} job ids of at most {MAX_JOB_ID_CHARS} characters")
+        ids = asked or source.job_ids()
         return jsonify({"jobs": [_jsonable(p) for p in source.progress(ids)], "fleet": source.fleet(),
                         "time": time.time()})
 
@@ -121,13 +125,13 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
         by_env: dict[str, list[float]] = {}
         for env, reward, _ in points:
             by_env.setdefault(env, []).append(reward)
-        letters = source.dead_letters(job_id)
         facets = source.cached(ttl, "episode_facets", job_id)
         return render_template(
             "job.html", job_id=job_id, res=res, p=progress, spec=spec or {},
             facets=facets, reasons={k: n for k, n in facets["reason"].items() if k},
             dist=plots.reward_distribution(by_env),
-            trend=plots.reward_over_time(points), letters=None if letters is None else len(letters), tab="overview")
+            trend=plots.reward_over_time(points),
+            letters=progress["failed"] if progress["counts_from"] == "redis" else None, tab="overview")
 
     @app.get("/jobs/<job_id>/episodes")
     def episodes(job_id: str):
@@ -251,16 +255,19 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
     def dead_letters():
         job_id = request.args.get("job") or None
         reason = request.args.get("reason") or None
-        letters = source.dead_letters(job_id, reason)
+        got = source.dead_letters(job_id, reason, limit=MAX_LETTERS_SHOWN)
         failed = None
-        if letters is None:  # no Redis: what the store knows of failed episodes
+        if got is None:  # no Redis: what the store knows of failed episodes
             failed = [(j, source.read("count_episodes", j, statuses=["failed"])) for j in source.job_ids()]
             failed = [(j, n) for j, n in failed if n]
+        letters, matched, complete = got or ([], 0, True)
         reasons: dict[str, int] = {}
-        for d in letters or []:
+        for d in letters:
             reasons[d.reason] = reasons.get(d.reason, 0) + 1
-        return render_template("dead_letters.html", letters=(letters or [])[-MAX_LETTERS_SHOWN:][::-1],
-                               n_letters=len(letters or []), redis=letters is not None, failed=failed,
+        if reason and reason not in reasons:
+            reasons[reason] = 0
+        return render_template("dead_letters.html", letters=letters, n_letters=matched, complete=complete,
+                               redis=got is not None, failed=failed,
                                job_id=job_id, reason=reason, reasons=reasons,
                                redrove=request.args.get("redrove"), tab="dead")
 

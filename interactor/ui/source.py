@@ -26,6 +26,8 @@ JOB_IDS_TTL_S = 3.0  # the store's job list is re-read at most this often (it sc
 FINISHED_TTL_S = 10.0  # a finished job's stored progress is re-read at most this often
 AGGREGATE_TTL_S = {True: 3.0, False: 30.0}  # job-wide aggregates, by "is the job active"
 MAX_JOBS = 100
+# A server runs for weeks; what it remembers per job must not grow with every job it has seen.
+MAX_REMEMBERED_JOBS = 4 * MAX_JOBS
 
 
 class LiveState:
@@ -86,6 +88,9 @@ class RateMeter:
     def sample(self, job_id: str, steps: int, now: float | None = None) -> float | None:
         now = time.monotonic() if now is None else now
         with self._lock:
+            if job_id not in self._samples and len(self._samples) >= MAX_REMEMBERED_JOBS:
+                # forget the job sampled least recently (a finished job is sampled no more)
+                del self._samples[min(self._samples, key=lambda j: self._samples[j][-1][0])]
             q = self._samples.setdefault(job_id, deque())
             if not q or now - q[-1][0] >= 0.5:
                 q.append((now, steps))
@@ -179,6 +184,8 @@ class Source:
             self._finished.pop(job_id, None)
             rate = self.rates.sample(job_id, p["steps"])
         else:
+            if job_id not in self._finished and len(self._finished) >= MAX_REMEMBERED_JOBS:
+                del self._finished[min(self._finished, key=lambda j: self._finished[j][0])]
             self._finished[job_id] = (time.monotonic(), p)
             span = (p["last_finished"] - p["first_started"]) if p["first_started"] and p["last_finished"] else None
             rate = p["steps"] / span if span and span > 0 else None
@@ -200,10 +207,13 @@ class Source:
                 "breakers": snap.get("breakers", []), "redis": snap["redis"]}
 
     # --- dead letters -------------------------------------------------------------------
-    def dead_letters(self, job_id: str | None = None, reason: str | None = None) -> list | None:
+    def dead_letters(self, job_id: str | None = None, reason: str | None = None,
+                     limit: int = 1000) -> tuple[list, int, bool] | None:
+        """The newest ``limit`` letters (see ``DeadLetterQueue.newest``), or None without Redis."""
         if self.live is None:
             return None
-        return self.live.call(lambda: self.live.dlq.list(job_id=job_id or None, reason=reason or None), None)
+        return self.live.call(lambda: self.live.dlq.newest(job_id=job_id or None, reason=reason or None,
+                                                           limit=limit), None)
 
     def dead_letter(self, episode_id: str, job_id: str | None = None):
         if self.live is None:
@@ -213,6 +223,5 @@ class Source:
     def redrive(self, episode_ids: list[str]) -> list[str]:
         """Re-drive these dead letters (as ``interactor dlq redrive IDS``); raises if Redis fails."""
         assert self.live is not None
-        wanted = set(episode_ids)
-        letters = [d for d in self.live.dlq.list() if d.episode_id in wanted]
+        letters = [d for d in (self.live.dlq.get(e) for e in dict.fromkeys(episode_ids)) if d is not None]
         return self.live.dlq.redrive(letters)

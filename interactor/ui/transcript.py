@@ -135,11 +135,35 @@ def chat(steps: list[dict]) -> list[StepView]:
 
 def _overlap(context: list[Any], body: list[Any]) -> int:
     """The longest run of messages that ends ``context`` and starts ``body``: how much of this
-    prompt the reader has already seen (a trimmed prompt keeps the tail of the conversation)."""
-    for n in range(min(len(context), len(body)), 0, -1):
-        if context[-n:] == body[:n]:
-            return n
-    return 0
+    prompt the reader has already seen (a trimmed prompt keeps the tail of the conversation).
+
+    Knuth-Morris-Pratt over the messages, linear in their number: trying every length was
+    quadratic, and an episode of long prompts that never overlap (a restarted conversation on
+    every step) made one page cost seconds."""
+    n = min(len(context), len(body))
+    if not n:
+        return 0
+    keys = {}
+    def key(m: Any) -> int:  # messages are dicts: compare them through a stable id per value
+        k = orjson.dumps(m, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS, default=str)
+        return keys.setdefault(k, len(keys))
+    pattern = [key(m) for m in body[:n]]
+    text = [key(m) for m in context[-n:]]
+    fail = [0] * len(pattern)  # fail[i]: the longest proper border of pattern[:i + 1]
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    k = 0  # how much of pattern matches the text read so far
+    for t in text:
+        while k and (k == len(pattern) or t != pattern[k]):
+            k = fail[k - 1]
+        if t == pattern[k]:
+            k += 1
+    return k
 
 
 def conversation(steps: list[dict]) -> list[Message]:

@@ -1,0 +1,167 @@
+"""Before a job is enqueued: is anybody there?
+
+A typo in a port made `interactor run` print ``running=2 ... 0.0 steps/s`` for minutes: the
+workers' breakers knew the server was down and waited it out, as they should for an outage,
+but the user was never told. An outage that starts before the job is almost always a wrong
+URL or a server not started yet, so `run` and `submit` ask every server once before they
+enqueue anything and refuse with one line per problem (`--no-preflight` skips it, for servers
+that start later).
+
+What is asked, and why it is enough:
+* the model endpoint: ``GET {llm_base_url}/models`` (the readiness call every OpenAI-style
+  server answers). When the model named is not among the ids listed, one ``max_tokens: 1``
+  request tells "does not exist" (vLLM, SGLang, OpenAI answer 404) from a server that takes any
+  name (llama.cpp's llama-server lists its file name and serves whatever is asked). Not behind
+  session routing, where every request belongs to an episode's session.
+* each env server: ``GET {base_url}/envs`` (the protocol's readiness call). Where it answers a
+  list of env names, an ``env_name`` the server does not list is a problem too.
+
+The API key goes only where the workers would send it (``Settings.trusted_model_origins``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import requests
+
+from broker.settings import Settings, origin_of, redact_url
+
+PROBE_TIMEOUT_S = 5.0
+NO_PREFLIGHT_HINT = "(--no-preflight skips this check, for servers that start later)"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One server a job cannot use, in one line."""
+
+    kind: str  # "model" or "env"
+    url: str  # redacted
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} server {self.url}: {self.what}"
+
+
+def _reason(exc: requests.RequestException) -> str:
+    """``connection refused`` rather than urllib3's nested repr of it."""
+    text = str(exc)
+    for sign, short in (("Connection refused", "connection refused"),
+                        ("Name or service not known", "host name not found"),
+                        ("nodename nor servname", "host name not found"),
+                        ("Temporary failure in name resolution", "host name not found"),
+                        ("timed out", f"no answer within {PROBE_TIMEOUT_S:g} s"),
+                        ("CERTIFICATE_VERIFY_FAILED", "TLS certificate not trusted")):
+        if sign in text:
+            return short
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+def _error_text(resp: requests.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:200].strip()
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message") or err)[:200]
+    return str(err or body)[:200]
+
+
+class Preflight:
+    def __init__(self, settings: Settings, *, timeout_s: float = PROBE_TIMEOUT_S):
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self.session = requests.Session()
+        self.session.trust_env = False  # as the workers' clients: no proxy variables, no .netrc
+
+    def close(self) -> None:
+        self.session.close()
+
+    # --- model -------------------------------------------------------------------------
+    def model(self) -> list[Problem]:
+        s = self.settings
+        base = s.llm_base_url.rstrip("/")
+        shown = redact_url(base)
+        headers = {}
+        key = s.llm_api_key.reveal()
+        if key and origin_of(base) in s.trusted_model_origins():
+            headers["Authorization"] = f"Bearer {key}"
+        try:
+            resp = self.session.get(base + "/models", headers=headers, timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            return [Problem("model", shown, f"unreachable: {_reason(exc)}")]
+        if resp.status_code in (401, 403):
+            return [Problem("model", shown, f"refused the API key (HTTP {resp.status_code}: {_error_text(resp)})")]
+        if resp.status_code == 404:
+            return []  # no /models route: nothing more to learn without spending a request
+        if resp.status_code >= 400:
+            return [Problem("model", shown, f"answers HTTP {resp.status_code} to GET /models: {_error_text(resp)}")]
+        try:
+            listed = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+        except (ValueError, AttributeError):
+            return []
+        if not listed or s.model in listed or s.llm_session_routing:
+            return []  # (a session-routing proxy sees every request as part of an episode's session)
+        return self._model_exists(base, headers, shown, listed)
+
+    def _model_exists(self, base: str, headers: dict, shown: str, listed: list) -> list[Problem]:
+        body = {"model": self.settings.model, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "ping"}]}
+        try:
+            resp = self.session.post(base + "/chat/completions", json=body, headers=headers, timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            return [Problem("model", shown, f"unreachable: {_reason(exc)}")]
+        if resp.status_code == 404 or (resp.status_code == 400 and "model" in _error_text(resp).lower()):
+            served = ", ".join(str(m) for m in listed[:5])
+            return [Problem("model", shown, f"has no model {self.settings.model!r} "
+                                            f"(it serves {served}): {_error_text(resp)}")]
+        return []
+
+    # --- env servers ---------------------------------------------------------------------
+    def env(self, base_url: str, env_names: set[str]) -> list[Problem]:
+        base = base_url.rstrip("/")
+        shown = redact_url(base)
+        try:
+            resp = self.session.get(base + "/envs", timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            return [Problem("env", shown, f"unreachable: {_reason(exc)}")]
+        if resp.status_code >= 400:
+            return [Problem("env", shown, f"answers HTTP {resp.status_code} to GET /envs: {_error_text(resp)}")]
+        try:
+            served = resp.json()
+        except ValueError:
+            return []
+        if isinstance(served, dict):
+            served = served.get("envs", served.get("env_names"))
+        if not isinstance(served, list) or not served or not all(isinstance(n, str) for n in served):
+            return []  # a server that does not list its envs: the first reset will tell
+        missing = sorted(env_names - set(served))
+        if missing:
+            return [Problem("env", shown, f"does not serve env_name {', '.join(map(repr, missing))} "
+                                          f"(it serves {', '.join(served[:8])})")]
+        return []
+
+
+def check(settings: Settings, episodes, *, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
+    """Every problem found with the model endpoint and the env servers these episodes use
+    (``EpisodeSpec`` s; inproc episodes call no env server)."""
+    by_server: dict[str, set[str]] = {}
+    for e in episodes:
+        if e.transport != "inproc" and e.base_url:
+            by_server.setdefault(e.base_url.rstrip("/"), set()).add(e.env_name)
+    probe = Preflight(settings, timeout_s=timeout_s)
+    try:
+        problems = probe.model()
+        for url, names in sorted(by_server.items()):
+            problems += probe.env(url, names)
+    finally:
+        probe.close()
+    return problems
+
+
+def refusal(problems: list[Problem]) -> str:
+    """The text `run` and `submit` print before exiting 2."""
+    lines = [str(p) for p in problems]
+    return ("nothing was enqueued: " + lines[0] if len(lines) == 1 else
+            "nothing was enqueued:\n  " + "\n  ".join(lines)) + "\n" + NO_PREFLIGHT_HINT

@@ -1,0 +1,225 @@
+"""Before anything is enqueued, `run` and `submit` ask each server once (interactor/preflight.py):
+a wrong port, a server that is not up, an env_name a server does not have or a model a server
+does not serve is one clear line, not minutes of ``0.0 steps/s``. Real servers on loopback."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from broker.records import EpisodeSpec
+from envs.http import JSONHandler, QuietHTTPServer
+from interactor import preflight
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def episode(base_url: str, env_name: str = "guess_number", transport: str = "http") -> EpisodeSpec:
+    return EpisodeSpec(job_id="j", episode_id="j.e0", group_id="g", group_size=1, env_params={},
+                       env_name=env_name, base_url=base_url,
+                       transport=transport)
+
+
+class _StrictModelHandler(JSONHandler):
+    """vLLM's answers: /models lists the served name; any other name is a 404."""
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            return self.send_json(200, {"object": "list", "data": [{"id": "served-model", "object": "model"}]})
+        return self.send_json(404, {"error": "no route"})
+
+    def do_POST(self):
+        self.read_body()
+        self.server.posts += 1
+        self.send_json(404, {"object": "error", "message": "The model `wrong-name` does not exist.",
+                             "type": "NotFoundError", "param": None, "code": 404})
+
+
+class _AnyNameHandler(JSONHandler):
+    """llama.cpp's llama-server: /models lists its model file; every name is served."""
+
+    def do_GET(self):
+        return self.send_json(200, {"object": "list", "data": [{"id": "SmolLM2-135M.gguf", "object": "model"}]})
+
+    def do_POST(self):
+        self.read_body()
+        self.server.posts += 1
+        self.send_json(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                                          "finish_reason": "length"}]})
+
+
+@pytest.fixture
+def serve():
+    started = []
+
+    def start(handler):
+        srv = QuietHTTPServer(("127.0.0.1", 0), handler)
+        srv.posts = 0
+        started.append(srv)
+        return srv.serve_in_thread("preflight-test")
+
+    yield start
+    for srv in started:
+        srv.shutdown()
+
+
+def test_servers_that_answer_pass(settings, env_server, model_server):
+    _, env_url = env_server
+    _, model_url = model_server
+    s = settings.replace(llm_base_url=model_url + "/v1", model="anything")
+    assert preflight.check(s, [episode(env_url)]) == []
+
+
+def test_a_wrong_port_is_named_for_the_model_and_for_each_env_server(settings, env_server):
+    _, env_url = env_server
+    bad_env = f"http://127.0.0.1:{closed_port()}"
+    s = settings.replace(llm_base_url=f"http://127.0.0.1:{closed_port()}/v1")
+    problems = preflight.check(s, [episode(env_url), episode(bad_env), episode(bad_env, "other")])
+    assert [(p.kind, p.what) for p in problems] == [("model", "unreachable: connection refused"),
+                                                     ("env", "unreachable: connection refused")]
+    assert problems[1].url == bad_env
+    text = preflight.refusal(problems)
+    assert text.startswith("nothing was enqueued:") and "--no-preflight" in text and bad_env in text
+
+
+def test_an_env_name_the_server_does_not_list_is_named(settings, env_server, model_server):
+    _, env_url = env_server
+    _, model_url = model_server
+    s = settings.replace(llm_base_url=model_url + "/v1")
+    (p,) = preflight.check(s, [episode(env_url), episode(env_url, "no_such_env")])
+    assert p.kind == "env" and "'no_such_env'" in p.what and "guess_number" in p.what
+
+
+def test_inproc_episodes_ask_no_env_server(settings, model_server):
+    _, model_url = model_server
+    s = settings.replace(llm_base_url=model_url + "/v1")
+    assert preflight.check(s, [episode("", transport="inproc")]) == []
+
+
+def test_a_model_the_server_does_not_serve_is_named(settings, serve):
+    srv, url = serve(_StrictModelHandler)
+    (p,) = preflight.check(settings.replace(llm_base_url=url + "/v1", model="wrong-name"), [])
+    assert p.kind == "model" and "has no model 'wrong-name'" in p.what and "served-model" in p.what
+    assert "does not exist" in p.what
+    assert preflight.check(settings.replace(llm_base_url=url + "/v1", model="served-model"), []) == []
+    assert srv.posts == 1  # a listed name costs no request
+
+
+def test_a_server_that_takes_any_model_name_is_not_refused(settings, serve):
+    srv, url = serve(_AnyNameHandler)
+    assert preflight.check(settings.replace(llm_base_url=url + "/v1", model="default"), []) == []
+    assert srv.posts == 1
+
+
+def test_a_server_that_is_up_but_unavailable_is_named(settings, serve):
+    from examples.model_standin import start_in_thread
+
+    srv, url = start_in_thread()
+    srv.unavailable = True
+    try:
+        (p,) = preflight.check(settings.replace(llm_base_url=url + "/v1"), [])
+        assert p.kind == "model" and "HTTP 503" in p.what
+    finally:
+        srv.shutdown()
+
+
+# --- the command line -------------------------------------------------------------------------
+def _cli(settings, *args, timeout=120):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    env.update(settings.as_environ())
+    return subprocess.run([sys.executable, "-m", "interactor.cli", *args], env=env, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.integration
+def test_submit_to_a_wrong_port_enqueues_nothing_and_says_why(settings, redis_client, env_server, model_server,
+                                                              tmp_path):
+    _, env_url = env_server
+    _, model_url = model_server
+    wrong = f"http://127.0.0.1:{closed_port()}"
+    tasks = tmp_path / "t.yaml"
+    tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {wrong}\n    env_num: 2\n")
+    out = _cli(settings, "submit", str(tasks), "--llm-base-url", model_url + "/v1")
+    assert out.returncode == 2, out.stderr
+    assert f"env server {wrong}: unreachable: connection refused" in out.stderr and "Traceback" not in out.stderr
+    assert redis_client.llen(settings.queue) == 0 and not redis_client.keys(settings.key_prefix + ":*")
+    tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n    env_num: 2\n")
+    out = _cli(settings, "submit", str(tasks), "--llm-base-url", model_url + "/v1")
+    assert out.returncode == 0, out.stderr
+    assert redis_client.llen(settings.queue) == 2
+    # servers that start later: the check is skipped on request
+    tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {wrong}\n    env_num: 1\n")
+    out = _cli(settings, "submit", str(tasks), "--no-preflight", "--llm-base-url", model_url + "/v1")
+    assert out.returncode == 0, out.stderr
+    assert redis_client.llen(settings.queue) == 3
+
+
+@pytest.mark.parametrize("command", [["status"], ["dlq", "list"], ["reconcile", "somejob"]])
+def test_unreachable_redis_is_one_line_not_a_traceback(settings, command):
+    s = settings.replace(redis_url=f"redis://:pw-secret@127.0.0.1:{closed_port()}/0")
+    out = _cli(s, *command)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip() and "WARNING" not in ln]
+    assert "Traceback" not in out.stderr and "pw-secret" not in out.stderr
+    assert lines[-1].startswith("interactor: Redis at redis://:***@127.0.0.1:") and "unreachable" in lines[-1]
+
+
+@pytest.mark.integration
+def test_run_to_a_wrong_port_stops_before_starting_anything(settings, env_server, tmp_path):
+    _, env_url = env_server
+    tasks = tmp_path / "t.yaml"
+    tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n    env_num: 2\n")
+    s = settings.replace(redis_url="", run_dir=str(tmp_path / "run"))
+    wrong = f"http://127.0.0.1:{closed_port()}/v1"
+    out = _cli(s, "run", str(tasks), "--llm-base-url", wrong)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"model server {wrong}: unreachable: connection refused" in out.stderr
+    assert "embedded Redis" not in out.stdout and not (tmp_path / "run" / "redis").exists()
+
+
+def test_open_breakers_are_named_when_they_open_while_open_and_when_they_close(settings, redis_client):
+    from broker.keys import Keys
+    from broker.records import BreakerState
+    from interactor.localrun import BreakerNotes
+    from interactor.metrics import FleetReader
+
+    keys = Keys(settings.key_prefix)
+    state = BreakerState(kind="model", server="http://127.0.0.1:9/v1", worker="w1@h", since=time.time() - 45,
+                         error="connection refused")
+    redis_client.hset(keys.breakers, state.hash_field(), state.pack())
+    notes = BreakerNotes(FleetReader(redis_client, settings), every_s=0, repeat_s=30)
+    (said,) = notes.news(100.0)
+    assert said.startswith("model server http://127.0.0.1:9/v1 down 4") and "connection refused" in said
+    assert "wait up to" in said
+    assert notes.news(110.0) == []  # not every poll
+    assert len(notes.news(131.0)) == 1  # but again while it stays open
+    redis_client.hdel(keys.breakers, state.hash_field())
+    assert notes.news(132.0) == ["model server http://127.0.0.1:9/v1 answers again"]
+    assert notes.news(133.0) == []
+
+
+@pytest.mark.integration
+def test_a_run_whose_model_is_down_says_so_while_it_waits(settings, env_server, tmp_path):
+    _, env_url = env_server
+    tasks = tmp_path / "t.yaml"
+    tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n    env_num: 2\n")
+    s = settings.replace(redis_url="", run_dir=str(tmp_path / "run"), max_attempts=1)
+    wrong = f"http://127.0.0.1:{closed_port()}/v1"
+    out = _cli(s, "run", str(tasks), "--no-preflight", "--llm-base-url", wrong, "--workers", "1", timeout=240)
+    # the episodes end dead-lettered after the (test's short) outage budget; meanwhile the
+    # progress output named the server and why
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"model server {wrong} down" in out.stdout and "connection refused" in out.stdout, out.stdout[-3000:]
