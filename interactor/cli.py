@@ -27,7 +27,7 @@ import threading
 
 from broker.settings import SettingsError, redact_url
 from interactor.children import catch, exit_code, spawn, stop_event, watch_parent
-from interactor.common import SETTING_FLAGS, add_setting_flags, redis_for, settings_from_args
+from interactor.common import SETTING_FLAGS, ArgumentParser, add_setting_flags, redis_for, settings_from_args
 
 log = logging.getLogger("interactor")
 
@@ -338,7 +338,7 @@ EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.benchcli", "interactor.en
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="interactor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="interactor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
 

@@ -28,14 +28,39 @@ SETTING_FLAGS = {
 }
 # Setting flags that may be given bare: the value they then stand for.
 _BARE = {"--tokens": "auto"}  # --tokens = ask in the way the server's answer shows (broker/tokens.py)
+_BARE_HELP = {"--tokens": "store the token ids and logprobs the model sampled; --tokens=vllm|sglang|llama.cpp|openai "
+                          "names the server's way of answering (bare: told from the answer)"}
 
 
 def add_setting_flags(p: argparse.ArgumentParser, names: list[str]) -> None:
     for flag in names:
         if flag in _BARE:
-            p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None, nargs="?", const=_BARE[flag])
+            # Bare it stands for its default; with a value only as --flag=VALUE. An optional
+            # value (nargs="?") would swallow the next word: `run --tokens tasks.yaml` read
+            # tasks.yaml as the mode.
+            p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None, action="store_const", const=_BARE[flag],
+                           help=_BARE_HELP.get(flag))
+            p.add_argument(_valued(flag), dest=SETTING_FLAGS[flag], default=None, help=argparse.SUPPRESS)
         else:
             p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None)
+
+
+def _valued(flag: str) -> str:
+    return flag + "-value"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Reads ``--flag=VALUE`` of a flag that may also stand bare (see :func:`add_setting_flags`)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        import sys
+
+        args = list(sys.argv[1:] if args is None else args)
+        out = []
+        for a in args:
+            flag, eq, value = a.partition("=")
+            out += [_valued(flag), value] if eq and flag in _BARE else [a]
+        return super().parse_known_args(out, namespace)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -517,6 +517,9 @@ def test_the_flag_takes_a_server_or_stands_alone():
 
     assert build_parser().parse_args(["submit", "t.yaml", "--tokens"]).tokens == "auto"
     assert build_parser().parse_args(["submit", "--tokens=vllm", "t.yaml"]).tokens == "vllm"
+    # bare before a task file, it does not take the file for its value
+    args = build_parser().parse_args(["run", "--tokens", "t.yaml"])
+    assert args.tokens == "auto" and args.tasks == ["t.yaml"]
 
 
 # --------------------------------------------------------------------------- whole jobs
