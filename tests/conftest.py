@@ -196,3 +196,10 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str 
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def pytest_configure(config):
+    # Registered here, not in pyproject.toml, beside the other markers' fixtures.
+    config.addinivalue_line(
+        "markers", "containers: the compose fleet on a real Docker engine (make test-containers; "
+                   "skipped elsewhere)")
