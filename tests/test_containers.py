@@ -294,3 +294,28 @@ def test_6_status_and_metrics_from_containers(fleet):
     assert re.search(r"^interactor_redis_up 1\.0$", text, re.M), text[:2000]
     done = [float(v) for v in re.findall(r'^interactor_episodes\{state="done"\} (\S+)$', text, re.M)]
     assert done and done[0] >= EPISODES, text[:2000]
+
+
+# --- 5. the autoscale profile follows the queue up and back to the minimum -------------------
+def test_5_autoscaler_follows_queue_depth(fleet):
+    fleet.up("worker", scale={"worker": 0})
+    assert not fleet.containers("worker")
+    fleet.up("autoscaler")
+
+    def serving() -> int:
+        text = fleet.compose("exec", "-T", "autoscaler", "python", "-c",
+                             "import urllib.request; print(urllib.request.urlopen("
+                             "'http://127.0.0.1:9401/metrics', timeout=5).read().decode())", check=False).stdout
+        m = re.search(r'^interactor_autoscaler_workers\{state="serving"\} (\S+)$', text, re.M)
+        return int(float(m.group(1))) if m else -1
+
+    fleet.wait_until("the autoscaler at its minimum (0) before the job", lambda: serving() == 0, timeout=120, every=2)
+    job = fleet.submit()
+    peak = fleet.wait_until("the autoscaler at its maximum (3)", lambda: (n := serving()) >= 3 and n, timeout=120, every=1)
+    fleet.wait_stored(job, EPISODES)
+    fleet.assert_exactly_once(job)
+    # Back to the minimum once the queue is empty and the cooldown (10 s) has passed, though an
+    # earlier scenario's SIGKILLed worker left deliveries in kombu's unacked hash.
+    fleet.wait_until("the autoscaler back at its minimum (0)", lambda: serving() == 0, timeout=180, every=2)
+    log(f"scenario 5: autoscaler 0 -> {peak} -> 0 workers; all stored once")
+    fleet.compose("stop", "-t", "60", "autoscaler", timeout=300)

@@ -9,7 +9,10 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
   : "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD is required}"
   pwfile=$(mktemp)
   printf '%s\n' "$POSTGRES_PASSWORD" > "$pwfile"
-  initdb -D "$PGDATA" -U "$POSTGRES_USER" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256
+  # UTF8 as the official image's (its LANG is en_US.utf8): in this minimal image no locale is
+  # set, and initdb would pick SQL_ASCII, whose text psycopg returns as bytes.
+  initdb -D "$PGDATA" -U "$POSTGRES_USER" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 \
+    --encoding=UTF8 --locale=C.UTF-8
   rm -f "$pwfile"
   echo "host all all all scram-sha-256" >> "$PGDATA/pg_hba.conf"
   # Only the socket while the database is created: the health check (over TCP) stays red.
