@@ -294,6 +294,14 @@ def test_6_status_and_metrics_from_containers(fleet):
     assert re.search(r"^interactor_redis_up 1\.0$", text, re.M), text[:2000]
     done = [float(v) for v in re.findall(r'^interactor_episodes\{state="done"\} (\S+)$', text, re.M)]
     assert done and done[0] >= EPISODES, text[:2000]
+    # Every job is done: nothing in flight, though scenario 2's SIGKILLed worker left its
+    # deliveries in kombu's unacked hash (they stay there until the visibility timeout).
+    inflight = re.findall(r'^interactor_queue_inflight\{queue="[^"]*"\} (\S+)$', text, re.M)
+    assert inflight and all(float(v) == 0 for v in inflight), inflight
+    assert "inflight=" not in out or re.search(r"inflight=[1-9]", out) is None, out
+    unacked = fleet.compose("exec", "-T", "redis", "sh", "-c",
+                            'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli --no-auth-warning hlen unacked').stdout.strip()
+    log(f"scenario 6: status and /metrics answer; inflight 0 with {unacked} stale deliveries in kombu's unacked hash")
 
 
 # --- 5. the autoscale profile follows the queue up and back to the minimum -------------------
