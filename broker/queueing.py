@@ -202,18 +202,39 @@ def declared_queues(client: redis.Redis) -> set[str]:
     return found
 
 
-def inflight_per_queue(client: redis.Redis) -> dict[str, int]:
+def inflight_per_queue(client: redis.Redis, keys=None) -> dict[str, int]:
     """Episode tasks delivered to a worker and not acknowledged yet (reserved or running), per
-    queue (routing key); other Celery apps' messages in the same Redis are not counted."""
+    queue (routing key); other Celery apps' messages in the same Redis are not counted.
+
+    With ``keys`` (the ledger's), a delivery counts only while its episode holds a live lease
+    or reservation, and each episode once: a SIGKILLed worker's deliveries stay in kombu's
+    ``unacked`` hash until the visibility timeout although the sweeper has re-run their
+    episodes elsewhere, and counting them showed work in flight after the job was done (and
+    kept autoscaled workers up)."""
+    live: set[str] | None = None
+    if keys is not None:
+        now_ms = int(time.time() * 1000)
+        pipe = client.pipeline(transaction=False)
+        pipe.zrangebyscore(keys.running, now_ms, "+inf")
+        pipe.zrangebyscore(keys.reserved, now_ms, "+inf")
+        live = {m.decode() if isinstance(m, bytes) else m for part in pipe.execute() for m in part}
     out: dict[str, int] = {}
+    seen: set[str] = set()
     for _, raw in client.hscan_iter(UNACKED_KEY, count=1000):
         try:
             msg, _exchange, routing_key = json.loads(raw)
             ours = msg["headers"]["task"] == EPISODE_TASK
         except (ValueError, TypeError, KeyError):
             continue
-        if ours and routing_key:
-            out[routing_key] = out.get(routing_key, 0) + 1
+        if not (ours and routing_key):
+            continue
+        if live is not None:
+            args = task_args(msg)
+            member = f"{args[0]} {args[1]}" if args else None
+            if member not in live or member in seen:
+                continue
+            seen.add(member)
+        out[routing_key] = out.get(routing_key, 0) + 1
     return out
 
 

@@ -152,8 +152,10 @@ class FleetReader:
         return depths
 
     def inflight(self) -> dict[str, int]:
-        """Messages delivered to a worker and not acknowledged yet (reserved or running), per queue."""
-        return inflight_per_queue(self.r)
+        """Messages delivered to a worker and not acknowledged yet (reserved or running), per
+        queue; only those whose episode holds a live lease or reservation (a killed worker's
+        deliveries linger in kombu's hash after the sweeper re-ran their episodes)."""
+        return inflight_per_queue(self.r, self.keys)
 
     # jobs --------------------------------------------------------------------------------
     def job_counts(self, job_ids: list[str]) -> dict[str, dict[str, int]]:

@@ -251,3 +251,10 @@ def cpu_hog():
         yield hog
     finally:
         hog.stop()
+
+
+def pytest_configure(config):
+    # Registered here, not in pyproject.toml, beside the other markers' fixtures.
+    config.addinivalue_line(
+        "markers", "containers: the compose fleet on a real Docker engine (make test-containers; "
+                   "skipped elsewhere)")

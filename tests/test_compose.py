@@ -1,6 +1,7 @@
-"""No Docker engine or cluster runs here, so these tests keep the deployment files honest:
-every command exists in our CLI, every variable is one our settings read, and the ports, URLs,
-queue names and grace periods agree with each other and with the code."""
+"""These tests keep the deployment files honest without an engine or a cluster: every command
+exists in our CLI, every variable is one our settings read, and the ports, URLs, queue names
+and grace periods agree with each other and with the code. (tests/test_containers.py runs the
+compose file on a real Docker engine: make test-containers.)"""
 
 from __future__ import annotations
 
@@ -26,12 +27,19 @@ from producer.taskfile import plan_job
 from tests.conftest import ROOT
 
 ALLOWED_ENV = {"INTERACTOR_" + f.name.upper() for f in fields(Settings)} | {"REDIS_URL", "OPENAI_API_KEY"}
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+# The variables compose requires (no default: no fleet runs on a password written in the file).
+REQUIRED = {"REDIS_PASSWORD": "redis-pw", "POSTGRES_PASSWORD": "pg-pw"}
+
+
+class MissingVariable(Exception):
+    pass
 
 
 # --- helpers ---------------------------------------------------------------------------------
 def interpolate(value, env: dict | None = None):
-    """Compose's variable substitution with an empty host environment: defaults apply."""
+    """Compose's variable substitution: defaults apply to what ``env`` lacks; a required
+    variable (``${X:?message}``) that is missing raises MissingVariable."""
     env = env or {}
     if isinstance(value, str):
         def sub(m):
@@ -43,6 +51,8 @@ def interpolate(value, env: dict | None = None):
                 return got if got else (default or "")
             if op == "-":
                 return got if got is not None else (default or "")
+            if op in (":?", "?") and (got is None or (op == ":?" and not got)):
+                raise MissingVariable(f"{name}: {default}")
             return got or ""
         return _VAR.sub(sub, value)
     if isinstance(value, dict):
@@ -114,7 +124,7 @@ def container_port(mapping) -> int:
 @pytest.fixture(scope="module")
 def compose() -> dict:
     raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    return interpolate(raw)
+    return interpolate(raw, REQUIRED)
 
 
 def ours(service: dict) -> bool:
@@ -160,19 +170,24 @@ def test_compose_ports_and_urls_agree(compose):
     password = flag(redis_args, "--requirepass")
     listening = {name: listen_port(argv(svc["command"])) for name, svc in services.items() if "command" in svc}
     listening["redis"] = {redis_port}
+    listening["postgres"] = {5432}
+    pg_password = services["postgres"]["environment"]["POSTGRES_PASSWORD"]
 
     def check_url(url: str, where: str) -> None:
         parts = urlsplit(url)
         assert parts.hostname in services, f"{where}: {url} names no service"
-        port = parts.port or {"redis": 6379, "http": 80, "https": 443}[parts.scheme]
+        port = parts.port or {"redis": 6379, "http": 80, "https": 443, "postgresql": 5432}[parts.scheme]
         assert port in listening[parts.hostname], f"{where}: {url} but {parts.hostname} listens on {listening[parts.hostname]}"
         if parts.scheme == "redis":
             assert parts.password == password, f"{where}: the Redis password differs from the server's"
+        if parts.scheme == "postgresql":
+            assert parts.password == pg_password and parts.username == services["postgres"]["environment"]["POSTGRES_USER"]
+            assert parts.path.lstrip("/") == services["postgres"]["environment"]["POSTGRES_DB"], where
 
     settings_urls = 0
     for name, svc in services.items():
         for key, value in (svc.get("environment") or {}).items():
-            if ours(svc) and isinstance(value, str) and re.match(r"^(redis|https?)://", value):
+            if ours(svc) and isinstance(value, str) and re.match(r"^(redis|https?|postgresql)://", value):
                 check_url(value, f"{name}.{key}")
                 settings_urls += 1
         for mapping in svc.get("ports") or []:
@@ -187,7 +202,13 @@ def test_compose_ports_and_urls_agree(compose):
     env_probe = " ".join(services["env"]["healthcheck"]["test"])
     assert re.search(r"http://127\.0\.0\.1:(\d+)/envs", env_probe).group(1) == flag(argv(services["env"]["command"]), "--port")
     redis_probe = " ".join(services["redis"]["healthcheck"]["test"])
-    assert f"-p {redis_port}" in redis_probe and password in redis_probe
+    # The probe reads the password from the container's environment ($$ in the file).
+    assert f"-p {redis_port}" in redis_probe and "$REDIS_PASSWORD" in redis_probe
+    assert services["redis"]["environment"]["REDIS_PASSWORD"] == password
+    pg_probe = services["postgres"]["healthcheck"]["test"]
+    assert pg_probe[1] == "pg_isready" and flag(pg_probe, "-U") == services["postgres"]["environment"]["POSTGRES_USER"]
+    model_probe = " ".join(services["model"]["healthcheck"]["test"])
+    assert re.search(r"http://127\.0\.0\.1:(\d+)/v1/models", model_probe).group(1) == flag(argv(services["model"]["command"]), "--port")
     # Prometheus scrapes what the exporters serve; Grafana reads that Prometheus.
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     targets = [t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
@@ -214,6 +235,11 @@ def test_compose_redis_workers_and_one_shot_producer(compose):
     for name, svc in services.items():
         if ours(svc) and name not in ("env", "model"):
             assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
+    # The store: PostgreSQL on a volume, two consumers that start once it answers.
+    assert any(v.endswith(":/var/lib/postgresql/data") for v in services["postgres"]["volumes"])
+    assert services["consumer"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["consumer"]["scale"] == 2
+    assert Settings.from_env({k: str(v) for k, v in services["consumer"]["environment"].items()}).store_url.startswith("postgresql://")
 
     for name in ("worker", "autoscaler"):
         svc = services[name]
@@ -241,10 +267,52 @@ def test_compose_redis_workers_and_one_shot_producer(compose):
     assert {e.queue for e in planned.episodes} == {settings.queue}
 
 
+def test_compose_requires_passwords_and_runs_on_both_compose_versions():
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    # No password written in the file: without them, compose refuses to start.
+    for name in REQUIRED:
+        with pytest.raises(MissingVariable, match=name):
+            interpolate(raw, {k: v for k, v in REQUIRED.items() if k != name})
+    assert "interactor@redis" not in (ROOT / "docker-compose.yml").read_text()
+    # docker-compose 1.29 (Debian's) knows no top-level `name:`; the project name comes from
+    # -p / COMPOSE_PROJECT_NAME.
+    assert "name" not in raw
+    # Third-party images can be replaced (a mirror, or the Debian-made images of
+    # tests/test_containers.py); the defaults are what users get.
+    defaults = {"redis": "redis:7.2-alpine", "postgres": "postgres:16-alpine", "flower": "mher/flower:2.0",
+                "prometheus": "prom/prometheus:v2.53.0", "grafana": "grafana/grafana:11.1.0"}
+    for name, svc in raw["services"].items():
+        if "build" in svc:
+            assert svc["image"] == "${INTERACTOR_IMAGE:-interactor:latest}", name
+        else:
+            assert re.fullmatch(r"\$\{[A-Z_]+_IMAGE:-[^}]+\}", svc["image"]), name
+            assert interpolate(svc["image"]) == defaults[name]
+    assert interpolate(raw["services"]["redis"]["image"], {"REDIS_IMAGE": "mirror/redis:7"}) == "mirror/redis:7"
+
+
+@pytest.mark.skipif(not Path("/usr/bin/docker-compose").exists(), reason="Debian's docker-compose is not installed")
+def test_compose_file_is_valid_for_docker_compose_1_29(tmp_path):
+    import subprocess
+
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **REQUIRED}
+    r = subprocess.run(["/usr/bin/docker-compose", "-p", "check", "-f", str(ROOT / "docker-compose.yml"),
+                        "--profile", "demo", "--profile", "autoscale", "--profile", "monitoring", "config", "-q"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["/usr/bin/docker-compose", "-p", "check", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "REDIS_PASSWORD" in r.stderr
+
+
 def test_dockerfile_builds_the_project():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "ENTRYPOINT" not in dockerfile, "compose commands start with `interactor`"
     assert re.search(r"pip wheel .* \.\s*$", dockerfile, re.M) and "pip install" in dockerfile
+    # Users get python:3.11-slim; the container tests pass a base made from Debian's packages.
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
+    froms = re.findall(r"^FROM (\S+)", dockerfile, re.M)
+    assert froms == ["${BASE_IMAGE}", "${BASE_IMAGE}"], froms
+    assert re.search(r"^USER interactor$", dockerfile, re.M), "runs as non-root"
     ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
