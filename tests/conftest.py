@@ -7,6 +7,7 @@ tests do not see each other's episodes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -149,6 +150,15 @@ class Procs:
     def kill(self, name: str, sig=signal.SIGKILL) -> None:
         p = self.procs[name]
         if p.poll() is None:
+            if sig == signal.SIGKILL:
+                # The whole worker at once, as the OOM killer or `docker kill` takes it: a worker's
+                # Celery process runs in a session of its own and, were only its supervisor killed,
+                # would get SIGTERM and hand its episodes back in good order.
+                import psutil
+
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        child.send_signal(sig)
             os.killpg(p.pid, sig)  # the whole group: a prefork worker's children too
             p.wait(30)
 
@@ -252,9 +262,3 @@ def cpu_hog():
     finally:
         hog.stop()
 
-
-def pytest_configure(config):
-    # Registered here, not in pyproject.toml, beside the other markers' fixtures.
-    config.addinivalue_line(
-        "markers", "containers: the compose fleet on a real Docker engine (make test-containers; "
-                   "skipped elsewhere)")
