@@ -341,10 +341,21 @@ def _write_jsonl(rows: Iterable[dict], path: str) -> int:
 
 
 def _write_parquet(rows: Iterable[dict], path: str, row_group_size: int) -> int:
+    def flat(rows: Iterable[dict]) -> Iterator[dict]:
+        for row in rows:
+            row["messages"] = _flat_messages(row["messages"])
+            row["prompt"] = _flat_messages(row["prompt"])
+            row["completion"] = _flat_messages(row["completion"])
+            yield row
+
+    return _write_parquet_rows(flat(rows), path, parquet_schema(), row_group_size)
+
+
+def _write_parquet_rows(rows: Iterable[dict], path: str, schema, row_group_size: int) -> int:
+    """Rows to a zstd Parquet file in row groups of ``row_group_size``; the row count."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = parquet_schema()
     n = 0
     buf: list[dict] = []
     with pq.ParquetWriter(path, schema, compression="zstd") as writer:
@@ -353,9 +364,6 @@ def _write_parquet(rows: Iterable[dict], path: str, row_group_size: int) -> int:
             buf.clear()
 
         for row in rows:
-            row["messages"] = _flat_messages(row["messages"])
-            row["prompt"] = _flat_messages(row["prompt"])
-            row["completion"] = _flat_messages(row["completion"])
             buf.append(row)
             n += 1
             if len(buf) >= row_group_size:
@@ -465,21 +473,7 @@ def export_streams(
         if fmt == "jsonl":
             n = _write_jsonl(rows(), tmp)
         else:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            schema = stream_schema()
-            n = 0
-            buf: list[dict] = []
-            with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-                for row in rows():
-                    buf.append(row)
-                    n += 1
-                    if len(buf) >= row_group_size:
-                        writer.write_table(pa.Table.from_pylist(buf, schema=schema))
-                        buf.clear()
-                if buf or n == 0:
-                    writer.write_table(pa.Table.from_pylist(buf, schema=schema))
+            n = _write_parquet_rows(rows(), tmp, stream_schema(), row_group_size)
         os.replace(tmp, out_path)
         summary.rows = n
         return summary

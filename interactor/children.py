@@ -292,25 +292,27 @@ class Guard:
             self.proc.wait(5)
 
 
-def _start_time(pid: int) -> str | None:
-    """The kernel's start time of ``pid`` (Linux), so a recycled pid is never signalled."""
+def _stat(pid: int) -> list[bytes] | None:
+    """``/proc/<pid>/stat`` after the command name (state first), or None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    fields_ = stat[stat.rfind(b")") + 2:].split()
-    return fields_[19].decode() if len(fields_) > 19 else None
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (Linux), so a recycled pid is never signalled."""
+    fields_ = _stat(pid)
+    return fields_[19].decode() if fields_ and len(fields_) > 19 else None
 
 
 def _alive(pid: int, started: str | None) -> bool:
     if started is not None:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+        fields_ = _stat(pid)
+        if fields_ is None:
             return False
-        fields_ = stat[stat.rfind(b")") + 2:].split()
         return fields_[0] not in (b"Z", b"X") and len(fields_) > 19 and fields_[19].decode() == started
     try:
         os.kill(pid, 0)

@@ -218,11 +218,7 @@ class _Planner:
             # lower-numbered dead letter was processed after its rows and set them aside): any
             # rows of the attempt set aside so far are its trajectory again.
             self._bring_back(st, attempt_id)
-        st.attempt, st.attempt_id, st.attempt_started = number, attempt_id, started
-        st.attempt_closed = ""
-        st.status = EP_RUNNING
-        st.reason = st.error_class = st.error = st.ended_by = None
-        st.finished_at = None
+        self._make_current(st, number, attempt_id, started)
         st.attempts = max(st.attempts, number)
 
     def _route(self, st: EpisodeState, number: int, attempt_id: str, started: float | None) -> str | None:
@@ -245,6 +241,11 @@ class _Planner:
             self._set_aside_current(st, COMPLETED_BY_OTHER if completed else SUPERSEDED)
         if completed:
             self._bring_back(st, attempt_id)
+        self._make_current(st, number, attempt_id, started)
+
+    @staticmethod
+    def _make_current(st: EpisodeState, number: int, attempt_id: str, started: float | None) -> None:
+        """The episode runs under this attempt now: whatever ended the previous one is forgotten."""
         st.attempt, st.attempt_id, st.attempt_started = number, attempt_id, started
         st.attempt_closed = ""
         st.status = EP_RUNNING
