@@ -296,15 +296,9 @@ def export_training(
     column). JSONL keeps message content as stored (a string or a list of parts); Parquet
     JSON-encodes list-of-parts content so the column type stays ``list<struct<role, content>>``.
     """
-    if fmt not in ("jsonl", "parquet"):
-        raise ValueError(f"fmt must be 'jsonl' or 'parquet', got {fmt!r}")
     if max_staleness is not None and max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
-    own = not isinstance(store_path_or_store, ResultStore)
-    store = open_store(store_path_or_store, readonly=True) if own else store_path_or_store
-    out_path = str(out_path)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
+    store, own, out_path, tmp = _export_target(store_path_or_store, out_path, fmt)
     summary = ExportSummary()
     try:
         episodes = _select_episodes(
@@ -328,6 +322,18 @@ def export_training(
             os.unlink(tmp)
         if own:
             store.close()
+
+
+def _export_target(store_path_or_store, out_path, fmt: str) -> tuple[ResultStore, bool, str, str]:
+    """``(store, opened here, out path, temporary path)``: an export writes a temporary file
+    beside its target and renames it when done, so a reader never sees half a file."""
+    if fmt not in ("jsonl", "parquet"):
+        raise ValueError(f"fmt must be 'jsonl' or 'parquet', got {fmt!r}")
+    own = not isinstance(store_path_or_store, ResultStore)
+    store = open_store(store_path_or_store, readonly=True) if own else store_path_or_store
+    out_path = str(out_path)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    return store, own, out_path, out_path + ".tmp"
 
 
 def _write_jsonl(rows: Iterable[dict], path: str) -> int:
@@ -432,13 +438,7 @@ def export_streams(
     Episodes without token rows are left out. Filters as :func:`export_training`."""
     from consumer.streams import build
 
-    if fmt not in ("jsonl", "parquet"):
-        raise ValueError(f"fmt must be 'jsonl' or 'parquet', got {fmt!r}")
-    own = not isinstance(store_path_or_store, ResultStore)
-    store = open_store(store_path_or_store, readonly=True) if own else store_path_or_store
-    out_path = str(out_path)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
+    store, own, out_path, tmp = _export_target(store_path_or_store, out_path, fmt)
     summary = ExportSummary()
     try:
         episodes = _select_episodes(
