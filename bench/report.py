@@ -355,6 +355,25 @@ def render(res: dict, png_name: str | None) -> str:
         out.append(_table(["backend", "consumer processes", "records", "seconds", "records/s",
                            "consumer CPU us/record", "Redis CPU us/record", "database server CPU us/record",
                            "problems"], rows) + "\n")
+    tok = res.get("token_storage")
+    if tok:
+        ids = max(1, tok["stored_ids"])
+        out.append("## Token storage\n")
+        out.append(f"{tok['episodes']} full-history episodes of {tok['turns']} turns (each turn's prompt is the last "
+                   "one plus the answer and the env's reply) written through the real SQLite store with their token "
+                   "fields: prompt ids and completion ids packed little-endian int32, logprobs float32, as blobs.\n")
+        out.append(_table(["figure", "value"], [
+            ("sampled tokens (completion ids)", f"{tok['sampled_tokens']:,}"),
+            ("stored ids (each turn's prompt and completion)", f"{tok['stored_ids']:,}"),
+            ("**bytes per stored id** (ids + logprobs)", f"**{tok['token_bytes'] / ids:.2f}**"),
+            ("bytes per sampled token (the prompts' repeats included)",
+             f"{tok['token_bytes'] / max(1, tok['sampled_tokens']):.1f}"),
+            ("the same numbers as JSON text, bytes per stored id", f"{tok['json_bytes'] / ids:.2f}"),
+            ("sampled tokens' strings (for the browser), bytes per sampled token",
+             f"{tok['texts_bytes'] / max(1, tok['sampled_tokens']):.1f}"),
+            ("SQLite file growth over the same job without tokens, bytes per stored id",
+             f"{tok['file_growth_bytes'] / ids:.2f}"),
+        ]) + "\n")
     enq = res.get("enqueue")
     if enq:
         out.append("## Enqueue\n")

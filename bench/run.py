@@ -37,7 +37,8 @@ class BenchConfig:
     warmup_s: float = 3.0
     ingest_records: int = 50_000
     enqueue_episodes: int = 100_000
-    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, ingest, enqueue
+    token_episodes: int = 200  # 5-turn full-history episodes written with and without token ids
+    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, ingest, tokens, enqueue
     out: str = str(ROOT / "docs" / "benchmarks.md")
     png: str = str(ROOT / "docs" / "benchmarks.png")
     work: str = str(ROOT / "runs" / "bench")
@@ -47,7 +48,7 @@ class BenchConfig:
     def quick(cls, **kw) -> "BenchConfig":
         base = dict(levels=[16], single_turn_levels=[16], pools=[], pool_level=16, process_counts=[],
                     model_latency_ms=200.0, steps=5,
-                    window_s=5.0, warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000,
+                    window_s=5.0, warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000, token_episodes=20,
                     ingest_runs=[("sqlite", 1)],
                     out=str(ROOT / "runs" / "bench" / "benchmarks.md"), png=str(ROOT / "runs" / "bench" / "benchmarks.png"))
         base.update(kw)
@@ -118,6 +119,9 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
             res["ingest_runs"].append(r)
         if res["ingest_runs"]:
             res["ingest"] = res["ingest_runs"][0]
+    if "tokens" not in cfg.skip:
+        res["token_storage"] = harness.to_json(harness.run_token_storage(
+            work, episodes=cfg.token_episodes))
     if "enqueue" not in cfg.skip:
         res["enqueue"] = harness.to_json(harness.run_enqueue(cfg.enqueue_episodes, work, base=base))
     res["finished"] = report.now_text()

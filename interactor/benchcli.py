@@ -76,7 +76,7 @@ def register(sub, add) -> None:
     sp.add_argument("--warmup", type=float, help="seconds between all slots busy and the window (3)")
     sp.add_argument("--ingest-records", type=int)
     sp.add_argument("--enqueue-episodes", type=int)
-    sp.add_argument("--skip", help="parts to skip: load,single,processes,pools,ingest,enqueue")
+    sp.add_argument("--skip", help="parts to skip: load,single,processes,pools,ingest,tokens,enqueue")
     sp.add_argument("--process-counts", help="worker process counts compared at --pool-level, e.g. 2,4 ('' for none)")
     sp.add_argument("--out", help="the Markdown report (docs/benchmarks.md)")
     sp.add_argument("--png", help="the plot (docs/benchmarks.png); '' for none")

@@ -30,7 +30,7 @@ def test_bench_quick_produces_the_table(tmp_path):
 
     text = out.read_text()
     for heading in ("## How to run", "## The machine", "## Targets", "## Load runs", "## Worker pools",
-                    "## Consumer ingest", "## Enqueue", "## Single-turn episodes"):
+                    "## Consumer ingest", "## Enqueue", "## Single-turn episodes", "## Token storage"):
         assert heading in text, heading
     for row in ("| Efficiency at concurrency 4 |", "| Orchestration CPU per step, concurrency 4 |",
                 "| Worker memory per concurrent episode, concurrency 4 |", "| Consumer ingest (records/s into SQLite, one consumer) |",
@@ -54,3 +54,7 @@ def test_bench_quick_produces_the_table(tmp_path):
     assert single["redis_calls"].get("evalsha", 0) >= 2 * single["episodes"]
     assert res["ingest"]["records"] == 600 and not res["ingest"]["errors"] and res["ingest"]["backend"] == "sqlite"
     assert res["enqueue"]["episodes"] == 1000 and not res["enqueue"]["errors"]
+    tok = res["token_storage"]
+    assert not tok["errors"] and tok["sampled_tokens"] > 0
+    assert tok["token_bytes"] == 4 * (tok["stored_ids"] + tok["sampled_tokens"])  # int32 ids, float32 logprobs
+    assert tok["file_growth_bytes"] > 0 and tok["json_bytes"] > tok["token_bytes"]
