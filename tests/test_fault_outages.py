@@ -285,3 +285,35 @@ def test_consumer_on_read_only_postgres_waits_and_loses_nothing(settings, tmp_pa
             conn.execute("ALTER SYSTEM RESET default_transaction_read_only")
             conn.execute("SELECT pg_reload_conf()")
         s.close()
+
+
+def test_worker_kills_and_a_redis_restart_on_a_busy_machine(sqlite_scenario, cpu_hog):
+    """The two faults a fleet meets most, with every core taken by other work (a shared CI
+    runner, a laptop building something): workers SIGKILLed again and again and Redis killed and
+    restarted from its log. Every episode completes once; no healthy worker loses a lease to the
+    load (the renewer keeps up), and killed workers cost attempts, never episodes."""
+    s = sqlite_scenario("busy-kills-and-redis", max_attempts=10, model_latency_ms=150)
+    cpu_hog.start()
+    s.start()
+    starts = {f"w{i + 1}": 1 for i in range(s.n_workers)}
+    t0 = time.monotonic()
+
+    def chaos(s: Scenario):
+        now = time.monotonic() - t0
+        if now > 3 and not s.faults.get("redis_restarts"):
+            s.redis.restart(kill=True, down_s=1.0)
+            s.faults["redis_restarts"] = 1
+        if now > 2 + 3 * s.faults.get("worker_kills", 0) and s.faults.get("worker_kills", 0) < 3:
+            name = f"w{1 + s.faults.get('worker_kills', 0) % s.n_workers}"
+            if s.procs.log(name).count(" ready.") >= starts[name]:  # up again since its last start
+                s.procs.kill(name)
+                s.faults["worker_kills"] = s.faults.get("worker_kills", 0) + 1
+                s.procs.worker(name)
+                starts[name] += 1
+
+    s.wait(chaos, timeout=600)
+    assert cpu_hog.running  # the cores were taken until the job was done
+    cpu_hog.stop()
+    f = s.check()
+    assert f.completed == EPISODES and f.duplicate_steps == 0 and f.superseded_in_export == 0
+    assert s.faults.get("redis_restarts") == 1 and s.faults.get("worker_kills", 0) >= 1
