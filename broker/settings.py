@@ -133,6 +133,9 @@ class Settings:
     retry_backoff_initial_s: float = 2.0
     retry_backoff_max_s: float = 60.0
     shutdown_grace_s: float = 30.0  # after SIGTERM, running episodes get this long to finish
+    # ... and the process this much longer to exit, or the kernel ends it (SIGALRM): Celery's
+    # warm shutdown waits on its broker, forever if Redis is gone for good.
+    shutdown_hard_exit_s: float = 60.0
     # A worker process whose Celery consumer takes no task for this long while episodes wait in
     # its queues and it has free slots is replaced (workers/consumer_watch.py); 0 turns it off.
     worker_stall_s: float = 60.0
@@ -274,6 +277,8 @@ class Settings:
             problems.append("experience_top_k must be >= 1")
         if self.outage_budget_s < 0:
             problems.append("outage_budget_s must be >= 0")
+        if self.shutdown_hard_exit_s <= 0:
+            problems.append("shutdown_hard_exit_s must be > 0")
         if self.worker_stall_s < 0:
             problems.append("worker_stall_s must be >= 0 (0 turns the consumer watch off)")
         if self.job_retention_s <= 0:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import psutil
@@ -310,3 +311,43 @@ def test_autoscaler_stopped_by_a_signal_leaves_no_worker(settings, tmp_path, mar
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_worker_whose_redis_is_gone_still_ends_its_shutdown(settings, procs, env_server, tmp_path):
+    """The run that started a worker was killed and its Redis with it, while episodes ran: the
+    worker's Celery process gets SIGTERM from its dying supervisor, and handing its episodes back
+    waits for Redis through the outage budget (15 minutes by default). It lived on as an orphan
+    that long; now the kernel ends it at grace + INTERACTOR_SHUTDOWN_HARD_EXIT_S."""
+    import redis
+
+    from broker.embedded import EmbeddedRedis
+    from broker.keys import Keys
+    from examples.model_standin import start_in_thread
+    from producer.enqueue import submit
+
+    _, env_url = env_server
+    model, model_url = start_in_thread(latency_ms=3000)
+    own = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        s = settings.replace(redis_url=own.url, llm_base_url=model_url + "/v1", shutdown_grace_s=2,
+                             shutdown_hard_exit_s=4, outage_budget_s=600)
+        procs.settings = s
+        sup = procs.worker("w1")
+        wait_for(lambda: " ready." in procs.log("w1"), 120, what="the worker ready")
+        (celery,) = psutil.Process(sup.pid).children()
+        tasks = tmp_path / "t.yaml"
+        tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n    env_num: 4\n")
+        client = redis.Redis.from_url(own.url)
+        submit(client, s, [str(tasks)])
+        wait_for(lambda: client.zcard(Keys(s.key_prefix).running) >= 4, 60, what="4 episodes running")
+        client.close()
+        sup.kill()  # the supervisor dies without a word: its child gets SIGTERM ...
+        sup.wait(10)
+        own.stop()  # ... and the run's Redis is gone for good
+        gone, alive = psutil.wait_procs([celery], timeout=60)
+        for p in alive:  # not left running for whoever uses this machine next
+            p.kill()
+        assert gone, f"the worker's Celery process {celery.pid} outlived its Redis and its supervisor"
+    finally:
+        own.stop()
+        model.shutdown()

@@ -7,6 +7,7 @@ the environment (``REDIS_URL``, ``INTERACTOR_*``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -114,5 +115,11 @@ def _quiet_per_task_lines(**_):
 def _on_shutdown(**_):
     if _runtime is not None:
         _runtime.begin_shutdown()
+    # The running episodes are handed back at the grace; what must not happen is a process that
+    # never ends: Celery's warm shutdown retries its broker without limit, and a worker whose
+    # Redis is gone for good (the run that started it was killed) lived on as an orphan. At this
+    # deadline the kernel ends the process, whatever it is stuck in (SIGALRM's default action;
+    # nothing here handles SIGALRM).
+    signal.alarm(max(1, math.ceil(settings.shutdown_grace_s + settings.shutdown_hard_exit_s)))
     if _watch is not None:
         _watch.stop()
