@@ -21,6 +21,7 @@ enqueue rate for a large job, both in this process against the same kind of Redi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -44,7 +45,7 @@ from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.settings import Settings
-from interactor.children import role_command, spawn, spawn_role
+from interactor.children import descendants, role_command, spawn, spawn_role
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,6 +188,12 @@ def _pss_mb(procs: list[psutil.Process]) -> float:
 def _stop(p: subprocess.Popen | None, sig=signal.SIGTERM, wait: float = 15.0) -> None:
     if p is None or p.poll() is not None:
         return
+    if sig == signal.SIGKILL:
+        # the whole tree: a worker's Celery process runs in a session of its own, and would
+        # otherwise outlive its killed supervisor by its shutdown's hard end
+        for pid in descendants(p.pid) - {p.pid}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
     try:
         os.killpg(p.pid, sig)
     except ProcessLookupError:
