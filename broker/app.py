@@ -14,6 +14,8 @@ Why each setting (see the README's delivery guarantee):
 * worker_consumer: Celery's consumer with capped broker waits, so that under the gevent pool a
   slot freed by a finished episode takes the next one at once (workers/celery_consumer.py).
   Named by path: broker/ imports nothing above it.
+* broker_transport: kombu's Redis transport, keeping one client per channel
+  (broker/kombu_redis.py).
 * per-task log lines ("received", "succeeded") are off (workers/tasks.py): at a thousand
   episodes a minute they cost more CPU than the bookkeeping they report.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from broker.kombu_redis import TRANSPORT
 from broker.redisconn import broker_transport_options, broker_use_ssl
 from broker.settings import Settings
 
@@ -49,6 +52,7 @@ def make_app(settings: Settings, *, main: str = "interactor") -> Celery:
         worker_redirect_stdouts=False,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
+        broker_transport=TRANSPORT,
         broker_transport_options=broker_transport_options(settings),
         broker_use_ssl=broker_use_ssl(settings),
         broker_heartbeat=0,

@@ -116,6 +116,9 @@ class Settings:
     env_backoff_initial_s: float = 0.5
     env_backoff_max_s: float = 10.0
     max_response_bytes: int = 32 * 1024 * 1024  # a larger env/model answer is malformed
+    # Plain http:// calls (env and model) through the worker's own HTTP/1.1 client
+    # (workers/plainhttp.py, a tenth of urllib3's CPU per call); off: urllib3 for every call.
+    http_plain_client: bool = True
 
     # --- the step loop (docs/protocol.md#step-loop) -----------------------------------------
     max_steps: int = 1000

@@ -131,9 +131,10 @@ def test_settings_refuse_urls_the_check_refuses():
     assert "sk-secret" not in str(ei.value)
 
 
-# Where requests, and the worker's own urllib3 shortcut (workers/http.py), would connect.
+# Where requests, the worker's own plain-http client (workers/plainhttp.py) and its urllib3
+# shortcut (workers/http.py, for https and with the plain client off) would connect.
 _SESSION = make_session(Settings())
-_POOL = HttpPool(_SESSION)
+_POOLS = {"plain": HttpPool(_SESSION), "shortcut": HttpPool(_SESSION, plain=False)}
 
 
 def _strip(host: str) -> str:
@@ -145,9 +146,10 @@ def connects_to(url: str) -> set[tuple[str, str, str, int]]:
     adapter = _SESSION.get_adapter(prep.url)
     pool = adapter.get_connection_with_tls_context(prep, True, proxies={})
     out = {("requests", pool.scheme, _strip(pool.host), pool.port)}
-    fast = _POOL.pool_for(url)
-    if fast is not None:
-        out.add(("shortcut", fast.scheme, _strip(fast.host), fast.port))
+    for name, pools in _POOLS.items():
+        fast = pools.pool_for(url)
+        if fast is not None:
+            out.add((name, fast.scheme, _strip(fast.host), fast.port))
     p = parse_url(url)
     out.add(("parse_url", p.scheme, _strip(p.host or ""), p.port or {"http": 80, "https": 443}[p.scheme]))
     return out

@@ -59,6 +59,8 @@ except ImportError:  # pragma: no cover
 
 from broker.errors import EPISODE_TIMEOUT, EpisodeError
 from broker.settings import Settings
+from broker.urls import UrlError, check_url
+from workers.plainhttp import PlainPool
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +244,13 @@ _watchdog = Watchdog()
 _calls = threading.local()  # the deadline of the call this thread (or greenlet) is making
 
 
+def _arm(sock) -> None:
+    """Arm the watchdog for this call's socket (the plain path calls it once the request is out)."""
+    deadline = getattr(_calls, "deadline", None)
+    if deadline is not None:
+        _calls.watch = _watchdog.arm(deadline, sock)
+
+
 class _Watched:
     """Arms the watchdog once the request is out and the answer is awaited."""
 
@@ -318,18 +327,23 @@ class _Adapter(HTTPAdapter):
 
 
 class HttpPool:
-    """One per client per worker process, shared by its threads: a requests Session, and the
-    urllib3 pool of each origin that the Session's adapter owns (``pool_for``)."""
+    """One per client per worker process, shared by its threads: a requests Session, and for
+    each origin the pool a call goes through (``pool_for``): our own keep-alive pool for plain
+    ``http://`` (workers/plainhttp.py), else the urllib3 pool that the Session's adapter owns."""
 
-    def __init__(self, session: requests.Session):
+    def __init__(self, session: requests.Session, *, plain: bool = True):
         self.session = session
-        self._pools: dict[str, Any] = {}  # origin -> urllib3 pool, or None (take requests' path)
+        self.plain = plain
+        self._pools: dict[str, Any] = {}  # origin -> PlainPool or urllib3 pool, or None (requests' path)
 
     @classmethod
     def for_settings(cls, settings: Settings, pool_size: int | None = None) -> "HttpPool":
         return cls(make_session(settings, pool_size))
 
     def close(self) -> None:
+        for pool in self._pools.values():
+            if isinstance(pool, PlainPool):
+                pool.close()
         self.session.close()
         self._pools.clear()
 
@@ -343,6 +357,8 @@ class HttpPool:
             pass
         pool = None
         if not proxies_for(url):
+            pool = self._plain_pool(origin)
+        if pool is None and not proxies_for(url):
             adapter = self.session.get_adapter(url)
             if isinstance(adapter, HTTPAdapter):
                 probe = requests.PreparedRequest()
@@ -353,6 +369,19 @@ class HttpPool:
                 pool.ConnectionCls = _TLSConnection if origin.startswith("https:") else _Connection
         self._pools[origin] = pool
         return pool
+
+    def _plain_pool(self, origin: str) -> "PlainPool | None":
+        """Our own pool for a plain-http origin, connecting where the URL check says; None for
+        TLS, when switched off, or for an origin the check refuses (urllib3 then reports it)."""
+        if not self.plain or not origin.startswith("http:"):
+            return None
+        try:
+            target = check_url(origin)
+        except UrlError:
+            return None
+        adapter = self.session.get_adapter(origin + "/")
+        size = getattr(adapter, "_pool_maxsize", 10)
+        return PlainPool(target, size, user_agent=USER_AGENT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,6 +405,7 @@ class Reply:
         return 200 <= self.status < 300
 
 
+_JSON_TYPE = {"Content-Type": "application/json"}
 _NO_RETRIES = urllib3.Retry(0, read=False)  # what HTTPAdapter(max_retries=0) passes: errors come wrapped
 
 
@@ -399,7 +429,17 @@ def send(
     pool = http.pool_for(url)
     _calls.deadline, _calls.watch = deadline, None
     try:
-        if pool is None:  # through a proxy: requests' path, over the same watched connections
+        if isinstance(pool, PlainPool):
+            extra = headers
+            if body is not None and not (headers and any(k.lower() == "content-type" for k in headers)):
+                extra = {**headers, **_JSON_TYPE} if headers else _JSON_TYPE
+            status, hdrs, data = pool.exchange(
+                method, url[len(origin_prefix(url)):] or "/", extra,
+                body if body is None or isinstance(body, bytes) else bytes(body),
+                deadline=deadline, timeout=timeout, max_bytes=max_bytes, error_bytes=ERROR_BODY_READ_BYTES,
+                what=what, arm=_arm, too_large=TooLarge)
+            reply = Reply(status, hdrs, data, time.monotonic() - started)
+        elif pool is None:  # through a proxy: requests' path, over the same watched connections
             reply = _send_requests(http.session, method, url, deadline=deadline, timeout=timeout,
                                    max_bytes=max_bytes, what=what, body=body, headers=headers, started=started)
         else:
@@ -759,7 +799,7 @@ class PooledClient:
 
     def __init__(self, settings: Settings, *, session: requests.Session | None = None):
         self.settings = settings
-        self.http = HttpPool(session or make_session(settings))
+        self.http = HttpPool(session or make_session(settings), plain=settings.http_plain_client)
 
     @property
     def session(self) -> requests.Session:
