@@ -773,6 +773,14 @@ class ResultStore:
                     out[gid]["versions"].append(wv)
         return out
 
+    def feed_steps(self, episode_id: str) -> list[tuple]:
+        """The episode's trajectory rows as the feed hands them to a trainer, in step order."""
+        return self.query(
+            "SELECT job_id, session_id, group_id, env_name, step_id, attempt, messages, response, step_reward, "
+            "weight_version, CAST(is_trainable AS INTEGER), CAST(is_terminal AS INTEGER), "
+            "CAST(is_truncated AS INTEGER), prompt_tokens, completion_tokens, ended_by, finish_reason, created_ts "
+            "FROM session_steps WHERE session_id = ? ORDER BY step_id", (episode_id,))
+
     def settled_group_ids(self, job_id: str) -> list[str]:
         """Groups of a job with no member left to run (every one completed or failed): what a
         feed attached late, or a consumer that crashed between commit and announce, catches up on."""
