@@ -116,12 +116,21 @@ class FeedService:
         return out
 
     def _claim(self, trainer: str, count: int) -> list:
+        """Groups another trainer took and has not acknowledged within the timeout. Not this
+        trainer's own: holding its groups longer is its business, and giving them back to it
+        would hand it the same group twice. XCLAIM re-checks the idle time, so two takers never
+        claim one group."""
+        stream, idle = self.keys.feed_stream(self.job_id), int(self.cfg.ack_timeout_s * 1000)
         try:
-            res = self.r.xautoclaim(self.keys.feed_stream(self.job_id), feed.TRAINERS, trainer,
-                                    int(self.cfg.ack_timeout_s * 1000), start_id="0-0", count=count)
+            pending = self.r.xpending_range(stream, feed.TRAINERS, min="-", max="+", count=max(count * 4, 16),
+                                            idle=idle)
         except redis.ResponseError:
             return []
-        return [e for e in res[1] if e[1]]
+        ids = [p["message_id"] for p in pending
+               if (p["consumer"].decode() if isinstance(p["consumer"], bytes) else p["consumer"]) != trainer][:count]
+        if not ids:
+            return []
+        return [e for e in self.r.xclaim(stream, feed.TRAINERS, trainer, idle, ids) if e[1]]
 
     def _decide(self, entry_id: str, fields: dict, again: bool) -> dict | None:
         stats = self.keys.feed_stats(self.job_id)
