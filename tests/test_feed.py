@@ -206,11 +206,11 @@ def test_backpressure_stops_production_at_max_ahead_and_resumes(run_factory, tmp
 
 def test_a_group_with_a_dead_lettered_member_is_reported_failed(run_factory, tmp_path):
     def tasks(url):
-        return write_tasks(tmp_path, url, rows=1, extra=textwrap.dedent(f"""\
-              - env_name: no_such_env
-                base_url: {url}
-                env_num: 2
-            """))
+        return write_tasks(tmp_path, url, rows=1, extra=textwrap.indent(textwrap.dedent(f"""\
+            - env_name: no_such_env
+              base_url: {url}
+              env_num: 2
+            """), "  "))
 
     run = run_factory(tasks, feed_max_ahead=4, max_attempts=1)
     run.start_producer()
