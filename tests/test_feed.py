@@ -222,3 +222,114 @@ def test_a_group_with_a_dead_lettered_member_is_reported_failed(run_factory, tmp
     st = run.service.stats()
     assert st["inflight"] == 0 and st["recent_failures"]
     assert "failed" in st["recent_failures"][0]["reason"]
+
+
+# --- over HTTP ------------------------------------------------------------------------------
+def serve_in_thread(service, token=""):
+    from interactor.feedserve import FeedApp, make_server
+
+    server = make_server(FeedApp(service), "127.0.0.1", 0, token)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_http_routes_client_and_the_compatibility_shape(run_factory, tmp_path, env_server, model_server):
+    import urllib.request
+
+    from interactor.feed_client import Feed, FeedHTTPError
+    from interactor.feedserve import make_server, FeedApp
+    from broker.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="INTERACTOR_FEED_TOKEN"):
+        make_server(FeedApp(None), "0.0.0.0", 0, "")
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=3), feed_max_ahead=3)
+    server, url = serve_in_thread(run.service, token="tok-123")
+    try:
+        assert json.loads(urllib.request.urlopen(url + "/health").read())["status"] == "ok"  # no token needed
+        with pytest.raises(FeedHTTPError) as err:
+            Feed(url, token="wrong").stats()
+        assert err.value.status == 401
+        f = Feed(url, trainer="t1", token="tok-123")
+        assert f.set_version(3) == 3
+        with pytest.raises(FeedHTTPError) as err:
+            f.set_version(2)
+        assert err.value.status == 409 and "behind" in str(err.value)
+        run.start_producer()
+        groups = []
+        wait_for(lambda: groups.extend(f.take(1, timeout=1.0)) or groups, 120, interval=0.01, what="a group")
+        with pytest.raises(FeedHTTPError) as err:
+            f.ack(["nope"])
+        assert err.value.status == 404 and "nope" in str(err.value)
+        assert f.ack([groups[0]["group_id"]])["acked"] == [groups[0]["group_id"]]
+        # The original buffer server's route: the rest of the groups, item by item.
+        compat = Feed(url, token="tok-123")
+        body = {}
+        wait_for(lambda: body.update(compat._call("POST", "/get_rollout_data", {"batch_size": 2, "timeout": 1.0}))
+                 or body["data"]["meta_info"]["finished_groups"] == 2, 120, what="two groups by get_rollout_data")
+        assert body["success"] is True
+        items, meta = body["data"]["data"], body["data"]["meta_info"]
+        assert meta["total_samples"] == len(items) == 4  # two groups of two single-turn episodes
+        assert meta["avg_weight_version"] == 3 and meta["max_weight_version"] == 3
+        assert abs(meta["avg_reward"] - sum(i["reward"] for i in items) / 4) < 1e-9
+        for item in items:
+            assert set(item) == {"uid", "instance_id", "messages", "reward", "extra_info"}
+            x = item["extra_info"]
+            assert set(x) == {"timestamp", "steps", "finish_reason", "session_id", "env_id", "group_id",
+                              "weight_version", "truncated"}
+            assert item["instance_id"] == x["group_id"] and x["session_id"] == x["env_id"]
+            assert x["weight_version"] == "3" and x["steps"] == 1 and x["finish_reason"] == "stop"
+            # what the store holds is what the env and the model saw: the prompt, then the answer
+            step = run.store.feed_steps(x["session_id"])[0]
+            assert item["messages"][:-1] == json.loads(step[6])
+            assert item["messages"][-1] == {"role": "assistant", "content": step[7]}
+            assert "What is" in json.dumps(item["messages"][:-1])
+        st = f.stats()
+        assert st["acked"] == 3 and st["inflight"] == 0 and st["version"] == 3
+    finally:
+        server.shutdown()
+
+
+def test_feed_server_killed_and_restarted_delivers_every_group_once(run_factory, tmp_path, procs):
+    """The feed server as its own process (`interactor feed serve --job J`), SIGKILLed while a
+    trainer takes: the restarted server serves the rest, and no acknowledged group comes back."""
+    import socket
+
+    from interactor.feed_client import Feed, FeedHTTPError
+
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=8), feed_max_ahead=8, feed_ack_timeout_s=2.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+
+    def start():
+        procs.start("feed", "feed", "serve", "--job", run.job_id, "--port", str(port))
+
+        def up():
+            try:
+                return Feed(url).health()["job_id"] == run.job_id
+            except (OSError, FeedHTTPError):
+                return False
+
+        wait_for(up, 60, what="the feed server up")
+
+    start()  # its producer produces the groups
+    f = Feed(url, trainer="t")
+    seen = []
+
+    def take_some(n):
+        def more():
+            got = f.take(2, timeout=1.0)
+            f.ack([g["group_id"] for g in got])
+            seen.extend(g["group_id"] for g in got)
+            return len(seen) >= n
+        wait_for(more, 120, interval=0.01, what=f"{n} groups acknowledged")
+
+    take_some(3)
+    procs.kill("feed", signal.SIGKILL)
+    start()
+    take_some(8)
+    assert len(seen) == len(set(seen)) == 8
+    assert f.take(2, timeout=1.0) == []
+    st = f.stats()
+    assert st["acked"] == 8 and st["produced"] == 8 and st["inflight"] == 0
