@@ -233,3 +233,20 @@ def inflight(r: redis.Redis, keys: Keys, job_id: str) -> int:
     """Groups produced and not settled yet: queued, running, ready or taken-unacknowledged."""
     produced, settled = r.hmget(keys.feed_stats(job_id), C_PRODUCED, C_SETTLED)
     return int(produced or 0) - int(settled or 0)
+
+
+def summary(r: redis.Redis, keys: Keys, job_id: str) -> dict[str, int | None]:
+    """The feed of a job at a glance (``interactor status``): groups ready, taken, acknowledged,
+    re-queued or dropped for staleness, filtered, failed, and the current version."""
+    c = counters(r, keys, job_id)
+    try:
+        taken = int(r.xpending(keys.feed_stream(job_id), TRAINERS)["pending"])
+    except redis.ResponseError:
+        taken = 0
+    return {"version": current_version(r, keys, job_id),
+            "ready": int(c.get(C_ANNOUNCED, 0)) - int(c.get(C_READ, 0)), "taken": taken,
+            "acked": int(c.get(C_ACKED, 0)), "requeued": int(c.get(C_STALE_REQUEUED, 0)),
+            "dropped": int(c.get(C_STALE_DROPPED, 0)),
+            "filtered": sum(int(v) for k, v in c.items() if k.startswith(C_FILTERED + ":")),
+            "failed": int(c.get(C_FAILED, 0)) + int(c.get(C_REFILLED, 0)),
+            "inflight": int(c.get(C_PRODUCED, 0)) - int(c.get(C_SETTLED, 0))}

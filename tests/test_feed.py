@@ -333,3 +333,18 @@ def test_feed_server_killed_and_restarted_delivers_every_group_once(run_factory,
     assert f.take(2, timeout=1.0) == []
     st = f.stats()
     assert st["acked"] == 8 and st["produced"] == 8 and st["inflight"] == 0
+
+
+def test_status_shows_the_feed(run_factory, tmp_path):
+    from interactor.metrics import FleetReader
+    from interactor.ops import render_status
+
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=2), feed_max_ahead=2)
+    run.service.set_version(4)
+    run.start_producer()
+    got = take_all(run, "t", 1)
+    run.service.ack("t", [got[0]["group_id"]])
+    snap = FleetReader(run.r, run.settings).snapshot(run.job_id)
+    f = snap["jobs"][0]["feed"]
+    assert f["version"] == 4 and f["acked"] == 1
+    assert f"feed       {run.job_id}: version=4" in render_status(snap)
