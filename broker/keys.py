@@ -112,6 +112,43 @@ class Keys:
     def stats_samples(self) -> str:  # zset "<ts>:<steps>" -> ts: recent step totals, for steps/s
         return f"{self.prefix}:stats:samples"
 
+    # --- the online-RL feed (broker/feed.py), one set per job ---------------------------
+    @property
+    def feeds(self) -> str:  # set of job ids that have a feed (workers stamp versions, the consumer announces)
+        return f"{self.prefix}:feeds"
+
+    def feed_config(self, job_id: str) -> str:  # hash: FeedConfig fields
+        return f"{self.prefix}:feed:{job_id}:config"
+
+    def feed_stream(self, job_id: str) -> str:  # stream of complete groups, field "g": msgpack FeedGroup
+        return f"{self.prefix}:feed:{job_id}:groups"
+
+    def feed_seen(self, job_id: str) -> str:  # hash group_id -> feed stream entry id: announced once
+        return f"{self.prefix}:feed:{job_id}:seen"
+
+    def feed_stats(self, job_id: str) -> str:  # hash: broker/feed.py counters
+        return f"{self.prefix}:feed:{job_id}:stats"
+
+    def feed_version(self, job_id: str) -> str:  # the trainer's current policy version (an integer)
+        return f"{self.prefix}:feed:{job_id}:version"
+
+    def feed_position(self, job_id: str) -> str:  # hash: the continuous producer's durable position
+        return f"{self.prefix}:feed:{job_id}:position"
+
+    def feed_templates(self, job_id: str) -> str:  # hash index -> msgpack list of EpisodeSpec maps (one group)
+        return f"{self.prefix}:feed:{job_id}:templates"
+
+    def feed_redo(self, job_id: str) -> str:  # list of msgpack [old group, [episode ids], why]: to run afresh
+        return f"{self.prefix}:feed:{job_id}:redo"
+
+    def feed_failures(self, job_id: str) -> str:  # capped list of msgpack FeedGroup that failed (the trainer reads)
+        return f"{self.prefix}:feed:{job_id}:failures"
+
+    def feed_keys(self, job_id: str) -> list[str]:
+        return [self.feed_config(job_id), self.feed_stream(job_id), self.feed_seen(job_id), self.feed_stats(job_id),
+                self.feed_version(job_id), self.feed_position(job_id), self.feed_templates(job_id),
+                self.feed_redo(job_id), self.feed_failures(job_id)]
+
 
 def member(job_id: str, episode_id: str) -> str:
     """How an episode is named in the shared zsets; ids never contain spaces."""

@@ -31,6 +31,14 @@ Version 3 (this code writes it; versions 1 and 2 are still read, their token fie
   server gave, one per sampled token), and ``token_drift``: the first position where this turn's prompt ids
   stop extending the previous turn's prompt + completion ids (None: they extend it, or there is
   nothing to compare).
+
+Version 4 (this code writes it; versions 1 to 3 are still read, ``policy_version`` None):
+
+* ``StepRecord.policy_version``: the trainer's policy version (broker/feed.py) in effect when
+  the model request was sent, for jobs with a feed; None otherwise. ``weight_version`` stays
+  what the model server said; the feed's staleness bound reads the server's version when it
+  is an integer, else this one.
+* :class:`FeedGroup`: a complete (or failed) group as the feed announces it to trainers.
 """
 
 from __future__ import annotations
@@ -45,8 +53,8 @@ import orjson
 
 from broker.settings import redact_url
 
-SCHEMA_VERSION = 3
-SUPPORTED_VERSIONS = frozenset({1, 2, 3})
+SCHEMA_VERSION = 4
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
 
 
 class RecordError(ValueError):
@@ -233,6 +241,7 @@ class StepRecord(_Record):
     completion_logprobs: bytes | None = None  # packed little-endian float32, one per completion token
     completion_token_texts: list[str] | None = None  # the sampled tokens' strings, as the server spelled them
     token_drift: int | None = None  # first prompt position not extending the previous turn
+    policy_version: int | None = None  # v4: the feed's version when the request was sent (see the module docstring)
 
     _TOKEN_FIELDS: ClassVar[tuple[str, ...]] = (
         "token_source", "token_status", "token_error", "prompt_ids", "completion_ids", "completion_logprobs",
@@ -352,6 +361,29 @@ class OrphanInstance(_Record):
 
 
 _KINDS[OrphanInstance.KIND] = OrphanInstance
+
+
+@dataclass
+class FeedGroup(_Record):
+    """A group as the feed announces it (broker/feed.py): every member settled, complete
+    (``status`` ready) or with a dead-lettered member (``failed``, ``reason`` says which and
+    why). ``members``: its episode ids; ``oldest_version`` / ``newest_version``: the policy
+    versions its steps were sampled with (None: unversioned, never stale)."""
+
+    KIND: ClassVar[str] = "feed_group"
+    job_id: str
+    group_id: str
+    status: str  # FEED_READY | FEED_FAILED (broker/feed.py)
+    members: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)  # completed members' total rewards, in members order
+    size: int = 0
+    oldest_version: int | None = None
+    newest_version: int | None = None
+    reason: str = ""
+    announced_at: float = field(default_factory=time.time)
+
+
+_KINDS[FeedGroup.KIND] = FeedGroup
 
 
 @dataclass

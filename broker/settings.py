@@ -178,6 +178,23 @@ class Settings:
     # which the consumer fails it as steps_lost instead of re-running it again.
     consumer_reopens_max: int = 3
 
+    # --- the online-RL feed (broker/feed.py, interactor/feedserve.py) --------------------
+    # Groups queued, running or delivered-but-unacknowledged at once; the producer waits beyond.
+    feed_max_ahead: int = 64
+    # A group whose oldest step is more than this many versions behind the trainer's is not
+    # delivered (-1: no bound); feed_stale_policy says what becomes of it.
+    feed_max_staleness: int = -1
+    feed_stale_policy: str = "requeue"  # requeue (fresh episodes of the same tasks) | drop
+    feed_failed_policy: str = "report"  # a group with a dead-lettered member: report | refill
+    feed_ack_timeout_s: float = 300.0  # a group taken and not acknowledged this long goes to another taker
+    feed_drop_uniform: bool = False  # drop groups whose rewards are all equal (no learning signal)
+    feed_filter: str = ""  # "module:function" called with each group before delivery; False drops it
+    # Filters the feed server may import, as episode_hooks ("" = none but feed_filter itself).
+    feed_filters: str = ""
+    feed_host: str = "127.0.0.1"
+    feed_port: int = 8700
+    feed_token: Secret = Secret("")  # required when feed_host is not loopback
+
     def __post_init__(self) -> None:
         if str(self.tokens).lower() in ("1", "true", "yes", "on"):  # --tokens with no server named
             object.__setattr__(self, "tokens", TOKENS_AUTO)
@@ -286,6 +303,14 @@ class Settings:
             problems.append("worker_stall_s must be >= 0 (0 turns the consumer watch off)")
         if self.job_retention_s <= 0:
             problems.append("job_retention_s must be > 0")
+        if self.feed_max_ahead < 1:
+            problems.append("feed_max_ahead must be >= 1")
+        if self.feed_stale_policy not in ("requeue", "drop"):
+            problems.append(f"feed_stale_policy must be requeue or drop, not {self.feed_stale_policy!r}")
+        if self.feed_failed_policy not in ("report", "refill"):
+            problems.append(f"feed_failed_policy must be report or refill, not {self.feed_failed_policy!r}")
+        if self.feed_ack_timeout_s <= 0:
+            problems.append("feed_ack_timeout_s must be > 0")
         # URLs the workers connect to: the same check a task file's base_url gets (broker/urls.py).
         for name in ("llm_base_url", "env_base_url"):
             value = getattr(self, name)
@@ -334,7 +359,8 @@ class Settings:
 
     def __repr__(self) -> str:
         """Secrets hidden: the API key left out, passwords in URLs starred (review L5)."""
-        shown = {k: (redact_url(v) if k in _URL_FIELDS else v) for k, v in self.as_dict().items() if k != "llm_api_key"}
+        shown = {k: (redact_url(v) if k in _URL_FIELDS else v) for k, v in self.as_dict().items()
+                 if k not in ("llm_api_key", "feed_token")}
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     def trusted_model_origins(self) -> frozenset[str]:

@@ -39,6 +39,7 @@ from broker.errors import STEPS_LOST
 from consumer.storage import EP_FAILED as FAILED_STATUS
 from consumer.storage import ResultStore, StoreError
 from consumer.storage.errors import StoreUnavailable, classify
+from consumer.feed import FeedAnnouncer
 
 log = logging.getLogger("interactor.consumer")
 
@@ -70,6 +71,8 @@ class Ingestor:
         self.sweeper = SweepDuty(Sweeper(client, settings), settings.sweep_interval_s) if sweep else None
         # Called with each committed batch of records (metrics); their errors never stop ingest.
         self.observers = list(observers or [])
+        # Groups of jobs with an online-RL feed are announced once settled (consumer/feed.py).
+        self.feed = FeedAnnouncer(client, self.keys, store)
         self.stats = {"records": 0, "batches": 0, "poison": 0, "claimed": 0, "store_waits": 0, "reopened": 0}
         self._last_claim = 0.0
         self._last_read = 0.0
@@ -167,6 +170,9 @@ class Ingestor:
             self._wait_for_store(exc)
             return 0  # nothing acknowledged: the same entries come back as our own pending
         self._wait_s = 0.0
+        if records:
+            # after the commit, before the XACK: a crash in between re-delivers, and announcing is idempotent
+            self.feed.after_commit(records)
         if poison:
             self._park(poison)
         self.r.xack(self.stream, GROUP, *(e[0] for e in entries))

@@ -334,7 +334,8 @@ def cmd_serve(module: str):
 
 # --- parser -------------------------------------------------------------------------------
 ALL = list(SETTING_FLAGS)
-EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.benchcli", "interactor.envcli", "interactor.ui.command"]
+EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.benchcli", "interactor.envcli", "interactor.ui.command",
+                         "interactor.feedserve"]
 
 
 def build_parser() -> argparse.ArgumentParser:

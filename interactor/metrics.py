@@ -288,6 +288,13 @@ class FleetReader:
                          "created_at": spec.created_at if spec is not None else None,
                          "progress": (c["done"] + c["failed"]) / total if total else 1.0,
                          "active": j in active})
+        if jobs:  # jobs with an online-RL feed show it (broker/feed.py)
+            from broker import feed
+
+            with_feed = {m.decode() if isinstance(m, bytes) else m for m in self.r.smembers(k.feeds)}
+            for entry in jobs:
+                if entry["job_id"] in with_feed:
+                    entry["feed"] = feed.summary(self.r, k, entry["job_id"])
         return {
             "time": now,
             "redis": redact_url(self.settings.redis_url),

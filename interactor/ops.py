@@ -168,6 +168,12 @@ def render_status(snap: dict) -> str:
         lines.append("jobs")
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        for j in snap["jobs"]:
+            f = j.get("feed")
+            if f:
+                lines.append(f"feed       {j['job_id']}: version={f['version']} ready={f['ready']} taken={f['taken']} "
+                             f"acked={f['acked']} requeued={f['requeued']} dropped={f['dropped']} "
+                             f"filtered={f['filtered']} failed={f['failed']} inflight={f['inflight']}")
     else:
         lines.append("jobs       none")
     return "\n".join(lines)

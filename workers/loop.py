@@ -157,6 +157,7 @@ def run_episode(
                 messages_json=orjson.dumps(prompt), response=action, weight_version=last_weight_version,
                 finish_reason=finish_reason, model_latency_s=model_s, attempt_id=cfg.attempt_id,
                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                policy_version=getattr(completion, "policy_version", None),  # feed jobs (workers/versions.py)
             )
             tok = getattr(completion, "tokens", None)
             if tok is not None:

@@ -68,6 +68,7 @@ from workers.loop import LoopConfig, run_episode
 from workers.modelclient import ModelClient
 from workers.orphans import OrphanCloser
 from workers.ports import BoundEnv, BoundPolicy, Guard, policy_url
+from workers.versions import PolicyVersions
 from workers.publisher import StepPublisher
 from workers.renewer import LeaseRenewer
 
@@ -118,6 +119,7 @@ class WorkerRuntime:
         self.publisher = StepPublisher(self.ledger, backlog_max=settings.stream_backlog_max)
         self.orphans = OrphanCloser(self.redis, self.keys, self.env, env_hosts=self.env_hosts).start()
         self.breaker_heartbeat = BreakerHeartbeat(self.breakers).start()
+        self.versions = PolicyVersions(self.redis, self.keys)  # feed jobs' policy versions (workers/versions.py)
 
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
@@ -211,7 +213,8 @@ class WorkerRuntime:
             outcome = run_episode(
                 cfg,
                 env=self._env_port(spec, lease, budget, guard),
-                policy=limits.LimitedPolicy(policy, self.model_gate, lambda: budget.deadline, check),
+                policy=limits.LimitedPolicy(self.versions.wrap(policy, job.job_id), self.model_gate,
+                                            lambda: budget.deadline, check),
                 publish=lambda rec: self._publish(lease, rec, budget),
                 hook=hook,
                 check=check,

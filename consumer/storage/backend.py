@@ -751,6 +751,42 @@ class ResultStore:
             "SELECT session_id, weight_version FROM session_steps WHERE job_id = ? AND weight_version IS NOT NULL "
             "GROUP BY session_id, weight_version", (job_id,))
 
+    def feed_groups(self, group_ids: Sequence[str]) -> dict[str, dict]:
+        """What the feed announces of each group (consumer/feed.py): its row of ``groups``, its
+        members (episode_id, status, total_reward, reason) and the weight versions of its
+        trajectories' steps."""
+        out: dict[str, dict] = {}
+        for chunk in _chunks(list(group_ids), 500):
+            for d in self.query_dicts(
+                    "SELECT group_id, job_id, size, completed, failed, complete, incomplete_reason FROM groups "
+                    f"WHERE group_id IN ({_marks(chunk)})", chunk):
+                out[d["group_id"]] = d | {"members": [], "versions": []}
+            for gid, ep, st, tr, reason in self.query(
+                    "SELECT group_id, episode_id, status, total_reward, reason FROM episodes "
+                    f"WHERE group_id IN ({_marks(chunk)}) ORDER BY group_id, episode_id", chunk):
+                if gid in out:
+                    out[gid]["members"].append((ep, st, float(tr or 0.0), reason))
+            for gid, wv in self.query(
+                    "SELECT DISTINCT group_id, weight_version FROM session_steps "
+                    f"WHERE group_id IN ({_marks(chunk)}) AND weight_version IS NOT NULL", chunk):
+                if gid in out:
+                    out[gid]["versions"].append(wv)
+        return out
+
+    def feed_steps(self, episode_id: str) -> list[tuple]:
+        """The episode's trajectory rows as the feed hands them to a trainer, in step order."""
+        return self.query(
+            "SELECT job_id, session_id, group_id, env_name, step_id, attempt, messages, response, step_reward, "
+            "weight_version, CAST(is_trainable AS INTEGER), CAST(is_terminal AS INTEGER), "
+            "CAST(is_truncated AS INTEGER), prompt_tokens, completion_tokens, ended_by, finish_reason, created_ts "
+            "FROM session_steps WHERE session_id = ? ORDER BY step_id", (episode_id,))
+
+    def settled_group_ids(self, job_id: str) -> list[str]:
+        """Groups of a job with no member left to run (every one completed or failed): what a
+        feed attached late, or a consumer that crashed between commit and announce, catches up on."""
+        return [r[0] for r in self.query(
+            "SELECT group_id FROM groups WHERE job_id = ? AND size > 0 AND completed + failed >= size", (job_id,))]
+
     # ------------------------------------------------------------------ tokens (step_tokens)
     def has_step_tokens(self) -> bool:  # pragma: no cover - backend
         """Whether the store has the step_tokens table (a store made before it has not)."""
@@ -857,7 +893,8 @@ def _clean(row: tuple) -> tuple:
 
 
 def _step_row(s: StepRecord) -> tuple:
-    wv = s.weight_version
+    # the model server's version when it sent one, else the feed's (broker/records.py v4)
+    wv = s.weight_version if s.weight_version is not None else s.policy_version
     mj = s.messages_json
     return _clean((
         s.env_id, s.step_id, s.env_name, s.llm_model, s.group_id, s.job_id,

@@ -1,0 +1,343 @@
+"""Delivering a job's feed to trainers: take, acknowledge, versions, statistics, and the
+original system's ``/get_rollout_data`` shape (docs/protocol.md, "The rollout feed").
+
+The contract and its atomic steps are in broker/feed.py; this module decides, per group read
+from the stream, whether it goes to the trainer:
+
+* a failed group (a member dead-lettered) is reported: counted, kept in the failures list the
+  trainer reads in stats, or run again as fresh episodes (``failed_policy=refill``);
+* a stale group (oldest step more than ``max_staleness`` versions behind the current one) is
+  re-queued as fresh episodes of the same tasks, or dropped, and counted;
+* a filtered group (``drop_uniform``, the user filter) is counted by reason;
+* the rest are handed over with their samples (trajectories, rewards, GRPO advantages), read
+  from the results store. A take waits up to its timeout to fill the batch, so filtered groups
+  are replaced by the next ones (over-sampling).
+
+A group taken and not acknowledged within ``ack_timeout_s`` is claimed (XAUTOCLAIM) by the
+next take, from whichever trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import msgpack
+import redis
+
+from broker import feed
+from broker.keys import Keys
+from broker.records import FeedGroup, RecordError, unpack
+from broker.settings import Settings
+from consumer.export import group_stats
+from consumer.feed import FeedAnnouncer
+from envs.base import import_object, valid_object_path
+from workers.allowlist import PathAllowlist
+
+log = logging.getLogger("interactor.feed")
+
+MAX_TIMEOUT_S = 300.0
+COMPAT_TRAINER = "rollout-compat"  # the trainer name /get_rollout_data takes as
+
+
+def load_filter(path: str, allowed: str) -> Callable[[dict], bool] | None:
+    """The user filter, allow-listed exactly as episode hooks are (``module:function``, the
+    object defined in that module): the feed server imports only what its own settings allow."""
+    if not path:
+        return None
+    if not valid_object_path(path):
+        raise feed.FeedError(f"feed_filter must be 'module:function', got {path!r}")
+    if not PathAllowlist(allowed, also=(path,) if not allowed else ()).allows(path):
+        raise feed.FeedError(f"feed_filter {path!r} is not in feed_filters ({allowed})")
+    try:
+        fn = import_object(path)
+    except (ImportError, AttributeError) as exc:
+        raise feed.FeedError(f"feed_filter {path!r}: cannot import: {exc}") from None
+    if not callable(fn):
+        raise feed.FeedError(f"feed_filter {path!r} is not callable")
+    return fn
+
+
+class FeedService:
+    def __init__(self, client: redis.Redis, settings: Settings, job_id: str, store=None):
+        self.r = client
+        self.settings = settings
+        self.job_id = job_id
+        self.keys = Keys(settings.key_prefix)
+        self.store = store
+        cfg = feed.config(client, self.keys, job_id)
+        if cfg is None:
+            raise feed.FeedError(f"job {job_id!r} has no feed (create it with `interactor feed serve`)", 404)
+        self.cfg = cfg
+        self.user_filter = load_filter(cfg.filter, settings.feed_filters)
+        self.announcer = FeedAnnouncer(client, self.keys, store) if store is not None else None
+
+    def refresh(self) -> None:
+        self.cfg = feed.config(self.r, self.keys, self.job_id) or self.cfg
+
+    # --- taking ---------------------------------------------------------------------------
+    def take(self, trainer: str, batch: int, timeout_s: float) -> list[dict]:
+        """Up to ``batch`` groups for ``trainer``, waiting up to ``timeout_s`` for the first
+        ones and for replacements of filtered ones."""
+        if not isinstance(trainer, str) or not trainer or len(trainer) > 200 or " " in trainer:
+            raise feed.FeedError(f"trainer must be a name without spaces, got {trainer!r}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise feed.FeedError(f"batch must be an integer >= 1, got {batch!r}")
+        if batch > self.cfg.max_ahead:
+            raise feed.FeedError(f"batch {batch} is larger than max_ahead {self.cfg.max_ahead}: "
+                                 "the producer would never have that many groups ready")
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 <= timeout_s <= MAX_TIMEOUT_S:
+            raise feed.FeedError(f"timeout must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}], got {timeout_s!r}")
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        out: list[dict] = []
+        stream = self.keys.feed_stream(self.job_id)
+        while len(out) < batch:
+            want = batch - len(out)
+            entries = [(e, True) for e in self._claim(trainer, want)]
+            if not entries:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                resp = self.r.xreadgroup(feed.TRAINERS, trainer, {stream: ">"}, count=want,
+                                         block=max(1, min(left_ms, 1000)) if left_ms > 0 else None)
+                entries = [(e, False) for e in (resp[0][1] if resp else [])]
+            for (entry_id, fields), again in entries:
+                item = self._decide(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, fields, again)
+                if item is not None:
+                    out.append(item)
+            if time.monotonic() >= deadline:
+                break
+        waited = time.monotonic() - t0
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrbyfloat(self.keys.feed_stats(self.job_id), feed.C_WAIT_S, waited)
+        if out:
+            pipe.hincrby(self.keys.feed_stats(self.job_id), feed.C_TAKES, 1)
+        pipe.execute()
+        return out
+
+    def _claim(self, trainer: str, count: int) -> list:
+        """Groups another trainer took and has not acknowledged within the timeout. Not this
+        trainer's own: holding its groups longer is its business, and giving them back to it
+        would hand it the same group twice. XCLAIM re-checks the idle time, so two takers never
+        claim one group."""
+        stream, idle = self.keys.feed_stream(self.job_id), int(self.cfg.ack_timeout_s * 1000)
+        try:
+            pending = self.r.xpending_range(stream, feed.TRAINERS, min="-", max="+", count=max(count * 4, 16),
+                                            idle=idle)
+        except redis.ResponseError:
+            return []
+        ids = [p["message_id"] for p in pending
+               if (p["consumer"].decode() if isinstance(p["consumer"], bytes) else p["consumer"]) != trainer][:count]
+        if not ids:
+            return []
+        return [e for e in self.r.xclaim(stream, feed.TRAINERS, trainer, idle, ids) if e[1]]
+
+    def _decide(self, entry_id: str, fields: dict, again: bool) -> dict | None:
+        stats = self.keys.feed_stats(self.job_id)
+        if not again:
+            self.r.hincrby(stats, feed.C_READ, 1)
+        try:
+            group = unpack(fields[b"g"])
+            if not isinstance(group, FeedGroup):
+                raise RecordError(f"expected a feed_group, got {type(group).__name__}")
+        except (RecordError, KeyError) as exc:
+            log.error("feed entry %s of job %s is not a group (%s): set aside as failed", entry_id, self.job_id, exc)
+            feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_FAILED)
+            return None
+        cfg = self.cfg
+        if group.status == feed.FEED_FAILED:
+            if cfg.failed_policy == feed.FAILED_REFILL:
+                feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_REFILLED,
+                            redo=_redo(group, "failed member"), failure=group.pack())
+            else:
+                feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_FAILED, failure=group.pack())
+            log.warning("group %s failed: %s", group.group_id, group.reason)
+            return None
+        current = feed.current_version(self.r, self.keys, self.job_id)
+        behind = (current - group.oldest_version
+                  if current is not None and group.oldest_version is not None else None)
+        if cfg.max_staleness >= 0 and behind is not None and behind > cfg.max_staleness:
+            if cfg.stale_policy == feed.STALE_REQUEUE:
+                feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_STALE_REQUEUED,
+                            redo=_redo(group, f"{behind} versions behind"))
+            else:
+                feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_STALE_DROPPED)
+            return None
+        reason = self._filtered(group)
+        if reason:
+            feed.settle(self.r, self.keys, self.job_id, entry_id, f"{feed.C_FILTERED}:{reason}")
+            return None
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrby(stats, feed.C_REDELIVERED if again else feed.C_DELIVERED, 1)
+        if behind is not None:
+            pipe.hincrby(stats, feed.C_BEHIND, behind)
+            pipe.hincrby(stats, feed.C_BEHIND_N, 1)
+        pipe.execute()
+        return self._item(group, behind, again)
+
+    def _filtered(self, group: FeedGroup) -> str:
+        if self.cfg.drop_uniform and group.rewards and max(group.rewards) == min(group.rewards):
+            return feed.FILTER_UNIFORM
+        if self.user_filter is not None:
+            try:
+                keep = self.user_filter(_public(group))
+            except Exception:  # noqa: BLE001 - the user's code: kept, and said
+                log.exception("feed_filter %s raised on group %s: the group is kept", self.cfg.filter, group.group_id)
+                return ""
+            if keep is False:
+                return feed.FILTER_USER
+        return ""
+
+    def _item(self, group: FeedGroup, behind: int | None, again: bool) -> dict:
+        item = _public(group) | {"versions_behind": behind, "redelivered": again}
+        if self.store is None:
+            return item
+        rewards = group.rewards
+        adv = group_stats(rewards)[2] if rewards else []
+        samples = []
+        for i, ep in enumerate(group.members):
+            steps = [_step(row) for row in self.store.feed_steps(ep)]
+            samples.append({"episode_id": ep, "reward": rewards[i] if i < len(rewards) else None,
+                            "advantage": adv[i] if i < len(adv) else None, "steps": steps})
+        item["samples"] = samples
+        return item
+
+    # --- acknowledging ----------------------------------------------------------------------
+    def ack(self, trainer: str, group_ids: list[str]) -> dict:
+        """Acknowledge groups this trainer holds. Every id is checked before any is acknowledged:
+        an unknown group, or one another trainer holds now, is refused (404) naming it."""
+        if not isinstance(group_ids, list) or not all(isinstance(g, str) for g in group_ids):
+            raise feed.FeedError(f"ids must be a list of group ids, got {group_ids!r}")
+        stream = self.keys.feed_stream(self.job_id)
+        entries = self.r.hmget(self.keys.feed_seen(self.job_id), group_ids) if group_ids else []
+        plan = []
+        for gid, entry in zip(group_ids, entries):
+            if entry is None:
+                raise feed.FeedError(f"group {gid!r} is not on the feed of job {self.job_id!r}", 404)
+            entry = entry.decode()
+            pending = self.r.xpending_range(stream, feed.TRAINERS, min=entry, max=entry, count=1)
+            if pending:
+                holder = pending[0]["consumer"]
+                holder = holder.decode() if isinstance(holder, bytes) else holder
+                if holder != trainer:
+                    raise feed.FeedError(f"group {gid!r} is held by trainer {holder!r}, not {trainer!r} "
+                                         "(its ack timeout passed and it was given to another taker)", 404)
+                plan.append((gid, entry))
+            else:
+                plan.append((gid, None))  # settled already (acknowledged before, or never delivered)
+        acked, already = [], []
+        for gid, entry in plan:
+            if entry is not None and feed.settle(self.r, self.keys, self.job_id, entry, feed.C_ACKED):
+                acked.append(gid)
+            else:
+                already.append(gid)
+        return {"acked": acked, "already": already}
+
+    # --- versions and stats -----------------------------------------------------------------
+    def set_version(self, version) -> int:
+        return feed.set_version(self.r, self.keys, self.job_id, version)
+
+    def stats(self) -> dict[str, Any]:
+        c = feed.counters(self.r, self.keys, self.job_id)
+        try:
+            taken = int(self.r.xpending(self.keys.feed_stream(self.job_id), feed.TRAINERS)["pending"])
+        except redis.ResponseError:
+            taken = 0
+        failures = []
+        for raw in self.r.lrange(self.keys.feed_failures(self.job_id), 0, 19):
+            try:
+                g = unpack(raw)
+                failures.append({"group_id": g.group_id, "reason": g.reason})
+            except RecordError:
+                continue
+        filtered = {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith(feed.C_FILTERED + ":")}
+        n_behind = c.get(feed.C_BEHIND_N, 0)
+        return {
+            "job_id": self.job_id,
+            "version": feed.current_version(self.r, self.keys, self.job_id),
+            "ready": c.get(feed.C_ANNOUNCED, 0) - c.get(feed.C_READ, 0),
+            "taken": taken,
+            "inflight": c.get(feed.C_PRODUCED, 0) - c.get(feed.C_SETTLED, 0),
+            "produced": c.get(feed.C_PRODUCED, 0),
+            "announced": c.get(feed.C_ANNOUNCED, 0),
+            "delivered": c.get(feed.C_DELIVERED, 0),
+            "redelivered": c.get(feed.C_REDELIVERED, 0),
+            "acked": c.get(feed.C_ACKED, 0),
+            "failed": c.get(feed.C_FAILED, 0),
+            "refilled": c.get(feed.C_REFILLED, 0),
+            "stale_requeued": c.get(feed.C_STALE_REQUEUED, 0),
+            "stale_dropped": c.get(feed.C_STALE_DROPPED, 0),
+            "filtered": filtered,
+            "versions_behind_mean": (c.get(feed.C_BEHIND, 0) / n_behind) if n_behind else None,
+            "trainer_wait_s": c.get(feed.C_WAIT_S, 0.0),
+            "takes": c.get(feed.C_TAKES, 0),
+            "recent_failures": failures,
+            "config": self.cfg.to_hash(),
+        }
+
+    def backfill(self) -> int:
+        """Announce settled groups the consumer has not (a feed attached to a running job, or a
+        member failed outside a batch): the announcement marker keeps this idempotent."""
+        return self.announcer.backfill(self.job_id) if self.announcer is not None else 0
+
+    # --- the original system's shape ------------------------------------------------------------
+    def rollout_data(self, batch: int, timeout_s: float) -> dict:
+        """``/get_rollout_data``: complete groups as the original buffer server answered, one
+        item per trainable step row; acknowledged as they are handed out (that route has no ack)."""
+        groups = self.take(COMPAT_TRAINER, batch, timeout_s)
+        items, rewards, versions = [], [], []
+        for g in groups:
+            for s in g.get("samples", []):
+                for st in s["steps"]:
+                    if not st["is_trainable"]:
+                        continue
+                    wv = st["weight_version"]
+                    v = feed.parse_version(wv)
+                    if v is not None:
+                        versions.append(v)
+                    reward = s["reward"] if s["reward"] is not None else 0.0
+                    rewards.append(reward)
+                    items.append({
+                        "uid": f"{st['session_id']}:{st['step_id']}",
+                        "instance_id": g["group_id"],
+                        "messages": list(st["messages"] or []) + [{"role": "assistant", "content": st["response"]}],
+                        "reward": reward,
+                        "extra_info": {"timestamp": st["created_at"], "steps": len(s["steps"]),
+                                       "finish_reason": st["finish_reason"], "session_id": st["session_id"],
+                                       "env_id": st["session_id"], "group_id": g["group_id"],
+                                       "weight_version": wv, "truncated": st["is_truncated"]},
+                    })
+        self.ack(COMPAT_TRAINER, [g["group_id"] for g in groups])
+        return {"success": True, "message": f"{len(groups)} groups, {len(items)} samples",
+                "data": {"data": items, "meta_info": {
+                    "total_samples": len(items),
+                    "avg_reward": sum(rewards) / len(rewards) if rewards else 0.0,
+                    "finished_groups": len(groups),
+                    "avg_weight_version": sum(versions) / len(versions) if versions else None,
+                    "max_weight_version": max(versions) if versions else None}}}
+
+
+def _public(group: FeedGroup) -> dict:
+    return {"group_id": group.group_id, "job_id": group.job_id, "status": group.status, "size": group.size,
+            "members": list(group.members), "rewards": list(group.rewards),
+            "oldest_version": group.oldest_version, "newest_version": group.newest_version}
+
+
+def _redo(group: FeedGroup, why: str) -> bytes:
+    return msgpack.packb([group.group_id, list(group.members), why], use_bin_type=True)
+
+
+_STEP_KEYS = ("job_id", "session_id", "group_id", "env_name", "step_id", "attempt", "messages", "response",
+              "step_reward", "weight_version", "is_trainable", "is_terminal", "is_truncated", "prompt_tokens",
+              "completion_tokens", "ended_by", "finish_reason", "created_at")
+
+
+def _step(row: tuple) -> dict:
+    import orjson
+
+    d = dict(zip(_STEP_KEYS, row))
+    if isinstance(d["messages"], str):
+        d["messages"] = orjson.loads(d["messages"])
+    for k in ("is_trainable", "is_terminal", "is_truncated"):
+        d[k] = bool(d[k])
+    return d

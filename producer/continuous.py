@@ -1,0 +1,182 @@
+"""Continuous jobs: groups drawn from the task files' templates epoch after epoch, paced by the
+trainer (the online-RL feed, broker/feed.py).
+
+Why not submit everything up front: a trainer consumes groups as its weights move, so a group
+produced far ahead of it is sampled by a policy it will have left behind. The producer keeps at
+most ``max_ahead`` groups produced and not settled (queued, running, ready, or taken and not
+acknowledged) and waits beyond that; nothing is produced to be thrown away.
+
+Its position (sequence number, epoch, index in the epoch's shuffled order) lives in Redis and
+moves in the same transaction that writes the group's episodes to the ledger, so a restarted
+producer neither repeats nor skips a task. Groups to run again (stale, or with a dead-lettered
+member under ``failed_policy=refill``) wait in ``Keys.feed_redo`` and go first: each becomes a
+fresh group (new episode ids, the same tasks), since a stored completion is never replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+
+import msgpack
+import orjson
+import redis
+
+from broker import feed
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.queueing import push_episodes
+from broker.records import QUEUED, EpisodesEnqueued, EpisodeSpec, JobSpec, unpack
+from broker.settings import Settings
+from producer.enqueue import job_spec, plan
+
+log = logging.getLogger("interactor.producer")
+
+_SEED_MOD = 2**31
+
+
+def create_continuous_job(client: redis.Redis, settings: Settings, paths: list[str], *, job_id: str | None = None,
+                          epochs: int = 0, seed: int = 0) -> JobSpec:
+    """Validate the task files, keep one epoch's groups as templates, create the job with no
+    episode yet, and give it a feed. Episodes come from :class:`ContinuousProducer`."""
+    planned = plan(settings, paths, job_id)
+    if not planned.episodes:
+        raise ValueError("the task files plan no episode")
+    templates: dict[str, list[EpisodeSpec]] = {}
+    for e in planned.episodes:
+        templates.setdefault(e.group_id, []).append(e)
+    job = job_spec(settings, planned.episodes[0].job_id, planned)
+    job.episodes, job.groups = 0, 0  # open-ended: the feed's counters say how many so far
+    keys = Keys(settings.key_prefix)
+    Ledger.for_settings(client, settings).create_job(job, [])
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(keys.feed_templates(job.job_id), mapping={
+        str(i): msgpack.packb([s.to_dict() for s in group], use_bin_type=True)
+        for i, group in enumerate(templates.values())})
+    pipe.execute()
+    feed.enable(client, keys, job.job_id,
+                feed.FeedConfig.from_settings(settings, continuous=True, epochs=max(0, epochs), seed=seed))
+    return job
+
+
+class ContinuousProducer:
+    """Produces a continuous job's groups while fewer than ``max_ahead`` are in flight."""
+
+    def __init__(self, client: redis.Redis, settings: Settings, job_id: str):
+        self.r = client
+        self.settings = settings
+        self.job_id = job_id
+        self.keys = Keys(settings.key_prefix)
+        self._orders: dict[int, list[int]] = {}
+        self.produced = 0
+
+    def config(self) -> feed.FeedConfig:
+        cfg = feed.config(self.r, self.keys, self.job_id)
+        if cfg is None:
+            raise ValueError(f"job {self.job_id!r} has no feed")
+        return cfg
+
+    def _order(self, epoch: int, n: int, seed: int) -> list[int]:
+        order = self._orders.get(epoch)
+        if order is None or len(order) != n:
+            order = list(range(n))
+            random.Random(f"{seed}:{epoch}").shuffle(order)
+            self._orders = {epoch: order}
+        return order
+
+    def exhausted(self, cfg: feed.FeedConfig | None = None) -> bool:
+        """No template left to draw (only a job with ``epochs`` ends) and nothing to run again."""
+        cfg = cfg or self.config()
+        if self.r.llen(self.keys.feed_redo(self.job_id)):
+            return False
+        epoch = int(self.r.hget(self.keys.feed_position(self.job_id), "epoch") or 0)
+        return bool(cfg.epochs) and epoch >= cfg.epochs
+
+    def produce_one(self, cfg: feed.FeedConfig) -> str | None:
+        """Write one group to the ledger and enqueue it; None when there is nothing to produce."""
+        k, job = self.keys, self.job_id
+        with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(k.feed_position(job), k.feed_redo(job))
+                    pos = {a.decode(): int(b) for a, b in pipe.hgetall(k.feed_position(job)).items()}
+                    seq, epoch, index = pos.get("seq", 0), pos.get("epoch", 0), pos.get("index", 0)
+                    redo = pipe.lindex(k.feed_redo(job), 0)
+                    if redo is not None:
+                        old_group, old_ids, why = msgpack.unpackb(redo, raw=False)
+                        raw = pipe.hmget(k.job_episodes(job), old_ids)
+                        specs = [unpack(x) for x in raw if x]
+                        source = f"re-run of group {old_group} ({why})"
+                        nxt = {"seq": seq + 1, "epoch": epoch, "index": index}
+                    else:
+                        if cfg.epochs and epoch >= cfg.epochs:
+                            pipe.unwatch()
+                            return None
+                        n = int(pipe.hlen(k.feed_templates(job)))
+                        if not n:
+                            raise ValueError(f"job {job!r} has no task templates: not a continuous job")
+                        t = self._order(epoch, n, cfg.seed)[index]
+                        specs = [EpisodeSpec.from_dict(d) for d in
+                                 msgpack.unpackb(pipe.hget(k.feed_templates(job), str(t)), raw=False,
+                                                 strict_map_key=False)]
+                        source = f"epoch {epoch + 1} task {t + 1}"
+                        index += 1
+                        if index >= n:
+                            epoch, index = epoch + 1, 0
+                        nxt = {"seq": seq + 1, "epoch": epoch, "index": index}
+                    if not specs:
+                        raise ValueError(f"job {job!r}: group to produce has no episode specs")
+                    gid = f"{job}.s{seq + 1}"
+                    fresh = []
+                    for i, s in enumerate(specs, 1):
+                        d = s.to_dict()
+                        d.update(episode_id=f"{gid}.{i}", group_id=gid, group_size=len(specs),
+                                 source=f"{s.source}; {source}")
+                        if s.seed is not None:  # a new sample of the same task, not a replay
+                            d["seed"] = (s.seed * 1_000_003 + seq + 1) % _SEED_MOD
+                        fresh.append(EpisodeSpec.from_dict(d))
+                    ann = EpisodesEnqueued(job, [[e.episode_id, e.env_name, e.group_id, orjson.dumps(e.env_params)]
+                                                 for e in fresh])
+                    pipe.multi()
+                    pipe.hset(k.job_episodes(job), mapping={e.episode_id: e.pack() for e in fresh})
+                    pipe.hset(k.job_state(job), mapping={e.episode_id: QUEUED for e in fresh})
+                    pipe.hincrby(k.job_counts(job), QUEUED, len(fresh))
+                    pipe.xadd(k.results, {"r": ann.pack()})
+                    pipe.hset(k.feed_position(job), mapping=nxt)
+                    pipe.hincrby(k.feed_stats(job), feed.C_PRODUCED, 1)
+                    if redo is not None:
+                        pipe.lpop(k.feed_redo(job))
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        # After the ledger: a crash here leaves queued episodes no queue holds, which the
+        # sweeper's reconcile sends (as for any submit).
+        push_episodes(self.r, [(job, e.episode_id, self.settings.queue_for(e)) for e in fresh])
+        self.produced += 1
+        return gid
+
+    def fill(self) -> int:
+        """Produce until ``max_ahead`` groups are in flight or nothing is left; returns how many."""
+        cfg = self.config()
+        n = 0
+        while feed.inflight(self.r, self.keys, self.job_id) < cfg.max_ahead:
+            if self.produce_one(cfg) is None:
+                break
+            n += 1
+        return n
+
+    def run(self, stop: threading.Event, interval_s: float = 0.1) -> None:
+        log.info("continuous producer for job %s started", self.job_id)
+        delay = interval_s
+        while not stop.is_set():
+            try:
+                self.fill()
+                delay = interval_s
+            except redis.RedisError as exc:
+                delay = min(10.0, max(1.0, delay * 2))
+                log.warning("producer: Redis unavailable (%s); retrying in %.0fs", exc, delay)
+            stop.wait(delay)
+
+

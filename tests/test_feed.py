@@ -1,0 +1,350 @@
+"""The online-RL feed (issue 22) against real parts: the session's Redis, real worker and
+consumer processes, the stand-in env and model servers, and the feed service."""
+
+from __future__ import annotations
+
+import json
+import signal
+import textwrap
+import threading
+
+import pytest
+
+from broker import feed
+from broker.keys import Keys
+from consumer.storage import open_store
+from interactor.feed import FeedService
+from producer.continuous import ContinuousProducer, create_continuous_job
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def write_tasks(tmp_path, env_url: str, *, rows: int = 4, env_num: int = 2, extra: str = "") -> str:
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i + 3}?", "answer": 2 * i + 3}) + "\n"
+                            for i in range(rows)))
+    path = tmp_path / "tasks.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        environments:
+          - env_name: arithmetic
+            base_url: {env_url}
+            dataset: arith.jsonl
+            env_num: {env_num}
+        """) + extra)
+    return str(path)
+
+
+class Run:
+    """A continuous job with its producer thread, workers, consumer and a feed service."""
+
+    def __init__(self, settings, procs, redis_client, tasks, *, epochs=1, workers=1, **feed_settings):
+        self.settings = settings.replace(**feed_settings) if feed_settings else settings
+        procs.settings = self.settings
+        self.procs = procs
+        self.r = redis_client
+        self.keys = Keys(self.settings.key_prefix)
+        self.job = create_continuous_job(redis_client, self.settings, [tasks], epochs=epochs, seed=7)
+        self.job_id = self.job.job_id
+        self.stop = threading.Event()
+        self.producer = ContinuousProducer(redis_client, self.settings, self.job_id)
+        self.thread = threading.Thread(target=self.producer.run, args=(self.stop,), daemon=True)
+        self.store = open_store(self.settings.results_store)
+        self.service = FeedService(redis_client, self.settings, self.job_id, self.store)
+        for i in range(workers):
+            procs.worker(f"w{i + 1}")
+        procs.consumer()
+
+    def start_producer(self):
+        self.thread.start()
+        return self
+
+    def close(self):
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(10)
+        self.store.close()
+
+    def counters(self):
+        return feed.counters(self.r, self.keys, self.job_id)
+
+
+@pytest.fixture
+def run_factory(settings, procs, redis_client, env_server, model_server):
+    runs = []
+    _, env_url = env_server
+    model, model_url = model_server
+    model.weight_version = ""  # no metadata: steps carry the version the feed published
+
+    def make(tasks_fn, **kw):
+        s = settings.replace(llm_base_url=model_url + "/v1")
+        run = Run(s, procs, redis_client, tasks_fn(env_url), **kw)
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+def take_all(run, trainer, n, timeout=120.0, batch=1):
+    got = []
+
+    def more():
+        got.extend(run.service.take(trainer, batch, 1.0))
+        return len(got) >= n
+
+    wait_for(more, timeout, interval=0.01, what=f"{n} groups taken by {trainer}")
+    return got
+
+
+def test_take_ack_versions_and_a_trainer_that_never_acks(run_factory, tmp_path):
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=4), feed_ack_timeout_s=2.0, feed_max_ahead=8)
+    run.start_producer()
+    svc = run.service
+    svc.set_version(1)
+    with pytest.raises(feed.FeedError) as err:
+        svc.set_version(0)
+    assert err.value.status == 409 and "behind" in str(err.value)
+    svc.set_version(1)  # the same again is a retry, not an error
+
+    # Trainer A takes one group and dies without acknowledging it.
+    lost = take_all(run, "trainer-a", 1)[0]
+    assert lost["status"] == feed.FEED_READY and len(lost["samples"]) == 2
+    assert all(s["steps"] and s["steps"][-1]["weight_version"] == "1" for s in lost["samples"])
+    assert lost["oldest_version"] == 1 and lost["versions_behind"] == 0
+    # Trainer B gets every group, A's among them (once, after its ack timeout), and acks them.
+    got = take_all(run, "trainer-b", 4, batch=4)
+    ids = [g["group_id"] for g in got]
+    assert sorted(ids) == sorted(set(ids)) and lost["group_id"] in ids
+    assert [g["redelivered"] for g in got if g["group_id"] == lost["group_id"]] == [True]
+    # A's late ack is refused, naming the group and its holder; nothing was acknowledged by it.
+    with pytest.raises(feed.FeedError) as err:
+        svc.ack("trainer-a", [lost["group_id"]])
+    assert err.value.status == 404 and lost["group_id"] in str(err.value) and "trainer-b" in str(err.value)
+    # An unknown group: 404 naming it, and the valid ids in the same call are not acknowledged.
+    with pytest.raises(feed.FeedError) as err:
+        svc.ack("trainer-b", [ids[0], "no-such-group"])
+    assert err.value.status == 404 and "no-such-group" in str(err.value)
+    assert svc.stats()["acked"] == 0
+    assert svc.ack("trainer-b", ids)["acked"] == ids
+    assert svc.ack("trainer-b", ids) == {"acked": [], "already": ids}  # a retried ack changes nothing
+    # Exactly once after acknowledgement: nothing more comes.
+    assert svc.take("trainer-c", 1, 1.0) == []
+    st = svc.stats()
+    assert st["acked"] == 4 and st["delivered"] == 4 and st["redelivered"] == 1 and st["taken"] == 0
+    assert st["inflight"] == 0 and st["produced"] == 4 and st["version"] == 1
+    with pytest.raises(feed.FeedError) as err:
+        svc.take("trainer-b", 9, 0)
+    assert "max_ahead" in str(err.value)
+
+
+def test_consumer_killed_mid_run_announces_no_group_twice(run_factory, tmp_path, procs):
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=12), feed_max_ahead=12, workers=2)
+    run.start_producer()
+    wait_for(lambda: run.counters().get(feed.C_ANNOUNCED, 0) >= 2, 120, what="first groups announced")
+    procs.kill("consumer", signal.SIGKILL)
+    procs.consumer()
+    got = take_all(run, "t", 12, timeout=180, batch=4)
+    ids = [g["group_id"] for g in got]
+    assert len(ids) == len(set(ids)) == 12
+    run.service.ack("t", ids)
+    assert run.r.xlen(run.keys.feed_stream(run.job_id)) == 12
+    assert run.r.hlen(run.keys.feed_seen(run.job_id)) == 12
+    assert run.counters()[feed.C_ANNOUNCED] == 12
+    # A backfill (what a feed server does at start) finds every group announced already.
+    assert run.service.backfill() == 0
+    assert run.service.take("t", 1, 0.5) == []
+
+
+def test_stale_groups_are_requeued_and_never_delivered(run_factory, tmp_path, model_server):
+    model, _ = model_server
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=6), feed_max_ahead=6, feed_max_staleness=0)
+    svc = run.service
+    svc.set_version(1)
+    run.start_producer()
+    # Every group is sampled at version 1; the trainer then moves to 2 before taking any.
+    wait_for(lambda: run.counters().get(feed.C_ANNOUNCED, 0) >= 6, 120, what="six groups announced")
+    svc.set_version(2)
+    got = take_all(run, "t", 6, timeout=180, batch=6)
+    assert all(g["oldest_version"] == 2 and g["versions_behind"] == 0 for g in got)
+    svc.ack("t", [g["group_id"] for g in got])
+    st = svc.stats()
+    assert st["stale_requeued"] == 6 and st["delivered"] == 6 and st["acked"] == 6
+    assert st["produced"] == 12 and st["inflight"] == 0  # each stale group ran once more, fresh
+    assert svc.take("t", 1, 0.5) == []
+
+
+def test_stale_groups_dropped_when_asked(run_factory, tmp_path):
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=3), feed_max_ahead=3, feed_max_staleness=0,
+                      feed_stale_policy="drop")
+    svc = run.service
+    svc.set_version(5)
+    run.start_producer()
+    wait_for(lambda: run.counters().get(feed.C_ANNOUNCED, 0) >= 3, 120, what="three groups announced")
+    svc.set_version(6)
+    assert svc.take("t", 3, 2.0) == []
+    st = svc.stats()
+    assert st["stale_dropped"] == 3 and st["delivered"] == 0 and st["inflight"] == 0 and st["produced"] == 3
+
+
+def test_backpressure_stops_production_at_max_ahead_and_resumes(run_factory, tmp_path):
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=10), feed_max_ahead=3)
+    run.start_producer()
+    wait_for(lambda: run.counters().get(feed.C_ANNOUNCED, 0) >= 3, 120, what="three groups announced")
+    # The trainer has taken nothing: three groups are ready and the producer waits.
+    for _ in range(20):  # the producer polls every 0.1 s: twenty of its rounds pass without producing
+        run.stop.wait(0.1)
+        assert run.counters()[feed.C_PRODUCED] == 3
+    got = run.service.take("t", 2, 5.0)
+    assert len(got) == 2 and run.counters()[feed.C_PRODUCED] == 3  # taken is not settled
+    run.service.ack("t", [g["group_id"] for g in got])
+    wait_for(lambda: run.counters()[feed.C_PRODUCED] == 5, 30, what="two more groups produced")
+    position = run.r.hgetall(run.keys.feed_position(run.job_id))
+    assert int(position[b"seq"]) == 5 and int(position[b"index"]) == 5
+
+
+def test_a_group_with_a_dead_lettered_member_is_reported_failed(run_factory, tmp_path):
+    def tasks(url):
+        return write_tasks(tmp_path, url, rows=1, extra=textwrap.indent(textwrap.dedent(f"""\
+            - env_name: no_such_env
+              base_url: {url}
+              env_num: 2
+            """), "  "))
+
+    run = run_factory(tasks, feed_max_ahead=4, max_attempts=1)
+    run.start_producer()
+    got = take_all(run, "t", 1, timeout=120)
+    assert got[0]["status"] == feed.FEED_READY
+    run.service.ack("t", [got[0]["group_id"]])
+    wait_for(lambda: run.service.take("t", 1, 0.5) == [] and run.service.stats()["failed"] == 1, 120,
+             what="the failed group reported")
+    st = run.service.stats()
+    assert st["inflight"] == 0 and st["recent_failures"]
+    assert "failed" in st["recent_failures"][0]["reason"]
+
+
+# --- over HTTP ------------------------------------------------------------------------------
+def serve_in_thread(service, token=""):
+    from interactor.feedserve import FeedApp, make_server
+
+    server = make_server(FeedApp(service), "127.0.0.1", 0, token)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_http_routes_client_and_the_compatibility_shape(run_factory, tmp_path, env_server, model_server):
+    import urllib.request
+
+    from interactor.feed_client import Feed, FeedHTTPError
+    from interactor.feedserve import make_server, FeedApp
+    from broker.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="INTERACTOR_FEED_TOKEN"):
+        make_server(FeedApp(None), "0.0.0.0", 0, "")
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=3), feed_max_ahead=3)
+    server, url = serve_in_thread(run.service, token="tok-123")
+    try:
+        assert json.loads(urllib.request.urlopen(url + "/health").read())["status"] == "ok"  # no token needed
+        with pytest.raises(FeedHTTPError) as err:
+            Feed(url, token="wrong").stats()
+        assert err.value.status == 401
+        f = Feed(url, trainer="t1", token="tok-123")
+        assert f.set_version(3) == 3
+        with pytest.raises(FeedHTTPError) as err:
+            f.set_version(2)
+        assert err.value.status == 409 and "behind" in str(err.value)
+        run.start_producer()
+        groups = []
+        wait_for(lambda: groups.extend(f.take(1, timeout=1.0)) or groups, 120, interval=0.01, what="a group")
+        with pytest.raises(FeedHTTPError) as err:
+            f.ack(["nope"])
+        assert err.value.status == 404 and "nope" in str(err.value)
+        assert f.ack([groups[0]["group_id"]])["acked"] == [groups[0]["group_id"]]
+        # The original buffer server's route: the rest of the groups, item by item.
+        compat = Feed(url, token="tok-123")
+        body = {}
+        wait_for(lambda: body.update(compat._call("POST", "/get_rollout_data", {"batch_size": 2, "timeout": 1.0}))
+                 or body["data"]["meta_info"]["finished_groups"] == 2, 120, what="two groups by get_rollout_data")
+        assert body["success"] is True
+        items, meta = body["data"]["data"], body["data"]["meta_info"]
+        assert meta["total_samples"] == len(items) == 4  # two groups of two single-turn episodes
+        assert meta["avg_weight_version"] == 3 and meta["max_weight_version"] == 3
+        assert abs(meta["avg_reward"] - sum(i["reward"] for i in items) / 4) < 1e-9
+        for item in items:
+            assert set(item) == {"uid", "instance_id", "messages", "reward", "extra_info"}
+            x = item["extra_info"]
+            assert set(x) == {"timestamp", "steps", "finish_reason", "session_id", "env_id", "group_id",
+                              "weight_version", "truncated"}
+            assert item["instance_id"] == x["group_id"] and x["session_id"] == x["env_id"]
+            assert x["weight_version"] == "3" and x["steps"] == 1 and x["finish_reason"] == "stop"
+            # what the store holds is what the env and the model saw: the prompt, then the answer
+            step = run.store.feed_steps(x["session_id"])[0]
+            assert item["messages"][:-1] == json.loads(step[6])
+            assert item["messages"][-1] == {"role": "assistant", "content": step[7]}
+            assert "What is" in json.dumps(item["messages"][:-1])
+        st = f.stats()
+        assert st["acked"] == 3 and st["inflight"] == 0 and st["version"] == 3
+    finally:
+        server.shutdown()
+
+
+def test_feed_server_killed_and_restarted_delivers_every_group_once(run_factory, tmp_path, procs):
+    """The feed server as its own process (`interactor feed serve --job J`), SIGKILLed while a
+    trainer takes: the restarted server serves the rest, and no acknowledged group comes back."""
+    import socket
+
+    from interactor.feed_client import Feed, FeedHTTPError
+
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=8), feed_max_ahead=8, feed_ack_timeout_s=2.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+
+    def start():
+        procs.start("feed", "feed", "serve", "--job", run.job_id, "--port", str(port))
+
+        def up():
+            try:
+                return Feed(url).health()["job_id"] == run.job_id
+            except (OSError, FeedHTTPError):
+                return False
+
+        wait_for(up, 60, what="the feed server up")
+
+    start()  # its producer produces the groups
+    f = Feed(url, trainer="t")
+    seen = []
+
+    def take_some(n):
+        def more():
+            got = f.take(2, timeout=1.0)
+            f.ack([g["group_id"] for g in got])
+            seen.extend(g["group_id"] for g in got)
+            return len(seen) >= n
+        wait_for(more, 120, interval=0.01, what=f"{n} groups acknowledged")
+
+    take_some(3)
+    procs.kill("feed", signal.SIGKILL)
+    start()
+    take_some(8)
+    assert len(seen) == len(set(seen)) == 8
+    assert f.take(2, timeout=1.0) == []
+    st = f.stats()
+    assert st["acked"] == 8 and st["produced"] == 8 and st["inflight"] == 0
+
+
+def test_status_shows_the_feed(run_factory, tmp_path):
+    from interactor.metrics import FleetReader
+    from interactor.ops import render_status
+
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=2), feed_max_ahead=2)
+    run.service.set_version(4)
+    run.start_producer()
+    got = take_all(run, "t", 1)
+    run.service.ack("t", [got[0]["group_id"]])
+    snap = FleetReader(run.r, run.settings).snapshot(run.job_id)
+    f = snap["jobs"][0]["feed"]
+    assert f["version"] == 4 and f["acked"] == 1
+    assert f"feed       {run.job_id}: version=4" in render_status(snap)
