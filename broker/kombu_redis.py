@@ -7,12 +7,16 @@ hundred response callbacks each time, which made it about a twentieth of a worke
 single-turn episodes (py-spy, docs/benchmarks.md). A client holds no state of its own beyond
 the pool (connections are taken from the pool per command, so one client serves every thread),
 so the channel keeps one per pool and builds a new one only when kombu replaces the pool
-after a connection loss. Nothing else differs from ``kombu.transport.redis``.
+after a connection loss. Its connections also get the quick clean-connection check of our own
+pools (``broker.redisconn.QuickReadyParser``). Nothing else differs from
+``kombu.transport.redis``.
 """
 
 from __future__ import annotations
 
 from kombu.transport import redis as kombu_redis
+
+from broker.redisconn import parser_options
 
 
 class Channel(kombu_redis.Channel):
@@ -26,6 +30,12 @@ class Channel(kombu_redis.Channel):
         if kept is None or kept[0] is not pool:
             kept = self._kept_client = (pool, super()._create_client(asynchronous=False))
         return kept[1]
+
+
+    def _connparams(self, asynchronous=False):
+        params = super()._connparams(asynchronous=asynchronous)
+        params.update(parser_options())  # the same quick clean-connection check as our own pools
+        return params
 
 
 class Transport(kombu_redis.Transport):

@@ -20,6 +20,7 @@ origins, env host allow-lists) is made on it, never on the raw text.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -68,6 +69,26 @@ def check_url(url: object) -> Target:
     """The target of an http(s) URL, or :class:`UrlError` saying why it is refused."""
     if not isinstance(url, str) or not url:
         raise UrlError("must be a non-empty http(s) URL")
+    if len(url) > MAX_URL_CHARS:
+        raise UrlError(f"longer than {MAX_URL_CHARS} characters")
+    verdict = _verdict(url)
+    if isinstance(verdict, str):
+        raise UrlError(verdict)
+    return verdict
+
+
+@functools.lru_cache(maxsize=1024)
+def _verdict(url: str) -> "Target | str":
+    """The check itself, remembered per URL text: a worker checks the same few URLs for every
+    episode (model, env server, allow-list, trusted origins), and the check is a pure function
+    of the text."""
+    try:
+        return _check(url)
+    except UrlError as exc:
+        return str(exc)
+
+
+def _check(url: str) -> Target:
     if len(url) > MAX_URL_CHARS:
         raise UrlError(f"longer than {MAX_URL_CHARS} characters")
     bad = _first_bad_char(url)

@@ -25,9 +25,7 @@ import logging
 import math
 import os
 import re
-import select
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -58,6 +56,7 @@ except ImportError:  # pragma: no cover
     NameResolutionError = NewConnectionError  # type: ignore[misc,assignment]
 
 from broker.errors import EPISODE_TIMEOUT, EpisodeError
+from broker.ospoll import ReadyCheck
 from broker.settings import Settings
 from broker.urls import UrlError, check_url
 from workers.plainhttp import PlainPool
@@ -141,18 +140,6 @@ def proxies_for(url: str) -> dict[str, str]:
     return found
 
 
-def _original_poll():
-    """``select.poll`` as the OS provides it, even where gevent has patched the module."""
-    if "gevent" in sys.modules:
-        from gevent import monkey
-
-        return monkey.get_original("select", "poll")
-    return select.poll
-
-
-_poll = _original_poll()
-
-
 class _QuickLivenessCheck:
     """urllib3 checks every pooled connection before reusing it (was it closed by the peer?)
     with ``select.poll`` and a zero timeout. Under gevent that poll is gevent's, which builds
@@ -160,7 +147,7 @@ class _QuickLivenessCheck:
     same check on the OS's own poll never blocks either; the poll object is kept with the
     socket, so a check is one syscall."""
 
-    _liveness: tuple | None = None  # (socket, poll object registered for it)
+    _liveness: ReadyCheck | None = None
 
     @property
     def is_connected(self) -> bool:
@@ -168,11 +155,9 @@ class _QuickLivenessCheck:
         if sock is None:
             return False
         held = self._liveness
-        if held is None or held[0] is not sock:
-            p = _poll()
-            p.register(sock, select.POLLIN | select.POLLPRI)
-            held = self._liveness = (sock, p)
-        return not held[1].poll(0)
+        if held is None or held.sock is not sock:
+            held = self._liveness = ReadyCheck(sock)
+        return not held.ready()
 
 
 class _Watch:

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import http.client
 import re
-import select
 import socket
-import sys
 import threading
 import time
 from typing import Mapping
@@ -38,6 +36,7 @@ import requests
 from urllib3.exceptions import NameResolutionError, NewConnectionError, ProtocolError, ReadTimeoutError
 
 from broker.errors import EPISODE_TIMEOUT, EpisodeError
+from broker.ospoll import ReadyCheck
 from broker.urls import Target
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers of one answer, at most (http.client: 100 lines of 64 KB)
@@ -51,19 +50,6 @@ _PATH_SAFE = "!$%&'()*+,/:;=?@[]~-._"
 _BAD_IN_HEADER = re.compile(r"[\r\n\x00]")
 _HEADER_NAME = re.compile(r"[^:\s][^:\r\n]*")  # http.client's rule
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-
-
-def _original_poll():
-    """``select.poll`` as the OS provides it: the check of an idle socket never waits, and
-    gevent's poll would build hub watchers for it."""
-    if "gevent" in sys.modules:
-        from gevent import monkey
-
-        return monkey.get_original("select", "poll")
-    return select.poll
-
-
-_poll = _original_poll()
 
 
 class Headers(dict):
@@ -81,18 +67,17 @@ class Headers(dict):
 
 
 class _Conn:
-    __slots__ = ("sock", "poller")
+    __slots__ = ("sock", "check")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.poller = None
+        self.check: ReadyCheck | None = None
 
     def dead(self) -> bool:
         """An idle keep-alive connection the server closed (or wrote to) is not reused."""
-        if self.poller is None:
-            self.poller = _poll()
-            self.poller.register(self.sock, select.POLLIN | select.POLLPRI)
-        return bool(self.poller.poll(0))
+        if self.check is None:
+            self.check = ReadyCheck(self.sock)
+        return self.check.ready()
 
     def close(self) -> None:
         try:

@@ -15,6 +15,7 @@ import time
 
 import redis.exceptions
 from celery import signals
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Reject
 
 from broker.app import EPISODE_TASK, make_app
@@ -50,7 +51,10 @@ def _replace_this_process(reason: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-@app.task(name=EPISODE_TASK)
+# One results backend for the task, set on it: Celery keeps a non-thread-safe backend per
+# thread, and under the gevent pool every episode's greenlet is a new "thread", so it built a
+# fresh DisabledBackend per episode (a twentieth of a single-turn episode's worker CPU).
+@app.task(name=EPISODE_TASK, backend=DisabledBackend(app))
 def run_episode_task(job_id: str, episode_id: str) -> None:
     if runtime().unhealthy_reason:  # on its way out: the next process runs it
         raise Reject(runtime().unhealthy_reason, requeue=True)
