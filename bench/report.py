@@ -23,6 +23,12 @@ TARGETS = {
     "single_efficiency_1000": 0.9,
     "single_cpu_ms_per_step": 1.5,
     "cpu_ms_per_episode_overhead": 1.0,  # beyond its steps: workers + consumer + Redis
+    # Redis commands (INFO commandstats, a Lua script's own commands included) per 1-step
+    # episode, set after counting what one costs (bench/notes.md): kombu's delivery 10 (BRPOP;
+    # MULTI ZADD HSET EXEC on receipt; MULTI ZREM HDEL EXEC on ack), the ledger's START and
+    # FINISH scripts about 22 (lease, attempt, counters, clock), the step and attempt records 2,
+    # the reservation and the consumer's share about 5.
+    "redis_commands_per_single_episode": 40.0,
 }
 CPU_TARGET_LEVELS = (256, 1000)
 
@@ -128,6 +134,8 @@ def target_rows(res: dict) -> list[tuple]:
                 TARGETS["single_efficiency_1000"], True, 3)
         row(f"Single-turn orchestration CPU per step, concurrency {c}", "<= 1.5 ms", orch_ms(r),
             TARGETS["single_cpu_ms_per_step"], False, 3, " ms")
+        row(f"Redis commands per single-turn episode, concurrency {c}", "<= 40", redis_calls_per_episode(r),
+            TARGETS["redis_commands_per_single_episode"], False, 1)
         multi = _by_c(load, c)
         if multi is not None:
             row(f"Orchestration CPU per episode beyond its steps, concurrency {c}", "<= 1 ms",
