@@ -564,7 +564,7 @@ def run_fleet_ingest(n: int, work: Path, *, backend: str, consumers: int,
         with EmbeddedRedis(folder / "redis") as srv:
             store_url = str(folder / "results.sqlite")
             if backend == "postgres":
-                from tests.embedded_postgres import EmbeddedPostgres
+                from broker.embedded_postgres import EmbeddedPostgres
 
                 pg = EmbeddedPostgres(folder / "pg").start()
                 store_url = pg.create_database("bench")

@@ -79,7 +79,7 @@ def settings(redis_server, tmp_path) -> Settings:
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):
     """A real PostgreSQL (pgserver's binaries, else the machine's) on a free port."""
-    from tests.embedded_postgres import EmbeddedPostgres, binaries
+    from broker.embedded_postgres import EmbeddedPostgres, binaries
 
     if binaries() is None:
         pytest.skip("no PostgreSQL server binaries here (pip install pgserver, or the postgresql package)")
