@@ -14,24 +14,22 @@ def _one_connection(settings):
     return connect(settings, max_connections=1)
 
 
-def test_our_pools_and_kombus_channel_use_the_quick_check(settings):
-    client = _one_connection(settings)
+def _parser_of(client: redis.Redis):
     assert client.ping()
     conn = client.connection_pool.get_connection()
     try:
-        assert isinstance(conn._parser, QuickReadyParser)
+        return conn._parser
     finally:
         client.connection_pool.release(conn)
+
+
+def test_our_pools_and_kombus_channel_use_the_quick_check(settings):
+    assert isinstance(_parser_of(_one_connection(settings)), QuickReadyParser)
     app = make_app(settings)
     with app.connection_for_write() as c:
         kclient = c.default_channel._create_client()
         assert kclient is c.default_channel._create_client()  # one client per channel
-        assert kclient.ping()
-        kconn = kclient.connection_pool.get_connection()
-        try:
-            assert isinstance(kconn._parser, QuickReadyParser)
-        finally:
-            kclient.connection_pool.release(kconn)
+        assert isinstance(_parser_of(kclient), QuickReadyParser)
 
 
 def test_a_connection_the_server_closed_is_replaced_not_used(settings, redis_client):
