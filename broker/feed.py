@@ -5,8 +5,8 @@ Why it lives in Redis and not in a server's memory: the original system's buffer
 its cursor in memory, so a restart re-served or skipped groups. Here the feed of a job is a
 Redis stream of complete groups (``Keys.feed_stream``) read by one consumer group
 (:data:`TRAINERS`) whose consumers are the trainers: XREADGROUP hands a group to one trainer,
-XACK (by :func:`settle`) ends it, XAUTOCLAIM gives a group taken and not acknowledged within
-the timeout to the next taker. Whoever restarts (feed server, consumer, worker, trainer), the
+XACK (by :func:`settle`) ends it, XCLAIM gives a group taken and not acknowledged within
+the timeout to the next taker, whoever it is (the trainer that took it, restarted, too). Whoever restarts (feed server, consumer, worker, trainer), the
 cursor and the pending entries are where Redis keeps them.
 
 Who writes what:
@@ -49,7 +49,7 @@ C_SETTLED = "settled"  # groups finished with: acknowledged, filtered, failed, s
 C_ANNOUNCED = "announced"  # groups the consumer put on the feed
 C_READ = "read"  # groups read from the feed for the first time (delivered, filtered or set aside)
 C_DELIVERED = "delivered"  # groups handed to a trainer (first time)
-C_REDELIVERED = "redelivered"  # groups handed to another trainer after the ack timeout
+C_REDELIVERED = "redelivered"  # groups handed out again after their ack timeout (to any taker)
 C_ACKED = "acked"
 C_FAILED = "failed"  # groups with a dead-lettered member, reported
 C_REFILLED = "refilled"  # ... or run again as fresh episodes (failed_policy refill)

@@ -186,7 +186,7 @@ class Settings:
     feed_max_staleness: int = -1
     feed_stale_policy: str = "requeue"  # requeue (fresh episodes of the same tasks) | drop
     feed_failed_policy: str = "report"  # a group with a dead-lettered member: report | refill
-    feed_ack_timeout_s: float = 300.0  # a group taken and not acknowledged this long goes to another taker
+    feed_ack_timeout_s: float = 300.0  # a group taken and not acknowledged this long goes to the next taker
     feed_drop_uniform: bool = False  # drop groups whose rewards are all equal (no learning signal)
     feed_filter: str = ""  # "module:function" called with each group before delivery; False drops it
     # Filters the feed server may import, as episode_hooks ("" = none but feed_filter itself).

@@ -13,8 +13,8 @@ from the stream, whether it goes to the trainer:
   from the results store. A take waits up to its timeout to fill the batch, so filtered groups
   are replaced by the next ones (over-sampling).
 
-A group taken and not acknowledged within ``ack_timeout_s`` is claimed (XAUTOCLAIM) by the
-next take, from whichever trainer.
+A group taken and not acknowledged within ``ack_timeout_s`` is claimed (XCLAIM) by the next
+take, whichever trainer makes it: the one that took it too (restarted under the same name).
 """
 
 from __future__ import annotations
@@ -116,18 +116,19 @@ class FeedService:
         return out
 
     def _claim(self, trainer: str, count: int) -> list:
-        """Groups another trainer took and has not acknowledged within the timeout. Not this
-        trainer's own: holding its groups longer is its business, and giving them back to it
-        would hand it the same group twice. XCLAIM re-checks the idle time, so two takers never
-        claim one group."""
+        """Groups taken and not acknowledged within the ack timeout, whoever took them: this
+        trainer too. A trainer that restarts under its own name has lost what it held; were its
+        old groups kept from it, the only trainer of a feed would never get them (and they would
+        never be settled, so production would stop at ``max_ahead``). The timeout is the
+        contract: a group held past it may be handed out again, to anyone. XCLAIM re-checks the
+        idle time, so two takers never claim one group, and an acknowledged group is no longer
+        pending, so it never comes back."""
         stream, idle = self.keys.feed_stream(self.job_id), int(self.cfg.ack_timeout_s * 1000)
         try:
-            pending = self.r.xpending_range(stream, feed.TRAINERS, min="-", max="+", count=max(count * 4, 16),
-                                            idle=idle)
+            pending = self.r.xpending_range(stream, feed.TRAINERS, min="-", max="+", count=count, idle=idle)
         except redis.ResponseError:
             return []
-        ids = [p["message_id"] for p in pending
-               if (p["consumer"].decode() if isinstance(p["consumer"], bytes) else p["consumer"]) != trainer][:count]
+        ids = [p["message_id"] for p in pending]
         if not ids:
             return []
         return [e for e in self.r.xclaim(stream, feed.TRAINERS, trainer, idle, ids) if e[1]]
@@ -221,7 +222,7 @@ class FeedService:
                 holder = holder.decode() if isinstance(holder, bytes) else holder
                 if holder != trainer:
                     raise feed.FeedError(f"group {gid!r} is held by trainer {holder!r}, not {trainer!r} "
-                                         "(its ack timeout passed and it was given to another taker)", 404)
+                                         "(its ack timeout passed and it was handed out again)", 404)
                 plan.append((gid, entry))
             else:
                 plan.append((gid, None))  # settled already (acknowledged before, or never delivered)

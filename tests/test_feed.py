@@ -113,22 +113,36 @@ def test_take_ack_versions_and_a_trainer_that_never_acks(run_factory, tmp_path):
     assert lost["status"] == feed.FEED_READY and len(lost["samples"]) == 2
     assert all(s["steps"] and s["steps"][-1]["weight_version"] == "1" for s in lost["samples"])
     assert lost["oldest_version"] == 1 and lost["versions_behind"] == 0
-    # Trainer B gets every group, A's among them (once, after its ack timeout), and acks them.
-    got = take_all(run, "trainer-b", 4, batch=4)
+    # Trainer B gets every group, A's among them (once, after its ack timeout). It acknowledges
+    # each batch before taking the next: a group held past the ack timeout is handed out again,
+    # to whoever takes next (B itself included).
+    got, checked = [], []
+
+    def more():
+        batch = svc.take("trainer-b", 4, 1.0)
+        got.extend(batch)
+        ids = [g["group_id"] for g in batch]
+        if lost["group_id"] in ids:
+            # A's late ack is refused, naming the group and its holder; nothing was acknowledged by it.
+            with pytest.raises(feed.FeedError) as err:
+                svc.ack("trainer-a", [lost["group_id"]])
+            assert err.value.status == 404 and lost["group_id"] in str(err.value) and "trainer-b" in str(err.value)
+            # An unknown group: 404 naming it, and the valid ids in the same call are not acknowledged.
+            acked_before = svc.stats()["acked"]
+            with pytest.raises(feed.FeedError) as err:
+                svc.ack("trainer-b", [lost["group_id"], "no-such-group"])
+            assert err.value.status == 404 and "no-such-group" in str(err.value)
+            assert svc.stats()["acked"] == acked_before
+            checked.append(True)
+        if ids:
+            assert svc.ack("trainer-b", ids)["acked"] == ids
+            assert svc.ack("trainer-b", ids) == {"acked": [], "already": ids}  # a retried ack changes nothing
+        return len(got) >= 4
+
+    wait_for(more, 120, interval=0.01, what="4 groups taken by trainer-b")
     ids = [g["group_id"] for g in got]
-    assert sorted(ids) == sorted(set(ids)) and lost["group_id"] in ids
+    assert sorted(ids) == sorted(set(ids)) and lost["group_id"] in ids and checked
     assert [g["redelivered"] for g in got if g["group_id"] == lost["group_id"]] == [True]
-    # A's late ack is refused, naming the group and its holder; nothing was acknowledged by it.
-    with pytest.raises(feed.FeedError) as err:
-        svc.ack("trainer-a", [lost["group_id"]])
-    assert err.value.status == 404 and lost["group_id"] in str(err.value) and "trainer-b" in str(err.value)
-    # An unknown group: 404 naming it, and the valid ids in the same call are not acknowledged.
-    with pytest.raises(feed.FeedError) as err:
-        svc.ack("trainer-b", [ids[0], "no-such-group"])
-    assert err.value.status == 404 and "no-such-group" in str(err.value)
-    assert svc.stats()["acked"] == 0
-    assert svc.ack("trainer-b", ids)["acked"] == ids
-    assert svc.ack("trainer-b", ids) == {"acked": [], "already": ids}  # a retried ack changes nothing
     # Exactly once after acknowledgement: nothing more comes.
     assert svc.take("trainer-c", 1, 1.0) == []
     st = svc.stats()
@@ -348,3 +362,77 @@ def test_status_shows_the_feed(run_factory, tmp_path):
     f = snap["jobs"][0]["feed"]
     assert f["version"] == 4 and f["acked"] == 1
     assert f"feed       {run.job_id}: version=4" in render_status(snap)
+
+
+# --- a trainer process killed and restarted under its own name -------------------------------
+class TrainerProc:
+    """tests/feed_trainer.py as a process of its own, in its own session (killed as a whole)."""
+
+    def __init__(self, tmp_path, url, name, *args, tag="1"):
+        import subprocess
+        import sys
+
+        from tests.conftest import ROOT
+
+        self.out = tmp_path / f"trainer-{name}-{tag}.jsonl"
+        with open(self.out, "wb") as log:
+            self.p = subprocess.Popen([sys.executable, "-m", "tests.feed_trainer", url, name, *args],
+                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      cwd=str(ROOT), start_new_session=True)
+
+    def lines(self):
+        rows = []
+        for line in self.out.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+        return rows
+
+    def took(self):
+        return [r for r in self.lines() if "took" in r]
+
+    def kill(self):
+        import os
+
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait(30)
+
+
+def test_a_trainer_killed_before_acking_gets_its_groups_back_when_restarted_alone(run_factory, tmp_path):
+    """The only trainer, SIGKILLed holding two groups, restarted under the same name: after the
+    ack timeout those two come back to it, once each, and once acknowledged never again."""
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=4), feed_ack_timeout_s=3.0, feed_max_ahead=4)
+    run.start_producer()
+    server, url = serve_in_thread(run.service)
+    procs = []
+    try:
+        first = TrainerProc(tmp_path, url, "solo", "--groups", "2", "--hold")
+        procs.append(first)
+        wait_for(lambda: any("holding" in r for r in first.lines()) or first.p.poll() is not None, 180,
+                 what="the first trainer holding two groups")
+        held = [r["took"] for r in first.took()]
+        assert len(held) == 2 and first.p.poll() is None, first.out.read_text()
+        first.kill()
+        assert run.service.stats()["taken"] == 2 and run.service.stats()["acked"] == 0
+
+        again = TrainerProc(tmp_path, url, "solo", "--groups", "4", "--batch", "2", tag="2")
+        procs.append(again)
+        assert again.p.wait(240) == 0, again.out.read_text()
+        took = again.took()
+        ids = [r["took"] for r in took]
+        assert sorted(ids) == sorted(set(ids)) and len(ids) == 4, took  # each group once
+        assert set(held) <= set(ids)
+        assert {r["took"] for r in took if r["redelivered"]} == set(held)
+        acked = [g for r in again.lines() if "acked" in r for g in r["acked"]]
+        assert sorted(acked) == sorted(ids)
+        # Acknowledged is final: a take that waits past the ack timeout gets nothing back.
+        assert run.service.take("solo", 2, 4.0) == []
+        st = run.service.stats()
+        assert st["acked"] == 4 and st["delivered"] == 4 and st["redelivered"] == 2
+        assert st["taken"] == 0 and st["inflight"] == 0 and st["produced"] == 4
+    finally:
+        for p in procs:
+            p.kill()
+        server.shutdown()
