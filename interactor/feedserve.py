@@ -229,8 +229,15 @@ def cmd_feed(args) -> int:
                  if v is not None}
     if overrides:
         settings = settings.replace(**overrides)
-    if bool(args.tasks) == bool(args.job):
+    if args.tasks and args.job:
         raise SettingsError("name task files to run, or --job J to serve a running job (not both)")
+    # A filter off the allow-list (or not importable) stops us before anything starts.
+    from interactor.feed import load_filter
+
+    try:
+        load_filter(settings.feed_filter, settings.feed_filters)
+    except feed.FeedError as exc:
+        raise SettingsError(str(exc)) from None
     return serve(settings, tasks=args.tasks, job_id=args.job, epochs=args.epochs, seed=args.seed,
                  workers=args.workers, fleet=not args.no_fleet)
 

@@ -436,3 +436,79 @@ def test_a_trainer_killed_before_acking_gets_its_groups_back_when_restarted_alon
         for p in procs:
             p.kill()
         server.shutdown()
+
+
+# --- filters ----------------------------------------------------------------------------------
+def group_rewards(run, group_ids):
+    """Each group's rewards as the store holds them: what the filters' verdicts are checked by."""
+    from consumer.feed import settled_group
+
+    return {gid: settled_group(g).rewards for gid, g in run.store.feed_groups(group_ids).items()}
+
+
+def test_drop_uniform_and_a_user_filter_counted_by_reason_and_the_batch_kept_full(run_factory, tmp_path,
+                                                                                  model_server):
+    """Twelve groups of four; four tasks always answered right (uniform rewards), the rest
+    right half the time. drop_uniform and tests.feed_filters:even_groups run before delivery;
+    with max_ahead 2, a batch of 2 is filled only if filtered groups are replaced by new ones."""
+    model, _ = model_server
+    model.skill = 0.5
+    model.replies = {f"What is {i} + {i + 3}?": str(2 * i + 3) for i in range(4)}
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=12, env_num=4), feed_max_ahead=2,
+                      feed_drop_uniform=True, feed_filter="tests.feed_filters:even_groups",
+                      feed_filters="tests.feed_filters:even_groups", workers=2)
+    run.start_producer()
+    svc = run.service
+    batches = []
+
+    def settled():
+        st = svc.stats()
+        return st["acked"] + sum(st["filtered"].values())
+
+    while settled() < 12:
+        got = svc.take("t", 2, 30.0)
+        assert got or settled() == 12, svc.stats()
+        if got:
+            batches.append([g["group_id"] for g in got])
+            svc.ack("t", batches[-1])
+    assert all(len(b) == 2 for b in batches[:-1]), batches  # over-sampling: full until the feed ran dry
+    delivered = [gid for b in batches for gid in b]
+    everyone = [f"{run.job_id}.s{i}" for i in range(1, 13)]
+    rewards = group_rewards(run, everyone)
+    assert len(rewards) == 12
+    uniform = {g for g, r in rewards.items() if max(r) == min(r)}
+    odd = {g for g in everyone if int(g.rsplit(".s", 1)[1]) % 2 and g not in uniform}
+    assert len(uniform) >= 4  # the four tasks answered right every time
+    assert sorted(delivered) == sorted(set(everyone) - uniform - odd)
+    st = svc.stats()
+    assert st["filtered"] == {k: v for k, v in {feed.FILTER_UNIFORM: len(uniform), feed.FILTER_USER: len(odd)}.items()
+                              if v}
+    assert st["produced"] == 12 and st["inflight"] == 0 and st["delivered"] == len(delivered)
+    for b in batches:  # what was delivered is what the filters let through
+        assert all(int(g.rsplit(".s", 1)[1]) % 2 == 0 and len(set(rewards[g])) > 1 for g in b)
+
+
+def test_a_filter_off_the_allow_list_is_refused(settings, procs, redis_client, tmp_path):
+    """By the service (a FeedError naming it) and by the command (exit 2, before anything starts):
+    off the list, or not defined in the module it is named by (as hooks are checked)."""
+    import subprocess
+    import sys
+
+    from interactor.feed import load_filter
+    from tests.conftest import ROOT
+
+    assert load_filter("tests.feed_filters:even_groups", "tests.feed_filters:*") is not None
+    with pytest.raises(feed.FeedError, match=r"tests.feed_filters:even_groups' is not in feed_filters"):
+        load_filter("tests.feed_filters:even_groups", "tests.other:*")
+    with pytest.raises(feed.FeedError, match="is not defined in tests.feed_filters"):
+        load_filter("tests.feed_filters:reexported", "tests.feed_filters:*")
+    with pytest.raises(feed.FeedError, match="must be 'module:function'"):
+        load_filter("os.path.join", "")
+    for name, allowed, says in [("os:abort", "tests.feed_filters:*", "is not in feed_filters"),
+                                ("tests.feed_filters:reexported", "tests.feed_filters:*", "is not defined in")]:
+        env = procs.env(feed_filters=allowed)
+        out = subprocess.run([sys.executable, "-m", "interactor.cli", "feed", "serve", "--job", "nojob",
+                              "--filter", name, "--port", "0"], env=env, cwd=str(ROOT), capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert name in out.stderr and says in out.stderr and "Traceback" not in out.stderr
