@@ -80,6 +80,7 @@ class FeedConfig:
     max_staleness: int = -1  # -1: no bound
     stale_policy: str = STALE_REQUEUE
     failed_policy: str = FAILED_REPORT
+    refill_max: int = 2  # failed_policy refill: re-runs of one group's tasks before it is reported
     ack_timeout_s: float = 300.0
     drop_uniform: bool = False
     filter: str = ""  # module:function
@@ -92,6 +93,7 @@ class FeedConfig:
     def from_settings(cls, settings, **kw) -> "FeedConfig":
         return cls(max_ahead=settings.feed_max_ahead, max_staleness=settings.feed_max_staleness,
                    stale_policy=settings.feed_stale_policy, failed_policy=settings.feed_failed_policy,
+                   refill_max=settings.feed_refill_max,
                    ack_timeout_s=settings.feed_ack_timeout_s, drop_uniform=settings.feed_drop_uniform,
                    filter=settings.feed_filter, **kw)
 

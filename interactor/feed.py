@@ -147,11 +147,16 @@ class FeedService:
             return None
         cfg = self.cfg
         if group.status == feed.FEED_FAILED:
-            if cfg.failed_policy == feed.FAILED_REFILL:
+            runs = int(self.r.hget(self.keys.feed_refills(self.job_id), group.group_id) or 0)
+            if cfg.failed_policy == feed.FAILED_REFILL and runs < cfg.refill_max:
                 feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_REFILLED,
-                            redo=_redo(group, "failed member"), failure=group.pack())
-            else:
-                feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_FAILED, failure=group.pack())
+                            redo=_redo(group, "failed member", runs + 1), failure=group.pack())
+                log.warning("group %s failed (%s): its tasks run again as a fresh group (re-run %d of %d)",
+                            group.group_id, group.reason, runs + 1, cfg.refill_max)
+                return None
+            if cfg.failed_policy == feed.FAILED_REFILL:
+                group.reason += f"; re-run {runs} times (feed_refill_max {cfg.refill_max}), reported"
+            feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_FAILED, failure=group.pack())
             log.warning("group %s failed: %s", group.group_id, group.reason)
             return None
         current = feed.current_version(self.r, self.keys, self.job_id)
@@ -324,8 +329,10 @@ def _public(group: FeedGroup) -> dict:
             "oldest_version": group.oldest_version, "newest_version": group.newest_version}
 
 
-def _redo(group: FeedGroup, why: str) -> bytes:
-    return msgpack.packb([group.group_id, list(group.members), why], use_bin_type=True)
+def _redo(group: FeedGroup, why: str, refills: int = 0) -> bytes:
+    """What the producer runs again (producer/continuous.py): the old group, its episodes (whose
+    specs are copied), why, and how many re-runs for failed members its new group descends from."""
+    return msgpack.packb([group.group_id, list(group.members), why, refills], use_bin_type=True)
 
 
 _STEP_KEYS = ("job_id", "session_id", "group_id", "env_name", "step_id", "attempt", "messages", "response",

@@ -212,6 +212,8 @@ def register(sub, add) -> None:
     sp.add_argument("--max-staleness", type=int, default=None)
     sp.add_argument("--stale-policy", choices=[feed.STALE_REQUEUE, feed.STALE_DROP], default=None)
     sp.add_argument("--failed-policy", choices=[feed.FAILED_REPORT, feed.FAILED_REFILL], default=None)
+    sp.add_argument("--refill-max", type=int, default=None,
+                    help="--failed-policy refill: re-runs of a group's tasks before it is reported failed (default 2)")
     sp.add_argument("--ack-timeout", type=float, default=None, help="seconds")
     sp.add_argument("--drop-uniform", action="store_true", default=None)
     sp.add_argument("--filter", default=None, help="module:function (allow-listed by INTERACTOR_FEED_FILTERS)")
@@ -224,7 +226,8 @@ def cmd_feed(args) -> int:
     settings = settings_from_args(args)
     overrides = {k: v for k, v in dict(feed_host=args.host, feed_port=args.port, feed_max_ahead=args.max_ahead,
                                        feed_max_staleness=args.max_staleness, feed_stale_policy=args.stale_policy,
-                                       feed_failed_policy=args.failed_policy, feed_ack_timeout_s=args.ack_timeout,
+                                       feed_failed_policy=args.failed_policy,
+                                       feed_refill_max=args.refill_max, feed_ack_timeout_s=args.ack_timeout,
                                        feed_drop_uniform=args.drop_uniform, feed_filter=args.filter).items()
                  if v is not None}
     if overrides:

@@ -103,8 +103,10 @@ class ContinuousProducer:
                     pos = {a.decode(): int(b) for a, b in pipe.hgetall(k.feed_position(job)).items()}
                     seq, epoch, index = pos.get("seq", 0), pos.get("epoch", 0), pos.get("index", 0)
                     redo = pipe.lindex(k.feed_redo(job), 0)
+                    refills = 0
                     if redo is not None:
-                        old_group, old_ids, why = msgpack.unpackb(redo, raw=False)
+                        old_group, old_ids, why, *rest = msgpack.unpackb(redo, raw=False)
+                        refills = int(rest[0]) if rest else 0
                         raw = pipe.hmget(k.job_episodes(job), old_ids)
                         specs = [unpack(x) for x in raw if x]
                         source = f"re-run of group {old_group} ({why})"
@@ -147,6 +149,8 @@ class ContinuousProducer:
                     pipe.hincrby(k.feed_stats(job), feed.C_PRODUCED, 1)
                     if redo is not None:
                         pipe.lpop(k.feed_redo(job))
+                    if refills:  # the feed reports this group, not re-runs it, once refill_max is reached
+                        pipe.hset(k.feed_refills(job), gid, refills)
                     pipe.execute()
                     break
                 except redis.WatchError:

@@ -512,3 +512,70 @@ def test_a_filter_off_the_allow_list_is_refused(settings, procs, redis_client, t
                              text=True, timeout=120)
         assert out.returncode == 2, out.stderr
         assert name in out.stderr and says in out.stderr and "Traceback" not in out.stderr
+
+
+# --- failed_policy refill -----------------------------------------------------------------------
+def tasks_with_a_late_env(tmp_path, url):
+    """One arithmetic task that works, and one of ``later_env``, an env the server does not know
+    (reset answers 400: dead-lettered at once with max_attempts 1) until a test teaches it."""
+    return write_tasks(tmp_path, url, rows=1, extra=textwrap.indent(textwrap.dedent(f"""\
+        - env_name: later_env
+          base_url: {url}
+          dataset: [{{question: "What is 9 + 9?", answer: 18}}]
+          env_num: 2
+        """), "  "))
+
+
+def take_and_ack_until(run, done, timeout=180):
+    got = []
+
+    def more():
+        batch = run.service.take("t", 1, 1.0)
+        got.extend(batch)
+        if batch:
+            run.service.ack("t", [g["group_id"] for g in batch])
+        return done(run.service.stats())
+
+    wait_for(more, timeout, interval=0.01, what="the feed to get there")
+    return got
+
+
+def test_refill_runs_a_failed_groups_tasks_again_and_delivers_them(run_factory, tmp_path, monkeypatch):
+    """failed_policy refill: the group with a dead-lettered member is settled as refilled and its
+    tasks run again as a fresh group (new episode ids, every member anew); once the env answers,
+    that group is delivered. Nothing is left pending, nothing is reported failed."""
+    from envs.bundled import ENVS, ArithmeticEnv
+
+    run = run_factory(lambda url: tasks_with_a_late_env(tmp_path, url), feed_max_ahead=4, max_attempts=1,
+                      feed_failed_policy="refill", feed_refill_max=2)
+    run.start_producer()
+    got = take_and_ack_until(run, lambda st: st["refilled"] >= 1)
+    monkeypatch.setitem(ENVS, "later_env", ArithmeticEnv)  # the env server knows it from now on
+    got += take_and_ack_until(run, lambda st: st["acked"] == 2 and st["inflight"] == 0)
+    st = run.service.stats()
+    assert st["failed"] == 0 and 1 <= st["refilled"] <= 2 and st["produced"] == 2 + st["refilled"]
+    assert st["delivered"] == 2 and st["taken"] == 0 and st["ready"] == 0
+    late = [g for g in got if "What is 9 + 9?" in json.dumps(g["samples"][0]["steps"][0]["messages"])]
+    assert len(late) == 1 and late[0]["status"] == feed.FEED_READY and len(late[0]["samples"]) == 2
+    assert all(s["steps"] for s in late[0]["samples"])
+    # The failed runs are what the trainer can read of them, with their reason.
+    assert st["recent_failures"] and all("failed" in f["reason"] for f in st["recent_failures"])
+    assert late[0]["group_id"] not in {f["group_id"] for f in st["recent_failures"]}
+    assert run.service.take("t", 1, 0.5) == []
+
+
+def test_refill_gives_up_after_refill_max_and_reports_the_group(run_factory, tmp_path):
+    """A task that fails every time is re-run refill_max times, then reported failed with its
+    reason and the count: never pending, never re-run without end."""
+    run = run_factory(lambda url: tasks_with_a_late_env(tmp_path, url), feed_max_ahead=4, max_attempts=1,
+                      feed_failed_policy="refill", feed_refill_max=1)
+    run.start_producer()
+    take_and_ack_until(run, lambda st: st["failed"] == 1 and st["acked"] == 1 and st["inflight"] == 0)
+    st = run.service.stats()
+    assert st["refilled"] == 1 and st["produced"] == 3 and st["delivered"] == 1
+    reasons = [f["reason"] for f in st["recent_failures"]]
+    assert len(reasons) == 2 and "re-run 1 times (feed_refill_max 1), reported" in reasons[0]
+    assert reasons[0].startswith(f"episode {run.job_id}.s3.") and " failed: " in reasons[0]
+    # Produced no more after that: the position says one epoch of two tasks, and one re-run.
+    run.stop.wait(1.0)
+    assert run.service.stats()["produced"] == 3 and run.service.take("t", 1, 0.5) == []
