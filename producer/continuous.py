@@ -37,10 +37,12 @@ _SEED_MOD = 2**31
 
 
 def create_continuous_job(client: redis.Redis, settings: Settings, paths: list[str], *, job_id: str | None = None,
-                          epochs: int = 0, seed: int = 0) -> JobSpec:
+                          epochs: int = 0, seed: int = 0, planned=None) -> JobSpec:
     """Validate the task files, keep one epoch's groups as templates, create the job with no
-    episode yet, and give it a feed. Episodes come from :class:`ContinuousProducer`."""
-    planned = plan(settings, paths, job_id)
+    episode yet, and give it a feed. Episodes come from :class:`ContinuousProducer`.
+    ``planned``: the files already read by ``producer.enqueue.plan`` (a caller that checked the
+    servers they name first)."""
+    planned = planned if planned is not None else plan(settings, paths, job_id)
     if not planned.episodes:
         raise ValueError("the task files plan no episode")
     templates: dict[str, list[EpisodeSpec]] = {}
