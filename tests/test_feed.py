@@ -579,3 +579,103 @@ def test_refill_gives_up_after_refill_max_and_reports_the_group(run_factory, tmp
     # Produced no more after that: the position says one epoch of two tasks, and one re-run.
     run.stop.wait(1.0)
     assert run.service.stats()["produced"] == 3 and run.service.take("t", 1, 0.5) == []
+
+
+# --- a worker killed mid-run; versions moving while episodes run -------------------------------
+def guess_tasks(tmp_path, url, rows):
+    """Multi-turn episodes (a binary search over [low, high]), so that a worker dies, or the
+    version moves, in the middle of one."""
+    path = tmp_path / "guess.yaml"
+    rows_yaml = ", ".join(f"{{low: 1, high: {60 + 7 * i}}}" for i in range(rows))
+    path.write_text(textwrap.dedent(f"""\
+        environments:
+          - env_name: guess_number
+            base_url: {url}
+            env_params: {{max_turns: 8}}
+            dataset: [{rows_yaml}]
+            env_num: 2
+        """))
+    return str(path)
+
+
+def test_a_worker_killed_mid_run_every_group_delivered_exactly_once(run_factory, tmp_path, procs, model_server):
+    model, _ = model_server
+    model.latency_ms = 150  # episodes of several turns, each a while: the kill lands inside some
+    run = run_factory(lambda url: guess_tasks(tmp_path, url, 8), feed_max_ahead=8, workers=2)
+    run.start_producer()
+    steps = lambda: run.store.query("SELECT COUNT(*) FROM session_steps WHERE job_id = ?", (run.job_id,))[0][0]  # noqa: E731
+    wait_for(lambda: steps() >= 6, 120, what="episodes under way")
+    procs.kill("w1", signal.SIGKILL)  # the episodes it ran go to w2 (and w3) about one lease TTL later
+    procs.worker("w3")
+    got = []
+
+    def more():
+        batch = run.service.take("t", 4, 1.0)
+        got.extend(batch)
+        if batch:
+            run.service.ack("t", [g["group_id"] for g in batch])
+        return len(got) >= 8
+
+    wait_for(more, 240, interval=0.01, what="eight groups")
+    ids = [g["group_id"] for g in got]
+    assert len(ids) == len(set(ids)) == 8
+    assert all(g["status"] == feed.FEED_READY and len(g["samples"]) == 2 for g in got)
+    assert all(s["steps"] and s["steps"][-1]["is_terminal"] for g in got for s in g["samples"])
+    assert run.service.take("t", 4, 2.0) == []
+    st = run.service.stats()
+    assert st["acked"] == 8 and st["produced"] == 8 and st["delivered"] == 8 and st["redelivered"] == 0
+    assert st["failed"] == 0 and st["inflight"] == 0
+    assert run.r.xlen(run.keys.feed_stream(run.job_id)) == 8  # each group announced once
+
+
+def test_versions_bumped_while_episodes_run_no_delivered_group_older_than_n(run_factory, tmp_path, model_server):
+    """max_staleness 1. The trainer's version moves from 1 to 3 while the first groups are in the
+    middle of their episodes (their steps then span versions), and by one more after each group
+    it takes. Stale groups run again as fresh groups; every delivered group is at most one
+    version behind when handed over. The counts add up: every announced group was delivered or
+    re-queued, and every re-queue produced one group more."""
+    model, _ = model_server
+    model.latency_ms = 400  # an episode of several turns takes seconds: the bump lands inside
+    run = run_factory(lambda url: guess_tasks(tmp_path, url, 6), feed_max_ahead=4, feed_max_staleness=1, workers=2)
+    svc = run.service
+    svc.set_version(1)
+    run.start_producer()
+    steps = lambda: run.store.query("SELECT COUNT(*) FROM session_steps WHERE job_id = ?", (run.job_id,))[0][0]  # noqa: E731
+    wait_for(lambda: steps() >= 2, 120, what="episodes under way")
+    svc.set_version(2)
+    svc.set_version(3)
+    got = []
+
+    def more():
+        batch = svc.take("t", 1, 1.0)
+        for g in batch:
+            assert g["versions_behind"] is not None and g["versions_behind"] <= 1, g
+        got.extend(batch)
+        if batch:
+            svc.ack("t", [g["group_id"] for g in batch])
+            svc.set_version(feed.current_version(run.r, run.keys, run.job_id) + 1)  # trained on it: a new version
+        return len(got) >= 6 and svc.stats()["inflight"] == 0
+
+    wait_for(more, 300, interval=0.01, what="six tasks delivered")
+    st = svc.stats()
+    entries = [unpack_group(f) for _, f in run.r.xrange(run.keys.feed_stream(run.job_id))]
+    delivered = {g["group_id"] for g in got}
+    requeued = [e for e in entries if e.group_id not in delivered]
+    assert len(got) == len(delivered) == st["delivered"] == st["acked"] == 6
+    assert st["stale_requeued"] == len(requeued) and len(entries) == 6 + len(requeued)
+    assert st["produced"] == 6 + st["stale_requeued"] and st["stale_dropped"] == 0
+    assert requeued, "the version moved by more than one while some group ran: at least one is re-queued"
+    assert any(e.oldest_version < e.newest_version for e in entries), "some group sampled across versions"
+    # What the group says of its versions is what its steps were recorded with.
+    for g in got:
+        versions = [feed.parse_version(st["weight_version"]) for s in g["samples"] for st in s["steps"]]
+        assert min(versions) == g["oldest_version"] and max(versions) == g["newest_version"]
+    # The six tasks are the six delivered groups, each once.
+    firsts = sorted(json.dumps(g["samples"][0]["steps"][0]["messages"]).split("between 1 and ")[1][:2] for g in got)
+    assert len(set(firsts)) == 6, firsts
+
+
+def unpack_group(fields):
+    from broker.records import unpack
+
+    return unpack(fields[b"g"])
