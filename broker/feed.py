@@ -237,15 +237,23 @@ def inflight(r: redis.Redis, keys: Keys, job_id: str) -> int:
     return int(produced or 0) - int(settled or 0)
 
 
-def summary(r: redis.Redis, keys: Keys, job_id: str) -> dict[str, int | None]:
-    """The feed of a job at a glance (``interactor status``): groups ready, taken, acknowledged,
-    re-queued or dropped for staleness, filtered, failed, and the current version."""
+def summary(r: redis.Redis, keys: Keys, job_id: str) -> dict:
+    """The feed of a job at a glance (``interactor status``, the metrics, the results browser):
+    groups ready, taken, acknowledged, re-queued or dropped for staleness, filtered (in all and
+    by reason), failed (reported, or re-filled), the current version, how far behind delivered
+    groups were on average, and how long trainers waited inside take."""
     c = counters(r, keys, job_id)
     try:
         taken = int(r.xpending(keys.feed_stream(job_id), TRAINERS)["pending"])
     except redis.ResponseError:
         taken = 0
+    n_behind = int(c.get(C_BEHIND_N, 0))
     return {"version": current_version(r, keys, job_id),
+            "delivered": int(c.get(C_DELIVERED, 0)), "redelivered": int(c.get(C_REDELIVERED, 0)),
+            "failed_reported": int(c.get(C_FAILED, 0)), "refilled": int(c.get(C_REFILLED, 0)),
+            "filtered_by": {k.split(":", 1)[1]: int(v) for k, v in c.items() if k.startswith(C_FILTERED + ":")},
+            "versions_behind_mean": int(c.get(C_BEHIND, 0)) / n_behind if n_behind else None,
+            "trainer_wait_s": float(c.get(C_WAIT_S, 0.0)), "takes": int(c.get(C_TAKES, 0)),
             "ready": int(c.get(C_ANNOUNCED, 0)) - int(c.get(C_READ, 0)), "taken": taken,
             "acked": int(c.get(C_ACKED, 0)), "requeued": int(c.get(C_STALE_REQUEUED, 0)),
             "dropped": int(c.get(C_STALE_DROPPED, 0)),

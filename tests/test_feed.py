@@ -4,6 +4,7 @@ consumer processes, the stand-in env and model servers, and the feed service."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import textwrap
 import threading
@@ -679,3 +680,76 @@ def unpack_group(fields):
     from broker.records import unpack
 
     return unpack(fields[b"g"])
+
+
+# --- visible: metrics and the results browser ---------------------------------------------------
+def test_metrics_and_the_browser_show_the_feed(settings, redis_client, tmp_path):
+    """A feed over real Redis, settled by the feed service itself (one group delivered and
+    acknowledged, one filtered as uniform, one failed, one ready), read back by a Prometheus
+    scrape and on the results browser's job page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from broker.ledger import Ledger
+    from broker.records import FeedGroup, JobSpec
+    from interactor.metrics import FleetReader, exposition
+    from interactor.ui.source import LiveState
+    from tests.test_ui import JOB, client_for, fill
+
+    db = str(tmp_path / "results.sqlite")
+    store = open_store(db)
+    fill(store)
+    store.close()
+    keys = Keys(settings.key_prefix)
+    Ledger.for_settings(redis_client, settings).create_job(
+        JobSpec(job_id=JOB, llm_base_url="http://llm/v1", model="m", episodes=0, groups=0), [])
+    feed.enable(redis_client, keys, JOB, feed.FeedConfig(max_ahead=8, max_staleness=2, drop_uniform=True))
+    feed.set_version(redis_client, keys, JOB, 5)
+    redis_client.hincrby(keys.feed_stats(JOB), feed.C_PRODUCED, 4)  # as the continuous producer counts them
+    groups = [FeedGroup(job_id=JOB, group_id="g1", status=feed.FEED_READY, members=["ep-x", "ep-y"],
+                        rewards=[1.0, 0.0], size=2, oldest_version=4, newest_version=5),
+              FeedGroup(job_id=JOB, group_id="g2", status=feed.FEED_READY, members=["a", "b"], rewards=[0.5, 0.5],
+                        size=2, oldest_version=5, newest_version=5),
+              FeedGroup(job_id=JOB, group_id="g3", status=feed.FEED_FAILED, members=["c", "d"], rewards=[1.0],
+                        size=2, reason="episode d failed: env_bad_request")]
+    for g in groups:
+        assert feed.announce(redis_client, keys, g.pack(), JOB, g.group_id)
+    svc = FeedService(redis_client, settings, JOB)
+    got = svc.take("t", 3, 0.5)
+    assert [g["group_id"] for g in got] == ["g1"] and got[0]["versions_behind"] == 1
+    svc.ack("t", ["g1"])
+    g4 = FeedGroup(job_id=JOB, group_id="g4", status=feed.FEED_READY, members=["e"], rewards=[1.0], size=1)
+    feed.announce(redis_client, keys, g4.pack(), JOB, "g4")
+
+    fams = {f.name: f for f in text_string_to_metric_families(exposition(FleetReader(redis_client, settings)))}
+
+    def val(name, sample=None, **labels):
+        found = [s.value for s in fams[name].samples
+                 if s.name == (sample or name) and all(s.labels.get(k) == v for k, v in labels.items())]
+        assert len(found) == 1, (name, labels, fams[name].samples)
+        return found[0]
+
+    assert val("interactor_feed_groups", job_id=JOB, state="ready") == 1
+    assert val("interactor_feed_groups", job_id=JOB, state="taken") == 0
+    assert val("interactor_feed_groups", job_id=JOB, state="inflight") == 1  # 4 produced, 3 settled
+    settled = "interactor_feed_groups_settled"
+    assert val(settled, settled + "_total", job_id=JOB, outcome="acked") == 1
+    assert val(settled, settled + "_total", job_id=JOB, outcome="filtered", reason="uniform") == 1
+    assert val(settled, settled + "_total", job_id=JOB, outcome="failed") == 1
+    assert val(settled, settled + "_total", job_id=JOB, outcome="stale_requeued") == 0
+    assert val("interactor_feed_groups_delivered", "interactor_feed_groups_delivered_total", job_id=JOB,
+               kind="first") == 1
+    assert val("interactor_feed_version", job_id=JOB) == 5
+    assert val("interactor_feed_versions_behind_mean", job_id=JOB) == 1
+    assert val("interactor_feed_trainer_wait_seconds", "interactor_feed_trainer_wait_seconds_total", job_id=JOB) > 0
+    assert val("interactor_feed_takes", "interactor_feed_takes_total", job_id=JOB) == 1
+
+    page = client_for(db, live=LiveState(settings)).get(f"/jobs/{JOB}")
+    assert page.status_code == 200
+    html = page.get_data(as_text=True)
+    assert 'id="feed"' in html and "version <b>5</b>" in html and "staleness bound 2 (requeue)" in html
+    rows = dict(re.findall(r"<tr><td>([^<]+)</td><td class=\"r\">([^<]+)</td></tr>", html.split('id="feed-groups"')[1]))
+    assert rows["ready (announced, not taken)"] == "1" and rows["acknowledged"] == "1"
+    assert rows["filtered: uniform"] == "1" and rows["failed: reported"] == "1" and rows["stale: re-queued"] == "0"
+    assert "versions behind per delivered group: 1.00 on average" in html
+    # Without Redis the browser shows what the store has, and no feed.
+    assert 'id="feed"' not in client_for(db).get(f"/jobs/{JOB}").get_data(as_text=True)
