@@ -60,6 +60,7 @@ C_TAKES = "takes"  # take calls that returned at least one group
 C_WAIT_S = "wait_s"  # seconds trainers spent waiting inside take (sum)
 C_BEHIND = "versions_behind"  # sum over delivered groups of (current - oldest version)
 C_BEHIND_N = "versions_behind_n"  # delivered groups that had a version
+C_LAST_TAKE = "last_take_at"  # when a trainer last asked for groups (unix time): retention's clock
 
 FAILURES_KEPT = 1000  # the failures list (what the trainer reads of failed groups) is capped
 
@@ -235,6 +236,61 @@ def inflight(r: redis.Redis, keys: Keys, job_id: str) -> int:
     """Groups produced and not settled yet: queued, running, ready or taken-unacknowledged."""
     produced, settled = r.hmget(keys.feed_stats(job_id), C_PRODUCED, C_SETTLED)
     return int(produced or 0) - int(settled or 0)
+
+
+# --- retention (broker/recovery.py's housekeeping) -----------------------------------------------
+def holds(r: redis.Redis, keys: Keys, job_id: str, idle_s: float, now: float | None = None) -> bool:
+    """Whether a feed keeps its job alive though none of the job's episodes runs: a group is
+    ready or taken, or the producer has more to produce (a continuous job not through its
+    epochs, groups to run again, groups produced and not settled). A continuous job without end
+    would never finish: one no trainer asked anything of for ``idle_s`` (the job retention) is
+    let go like a finished one, its position and counters expiring with its keys."""
+    cfg = config(r, keys, job_id)
+    if cfg is None:
+        return False
+    now = time.time() if now is None else now
+    c = counters(r, keys, job_id)
+    if now - max(float(c.get(C_LAST_TAKE, 0.0)), cfg.created_at) > idle_s:
+        return False
+    if int(c.get(C_ANNOUNCED, 0)) > int(c.get(C_READ, 0)):
+        return True  # ready
+    try:
+        if int(r.xpending(keys.feed_stream(job_id), TRAINERS)["pending"]):
+            return True  # taken
+    except redis.ResponseError:
+        pass
+    if not cfg.continuous:
+        return False
+    if r.llen(keys.feed_redo(job_id)) or int(c.get(C_PRODUCED, 0)) > int(c.get(C_SETTLED, 0)):
+        return True
+    epoch = int(r.hget(keys.feed_position(job_id), "epoch") or 0)
+    return not cfg.epochs or epoch < cfg.epochs
+
+
+def trim(r: redis.Redis, keys: Keys, job_id: str, older_than_s: float, now: float | None = None) -> int:
+    """Drop settled groups announced more than ``older_than_s`` ago from the feed's stream (a
+    continuous job's stream would grow by one entry per group for as long as it runs). Never
+    one that is ready (not read yet) or taken (pending). The announce-once markers stay: a
+    group announced again would be delivered twice. Returns how many entries went."""
+    stream = keys.feed_stream(job_id)
+    now = time.time() if now is None else now
+    bound = f"{max(0, int((now - older_than_s) * 1000))}-0"
+    try:
+        info = r.xinfo_groups(stream)
+        pending = r.xpending(stream, TRAINERS)
+    except redis.ResponseError:  # no stream, or no group
+        return 0
+    ids = [bound]
+    for g in info:
+        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+        if name == TRAINERS:
+            last = g["last-delivered-id"]
+            ids.append(last.decode() if isinstance(last, bytes) else last)
+    if pending.get("pending") and pending.get("min"):
+        low = pending["min"]
+        ids.append(low.decode() if isinstance(low, bytes) else low)
+    minid = min(ids, key=lambda x: tuple(int(p) for p in x.split("-")))
+    return int(r.xtrim(stream, minid=minid, approximate=False) or 0)
 
 
 def summary(r: redis.Redis, keys: Keys, job_id: str) -> dict:

@@ -110,6 +110,7 @@ class FeedService:
         waited = time.monotonic() - t0
         pipe = self.r.pipeline(transaction=False)
         pipe.hincrbyfloat(self.keys.feed_stats(self.job_id), feed.C_WAIT_S, waited)
+        pipe.hset(self.keys.feed_stats(self.job_id), feed.C_LAST_TAKE, f"{time.time():.3f}")
         if out:
             pipe.hincrby(self.keys.feed_stats(self.job_id), feed.C_TAKES, 1)
         pipe.execute()

@@ -62,6 +62,10 @@ def create_continuous_job(client: redis.Redis, settings: Settings, paths: list[s
     return job
 
 
+class FeedGone(ValueError):
+    """The job has no feed (any more: retention expired it with its job, broker/recovery.py)."""
+
+
 class ContinuousProducer:
     """Produces a continuous job's groups while fewer than ``max_ahead`` are in flight."""
 
@@ -76,7 +80,7 @@ class ContinuousProducer:
     def config(self) -> feed.FeedConfig:
         cfg = feed.config(self.r, self.keys, self.job_id)
         if cfg is None:
-            raise ValueError(f"job {self.job_id!r} has no feed")
+            raise FeedGone(f"job {self.job_id!r} has no feed")
         return cfg
 
     def _order(self, epoch: int, n: int, seed: int) -> list[int]:
@@ -180,6 +184,9 @@ class ContinuousProducer:
             try:
                 self.fill()
                 delay = interval_s
+            except FeedGone as exc:
+                log.warning("producer stops: %s (its job's retention ran out, or it was deleted)", exc)
+                return
             except redis.RedisError as exc:
                 delay = min(10.0, max(1.0, delay * 2))
                 log.warning("producer: Redis unavailable (%s); retrying in %.0fs", exc, delay)

@@ -8,6 +8,7 @@ import re
 import signal
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -753,3 +754,69 @@ def test_metrics_and_the_browser_show_the_feed(settings, redis_client, tmp_path)
     assert "versions behind per delivered group: 1.00 on average" in html
     # Without Redis the browser shows what the store has, and no feed.
     assert 'id="feed"' not in client_for(db).get(f"/jobs/{JOB}").get_data(as_text=True)
+
+
+# --- retention ------------------------------------------------------------------------------------
+def test_a_finished_feed_expires_with_its_job_and_is_forgotten_with_it(run_factory, tmp_path):
+    """The sweeper's housekeeping keeps a feed job while a group is ready, gives its feed's keys
+    the job's retention once nothing more can come, and forgets the feed with the job."""
+    from broker.recovery import Sweeper
+
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=2), feed_max_ahead=2)
+    run.start_producer()
+    wait_for(lambda: run.counters().get(feed.C_ANNOUNCED, 0) == 2, 120, what="both groups ready")
+    sweeper = Sweeper(run.r, run.settings)
+
+    def housekeep():
+        sweeper._last_housekeeping = 0.0
+        sweeper._housekeeping()
+
+    retention = run.settings.job_retention_s
+    housekeep()  # no episode runs, but two groups wait for a trainer: kept
+    assert feed.holds(run.r, run.keys, run.job_id, retention)
+    assert run.r.ttl(run.keys.job_spec(run.job_id)) == -1 and run.r.ttl(run.keys.feed_config(run.job_id)) == -1
+    got = run.service.take("t", 2, 30.0)
+    run.service.ack("t", [g["group_id"] for g in got])
+    assert not feed.holds(run.r, run.keys, run.job_id, retention)  # one epoch, all settled
+    housekeep()
+    present = [k for k in run.keys.job_keys(run.job_id) + run.keys.feed_keys(run.job_id) if run.r.exists(k)]
+    assert run.keys.feed_stream(run.job_id) in present and run.keys.feed_position(run.job_id) in present
+    for k in present:
+        assert 0 < run.r.ttl(k) <= retention, k
+    # Retention runs out (sped up here): the keys go, and the next housekeeping forgets the job.
+    for k in present:
+        run.r.pexpire(k, 1)
+    wait_for(lambda: not any(run.r.exists(k) for k in present), 10, what="the keys expired")
+    housekeep()
+    assert run.job_id not in {j.decode() for j in run.r.smembers(run.keys.feeds)}
+    assert run.r.zscore(run.keys.jobs, run.job_id) is None
+
+
+def test_trim_drops_only_settled_groups_and_an_idle_endless_feed_is_let_go(settings, redis_client):
+    from broker.records import FeedGroup
+
+    keys = Keys(settings.key_prefix)
+    job = "trimjob"
+    feed.enable(redis_client, keys, job, feed.FeedConfig(max_ahead=8, continuous=True, epochs=0))
+    for i in range(1, 5):
+        g = FeedGroup(job_id=job, group_id=f"g{i}", status=feed.FEED_READY, members=[f"e{i}"], rewards=[1.0], size=1)
+        feed.announce(redis_client, keys, g.pack(), job, g.group_id)
+    svc = FeedService(redis_client, settings, job)
+    first = svc.take("t", 2, 1.0)
+    assert [g["group_id"] for g in first] == ["g1", "g2"]
+    svc.ack("t", ["g1"])  # g2 taken, not acknowledged; g3 and g4 not read yet
+    stream = keys.feed_stream(job)
+    assert feed.trim(redis_client, keys, job, older_than_s=0) == 1 and redis_client.xlen(stream) == 3
+    assert feed.trim(redis_client, keys, job, older_than_s=0) == 0  # g2 is pending: it stays, and what follows
+    assert svc.ack("t", ["g1"]) == {"acked": [], "already": ["g1"]}  # trimmed and settled: a retry is harmless
+    assert svc.ack("t", ["g2"])["acked"] == ["g2"]
+    assert [g["group_id"] for g in svc.take("t", 2, 1.0)] == ["g3", "g4"]
+    # An entry not older than the bound stays, settled or not.
+    assert feed.trim(redis_client, keys, job, older_than_s=3600) == 0
+    # A continuous feed without end holds its job while a trainer comes by; one nobody asked
+    # anything of for the retention period is let go.
+    retention = 600.0
+    assert feed.holds(redis_client, keys, job, retention)
+    assert not feed.holds(redis_client, keys, job, retention, now=time.time() + retention + 5)
+    svc.take("t", 1, 0)  # a trainer asks: the clock starts again
+    assert feed.holds(redis_client, keys, job, retention, now=time.time() + retention - 5)
