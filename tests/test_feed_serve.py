@@ -152,3 +152,21 @@ def test_start_rollout_submits_a_job_from_the_originals_config(env_server, model
         if server.p.poll() is None:
             server.p.kill()
     assert_none_left(mark, server.run_dir, 30, "processes of a feed server stopped by SIGTERM")
+
+
+def test_demo_rl_runs_briefly_and_leaves_no_process(tmp_path, mark):
+    """``make demo-rl`` (examples/demo_rl.py) for four steps: the trainer loop takes, pushes
+    weights to the stand-in, acknowledges and publishes versions; every process it started
+    stops with it."""
+    run_dir = tmp_path / "demo-rl"
+    out = subprocess.run([sys.executable, "-m", "examples.demo_rl", "--run-dir", str(run_dir), "--steps", "4",
+                          "--batch", "2", "--workers", "1"], env=clean_env(mark), cwd=str(ROOT),
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 4 and all(" 2 groups, " in line and "mean reward" in line for line in steps), out.stdout
+    assert "version 4 (stand-in skill" in steps[-1]
+    assert any(line.startswith("4 steps, version 4: mean reward") for line in lines), out.stdout
+    assert any("8 groups acknowledged" in line for line in lines), out.stdout
+    assert_none_left(mark, run_dir, 30, "processes of the RL demo")
