@@ -179,10 +179,10 @@ def _start_rollout(app: FeedApp, body: dict) -> dict:
 
 
 # The original buffer server's start_rollout keys that name its task (a dataset, an env, a group
-# size) and those that configure what it ran itself, which our workers take from their settings.
+# size). What else its body carries (remote_engine_url, sampling_params, ...) configured what it
+# ran itself; our workers take that from their settings, and the answer names what was ignored.
 ORIGINAL_TASK_KEYS = {"input_file": "dataset", "task_type": "env_name", "num_repeat_per_sample": "env_num"}
-ORIGINAL_IGNORED = ("remote_engine_url", "sampling_params", "num_process", "num_epoch", "skip_instance_ids",
-                    "group_size_ratio", "stop_previous_timeout_sec")
+OUR_KEYS = ("task_files", "config", "epochs", "seed")
 
 
 def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> tuple[list[str], int, int, list[str]]:
@@ -214,7 +214,7 @@ def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> tuple
         files = [files] if isinstance(files, str) else files
         if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
             raise feed.FeedError(f"task_files must be a list of task file paths, got {files!r}")
-        return [str(cwd / f) for f in files], epochs, seed, []
+        return [str(cwd / f) for f in files], epochs, seed, _ignored(body)
     if original:
         missing = [k for k in ORIGINAL_TASK_KEYS if k not in original]
         if missing:
@@ -232,7 +232,11 @@ def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> tuple
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / f"start_rollout-{int(time.time() * 1000)}.yaml"
     path.write_text(json.dumps(config, indent=1))  # JSON is YAML
-    return [str(path)], epochs, seed, sorted(k for k in body if k in ORIGINAL_IGNORED)
+    return [str(path)], epochs, seed, _ignored(body)
+
+
+def _ignored(body: dict) -> list[str]:
+    return sorted(k for k in body if k not in OUR_KEYS and k not in ORIGINAL_TASK_KEYS)
 
 
 ROUTES: dict[tuple[str, str], Callable[[FeedApp, dict], dict]] = {
@@ -258,6 +262,8 @@ def register(sub, add) -> None:
     sp.add_argument("tasks", nargs="*", help="task files to run as a continuous job (else --job J, or neither: "
                                              "the job comes from POST /start_rollout)")
     sp.add_argument("--job", help="serve the feed of a job already in Redis")
+    sp.add_argument("--llm-session-routing", action="store_true",
+                    help="model base URL becomes {llm-base-url}/{episode_id} (as for interactor run)")
     sp.add_argument("--epochs", type=int, default=0, help="continuous job: stop after N epochs (0: without end)")
     sp.add_argument("--seed", type=int, default=0, help="shuffles each epoch's tasks")
     sp.add_argument("--workers", type=int, default=None)
