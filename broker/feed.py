@@ -5,8 +5,8 @@ Why it lives in Redis and not in a server's memory: the original system's buffer
 its cursor in memory, so a restart re-served or skipped groups. Here the feed of a job is a
 Redis stream of complete groups (``Keys.feed_stream``) read by one consumer group
 (:data:`TRAINERS`) whose consumers are the trainers: XREADGROUP hands a group to one trainer,
-XACK (by :func:`settle`) ends it, XAUTOCLAIM gives a group taken and not acknowledged within
-the timeout to the next taker. Whoever restarts (feed server, consumer, worker, trainer), the
+XACK (by :func:`settle`) ends it, XCLAIM gives a group taken and not acknowledged within
+the timeout to the next taker, whoever it is (the trainer that took it, restarted, too). Whoever restarts (feed server, consumer, worker, trainer), the
 cursor and the pending entries are where Redis keeps them.
 
 Who writes what:
@@ -49,7 +49,7 @@ C_SETTLED = "settled"  # groups finished with: acknowledged, filtered, failed, s
 C_ANNOUNCED = "announced"  # groups the consumer put on the feed
 C_READ = "read"  # groups read from the feed for the first time (delivered, filtered or set aside)
 C_DELIVERED = "delivered"  # groups handed to a trainer (first time)
-C_REDELIVERED = "redelivered"  # groups handed to another trainer after the ack timeout
+C_REDELIVERED = "redelivered"  # groups handed out again after their ack timeout (to any taker)
 C_ACKED = "acked"
 C_FAILED = "failed"  # groups with a dead-lettered member, reported
 C_REFILLED = "refilled"  # ... or run again as fresh episodes (failed_policy refill)
@@ -60,6 +60,7 @@ C_TAKES = "takes"  # take calls that returned at least one group
 C_WAIT_S = "wait_s"  # seconds trainers spent waiting inside take (sum)
 C_BEHIND = "versions_behind"  # sum over delivered groups of (current - oldest version)
 C_BEHIND_N = "versions_behind_n"  # delivered groups that had a version
+C_LAST_TAKE = "last_take_at"  # when a trainer last asked for groups (unix time): retention's clock
 
 FAILURES_KEPT = 1000  # the failures list (what the trainer reads of failed groups) is capped
 
@@ -80,6 +81,7 @@ class FeedConfig:
     max_staleness: int = -1  # -1: no bound
     stale_policy: str = STALE_REQUEUE
     failed_policy: str = FAILED_REPORT
+    refill_max: int = 2  # failed_policy refill: re-runs of one group's tasks before it is reported
     ack_timeout_s: float = 300.0
     drop_uniform: bool = False
     filter: str = ""  # module:function
@@ -92,6 +94,7 @@ class FeedConfig:
     def from_settings(cls, settings, **kw) -> "FeedConfig":
         return cls(max_ahead=settings.feed_max_ahead, max_staleness=settings.feed_max_staleness,
                    stale_policy=settings.feed_stale_policy, failed_policy=settings.feed_failed_policy,
+                   refill_max=settings.feed_refill_max,
                    ack_timeout_s=settings.feed_ack_timeout_s, drop_uniform=settings.feed_drop_uniform,
                    filter=settings.feed_filter, **kw)
 
@@ -235,15 +238,78 @@ def inflight(r: redis.Redis, keys: Keys, job_id: str) -> int:
     return int(produced or 0) - int(settled or 0)
 
 
-def summary(r: redis.Redis, keys: Keys, job_id: str) -> dict[str, int | None]:
-    """The feed of a job at a glance (``interactor status``): groups ready, taken, acknowledged,
-    re-queued or dropped for staleness, filtered, failed, and the current version."""
+# --- retention (broker/recovery.py's housekeeping) -----------------------------------------------
+def holds(r: redis.Redis, keys: Keys, job_id: str, idle_s: float, now: float | None = None) -> bool:
+    """Whether a feed keeps its job alive though none of the job's episodes runs: a group is
+    ready or taken, or the producer has more to produce (a continuous job not through its
+    epochs, groups to run again, groups produced and not settled). A continuous job without end
+    would never finish: one no trainer asked anything of for ``idle_s`` (the job retention) is
+    let go like a finished one, its position and counters expiring with its keys."""
+    cfg = config(r, keys, job_id)
+    if cfg is None:
+        return False
+    now = time.time() if now is None else now
+    c = counters(r, keys, job_id)
+    if now - max(float(c.get(C_LAST_TAKE, 0.0)), cfg.created_at) > idle_s:
+        return False
+    if int(c.get(C_ANNOUNCED, 0)) > int(c.get(C_READ, 0)):
+        return True  # ready
+    try:
+        if int(r.xpending(keys.feed_stream(job_id), TRAINERS)["pending"]):
+            return True  # taken
+    except redis.ResponseError:
+        pass
+    if not cfg.continuous:
+        return False
+    if r.llen(keys.feed_redo(job_id)) or int(c.get(C_PRODUCED, 0)) > int(c.get(C_SETTLED, 0)):
+        return True
+    epoch = int(r.hget(keys.feed_position(job_id), "epoch") or 0)
+    return not cfg.epochs or epoch < cfg.epochs
+
+
+def trim(r: redis.Redis, keys: Keys, job_id: str, older_than_s: float, now: float | None = None) -> int:
+    """Drop settled groups announced more than ``older_than_s`` ago from the feed's stream (a
+    continuous job's stream would grow by one entry per group for as long as it runs). Never
+    one that is ready (not read yet) or taken (pending). The announce-once markers stay: a
+    group announced again would be delivered twice. Returns how many entries went."""
+    stream = keys.feed_stream(job_id)
+    now = time.time() if now is None else now
+    bound = f"{max(0, int((now - older_than_s) * 1000))}-0"
+    try:
+        info = r.xinfo_groups(stream)
+        pending = r.xpending(stream, TRAINERS)
+    except redis.ResponseError:  # no stream, or no group
+        return 0
+    ids = [bound]
+    for g in info:
+        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+        if name == TRAINERS:
+            last = g["last-delivered-id"]
+            ids.append(last.decode() if isinstance(last, bytes) else last)
+    if pending.get("pending") and pending.get("min"):
+        low = pending["min"]
+        ids.append(low.decode() if isinstance(low, bytes) else low)
+    minid = min(ids, key=lambda x: tuple(int(p) for p in x.split("-")))
+    return int(r.xtrim(stream, minid=minid, approximate=False) or 0)
+
+
+def summary(r: redis.Redis, keys: Keys, job_id: str) -> dict:
+    """The feed of a job at a glance (``interactor status``, the metrics, the results browser):
+    groups ready, taken, acknowledged, re-queued or dropped for staleness, filtered (in all and
+    by reason), failed (reported, or re-filled), the current version, how far behind delivered
+    groups were on average, and how long trainers waited inside take."""
     c = counters(r, keys, job_id)
     try:
         taken = int(r.xpending(keys.feed_stream(job_id), TRAINERS)["pending"])
     except redis.ResponseError:
         taken = 0
+    n_behind = int(c.get(C_BEHIND_N, 0))
     return {"version": current_version(r, keys, job_id),
+            "delivered": int(c.get(C_DELIVERED, 0)), "redelivered": int(c.get(C_REDELIVERED, 0)),
+            "failed_reported": int(c.get(C_FAILED, 0)), "refilled": int(c.get(C_REFILLED, 0)),
+            "filtered_by": {k.split(":", 1)[1]: int(v) for k, v in c.items() if k.startswith(C_FILTERED + ":")},
+            "versions_behind_mean": int(c.get(C_BEHIND, 0)) / n_behind if n_behind else None,
+            "trainer_wait_s": float(c.get(C_WAIT_S, 0.0)), "takes": int(c.get(C_TAKES, 0)),
             "ready": int(c.get(C_ANNOUNCED, 0)) - int(c.get(C_READ, 0)), "taken": taken,
             "acked": int(c.get(C_ACKED, 0)), "requeued": int(c.get(C_STALE_REQUEUED, 0)),
             "dropped": int(c.get(C_STALE_DROPPED, 0)),

@@ -138,16 +138,19 @@ class Keys:
     def feed_templates(self, job_id: str) -> str:  # hash index -> msgpack list of EpisodeSpec maps (one group)
         return f"{self.prefix}:feed:{job_id}:templates"
 
-    def feed_redo(self, job_id: str) -> str:  # list of msgpack [old group, [episode ids], why]: to run afresh
+    def feed_redo(self, job_id: str) -> str:  # list of msgpack [old group, [episode ids], why, refills]: to run afresh
         return f"{self.prefix}:feed:{job_id}:redo"
 
     def feed_failures(self, job_id: str) -> str:  # capped list of msgpack FeedGroup that failed (the trainer reads)
         return f"{self.prefix}:feed:{job_id}:failures"
 
+    def feed_refills(self, job_id: str) -> str:  # hash group_id -> re-runs for failed members it descends from
+        return f"{self.prefix}:feed:{job_id}:refills"
+
     def feed_keys(self, job_id: str) -> list[str]:
         return [self.feed_config(job_id), self.feed_stream(job_id), self.feed_seen(job_id), self.feed_stats(job_id),
                 self.feed_version(job_id), self.feed_position(job_id), self.feed_templates(job_id),
-                self.feed_redo(job_id), self.feed_failures(job_id)]
+                self.feed_redo(job_id), self.feed_failures(job_id), self.feed_refills(job_id)]
 
 
 def member(job_id: str, episode_id: str) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from broker import errors
+from broker import errors, feed
 from broker.duty import Duty
 from broker.keys import Keys, env_instance_id, member, split_member
 from broker.ledger import Ledger
@@ -189,6 +189,11 @@ class Sweeper:
         finished (a re-drive makes it active again and takes the expiry back); the jobs index
         and the dead-letter queue forget jobs whose keys are gone; the poison stream is capped.
 
+        A job with an online-RL feed (broker/feed.py) is finished only when its feed holds
+        nothing more (``feed.holds``: no group ready or taken, nothing left to produce, or no
+        trainer for a retention period); its feed's keys expire with the job's, and settled
+        groups older than the retention leave the feed's stream meanwhile (``feed.trim``).
+
         A job indexed without a spec is gone (retention expired its keys), or its submit died
         after claiming the id (its keys are deleted), unless its submitting marker says it is
         being written right now (Ledger.create_job): that one is left alone."""
@@ -209,24 +214,32 @@ class Sweeper:
         answers = pipe.execute()
         counts = self.ledger.counts_many(job_ids)
         retention = int(self.settings.job_retention_s)
+        feeds = {m.decode() if isinstance(m, bytes) else m for m in self.r.smembers(self.keys.feeds)}
         gone = []
         pipe = self.r.pipeline(transaction=False)
         for job_id, submitting, exists, ttl, c in zip(job_ids, answers[0::3], answers[1::3], answers[2::3], counts):
+            keys = self.keys.job_keys(job_id) + (self.keys.feed_keys(job_id) if job_id in feeds else [])
             if not exists:
                 if not submitting:
                     gone.append(job_id)
-                    pipe.delete(*self.keys.job_keys(job_id))  # a dead submit's partial writes
+                    pipe.delete(*keys)  # a dead submit's partial writes
                 continue
             active = c[QUEUED] or c[RUNNING] or c[RETRYING]
+            if job_id in feeds:
+                feed.trim(self.r, self.keys, job_id, retention)
+                active = active or feed.holds(self.r, self.keys, job_id, retention)
             if not active and ttl == -1:
-                for key in self.keys.job_keys(job_id):
+                for key in keys:
                     pipe.expire(key, retention)
             elif active and ttl >= 0:
-                for key in self.keys.job_keys(job_id):
+                for key in keys:
                     pipe.persist(key)
         pipe.execute()
         if gone:
             self._forget_jobs(gone)
+            gone_feeds = [j for j in gone if j in feeds]
+            if gone_feeds:
+                self.r.srem(self.keys.feeds, *gone_feeds)
         self.r.xtrim(self.keys.poison, maxlen=10_000, approximate=True)
 
     def _forget_jobs(self, job_ids: list[str]) -> None:

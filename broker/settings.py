@@ -186,7 +186,10 @@ class Settings:
     feed_max_staleness: int = -1
     feed_stale_policy: str = "requeue"  # requeue (fresh episodes of the same tasks) | drop
     feed_failed_policy: str = "report"  # a group with a dead-lettered member: report | refill
-    feed_ack_timeout_s: float = 300.0  # a group taken and not acknowledged this long goes to another taker
+    # refill: a group runs again at most this many times for failed members (a task that fails
+    # every time, say its env is gone, would otherwise be re-run without end); then reported.
+    feed_refill_max: int = 2
+    feed_ack_timeout_s: float = 300.0  # a group taken and not acknowledged this long goes to the next taker
     feed_drop_uniform: bool = False  # drop groups whose rewards are all equal (no learning signal)
     feed_filter: str = ""  # "module:function" called with each group before delivery; False drops it
     # Filters the feed server may import, as episode_hooks ("" = none but feed_filter itself).
@@ -309,6 +312,8 @@ class Settings:
             problems.append(f"feed_stale_policy must be requeue or drop, not {self.feed_stale_policy!r}")
         if self.feed_failed_policy not in ("report", "refill"):
             problems.append(f"feed_failed_policy must be report or refill, not {self.feed_failed_policy!r}")
+        if self.feed_refill_max < 0:
+            problems.append("feed_refill_max must be >= 0")
         if self.feed_ack_timeout_s <= 0:
             problems.append("feed_ack_timeout_s must be > 0")
         # URLs the workers connect to: the same check a task file's base_url gets (broker/urls.py).

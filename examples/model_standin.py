@@ -31,6 +31,11 @@ The scripted policy:
   higher/lower."): the same binary search, the guess written as ``[N]``.
 * anything else: ``"I don't know"``.
 
+``POST /weights`` ``{"version": N}`` stands for a trainer pushing new weights (the online-RL demo,
+``examples/rl_trainer.py``): the server reports ``metadata.weight_version`` ``"vN"`` from then on,
+and with ``skill_per_version`` (0: off) its ``skill`` becomes ``min(0.99, skill + N *
+skill_per_version)`` of the skill it started with, so rewards rise as the trainer "trains".
+
 ``GET /stats`` also reports ``request_params``: for each request body key other than
 ``model``, ``messages`` and ``temperature``, the distinct values seen (JSON, at most 5).
 
@@ -343,7 +348,7 @@ class ModelStandin(QuietHTTPServer):
                  drop_rate: float = 0.0, malformed_rate: float = 0.0, skill: float = 0.7,
                  model_name: str = "standin-policy", fault_seed: int | None = 0,
                  context_tokens: int = 0, overflow_style: str = "vllm", tokens_style: str = "vllm",
-                 verbose: bool = False):
+                 skill_per_version: float = 0.0, verbose: bool = False):
         super().__init__((host, port), _ModelHandler, verbose=verbose)
         self.latency_ms = latency_ms
         self.error_rate = error_rate
@@ -352,6 +357,8 @@ class ModelStandin(QuietHTTPServer):
         self.drop_rate = drop_rate
         self.malformed_rate = malformed_rate
         self.skill = skill
+        self.base_skill = skill
+        self.skill_per_version = skill_per_version
         self.model_name = model_name
         self.fault_seed = fault_seed
         self.dice = FaultDice(fault_seed)
@@ -394,7 +401,17 @@ class ModelStandin(QuietHTTPServer):
                 "request_params": {k: list(v) for k, v in self.request_params.items()},
                 "context_overflows": self.context_overflows,
                 "token_answers": self.token_answers,
+                "skill": self.skill,
+                "weight_version": self.weight_version,
             }
+
+    def load_weights(self, version: int) -> dict:
+        """``POST /weights``: what a trainer's weight sync does to a real server, in miniature."""
+        with self.lock:
+            self.weight_version = f"v{version}"
+            if self.skill_per_version:
+                self.skill = min(0.99, self.base_skill + version * self.skill_per_version)
+            return {"weight_version": self.weight_version, "skill": self.skill}
 
 
 class _ModelHandler(JSONHandler):
@@ -422,6 +439,14 @@ class _ModelHandler(JSONHandler):
             return self.send_json(200, {"object": "list", "data": [
                 {"id": srv.model_name, "object": "model", "created": 0,
                  "owned_by": "interactor-standin"}]})
+        if method == "POST" and parts == ["weights"]:
+            try:
+                version = json.loads(body or b"{}").get("version")
+            except (ValueError, AttributeError):
+                version = None
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                return self.error(400, "body must be {\"version\": an integer >= 0}", "invalid_request_error")
+            return self.send_json(200, srv.load_weights(version))
         if method == "POST" and parts and parts[-1] in ("tokenize", "detokenize", "apply-template"):
             return self.llama_route(parts[-1], body)
         if len(parts) >= 2 and parts[-2:] == ["chat", "completions"]:
@@ -632,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="metadata.weight_version to report; empty = no metadata")
     parser.add_argument("--skill", type=float, default=0.7,
                         help="probability of a correct arithmetic answer")
+    parser.add_argument("--skill-per-version", type=float, default=0.0,
+                        help="POST /weights {version: N} raises skill by N times this (the online-RL demo)")
     parser.add_argument("--model-name", default="standin-policy")
     parser.add_argument("--context-tokens", type=int, default=0,
                         help="context window in words (prompt + max_tokens); longer requests are answered 400 "
@@ -647,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
                           malformed_rate=args.malformed_rate, skill=args.skill,
                           model_name=args.model_name, fault_seed=args.fault_seed,
                           context_tokens=args.context_tokens, overflow_style=args.overflow_style,
-                          tokens_style=args.tokens_style, verbose=args.verbose)
+                          tokens_style=args.tokens_style, skill_per_version=args.skill_per_version,
+                          verbose=args.verbose)
     return serve_until_signal(server)
 
 

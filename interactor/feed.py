@@ -13,8 +13,8 @@ from the stream, whether it goes to the trainer:
   from the results store. A take waits up to its timeout to fill the batch, so filtered groups
   are replaced by the next ones (over-sampling).
 
-A group taken and not acknowledged within ``ack_timeout_s`` is claimed (XAUTOCLAIM) by the
-next take, from whichever trainer.
+A group taken and not acknowledged within ``ack_timeout_s`` is claimed (XCLAIM) by the next
+take, whichever trainer makes it: the one that took it too (restarted under the same name).
 """
 
 from __future__ import annotations
@@ -110,24 +110,26 @@ class FeedService:
         waited = time.monotonic() - t0
         pipe = self.r.pipeline(transaction=False)
         pipe.hincrbyfloat(self.keys.feed_stats(self.job_id), feed.C_WAIT_S, waited)
+        pipe.hset(self.keys.feed_stats(self.job_id), feed.C_LAST_TAKE, f"{time.time():.3f}")
         if out:
             pipe.hincrby(self.keys.feed_stats(self.job_id), feed.C_TAKES, 1)
         pipe.execute()
         return out
 
     def _claim(self, trainer: str, count: int) -> list:
-        """Groups another trainer took and has not acknowledged within the timeout. Not this
-        trainer's own: holding its groups longer is its business, and giving them back to it
-        would hand it the same group twice. XCLAIM re-checks the idle time, so two takers never
-        claim one group."""
+        """Groups taken and not acknowledged within the ack timeout, whoever took them: this
+        trainer too. A trainer that restarts under its own name has lost what it held; were its
+        old groups kept from it, the only trainer of a feed would never get them (and they would
+        never be settled, so production would stop at ``max_ahead``). The timeout is the
+        contract: a group held past it may be handed out again, to anyone. XCLAIM re-checks the
+        idle time, so two takers never claim one group, and an acknowledged group is no longer
+        pending, so it never comes back."""
         stream, idle = self.keys.feed_stream(self.job_id), int(self.cfg.ack_timeout_s * 1000)
         try:
-            pending = self.r.xpending_range(stream, feed.TRAINERS, min="-", max="+", count=max(count * 4, 16),
-                                            idle=idle)
+            pending = self.r.xpending_range(stream, feed.TRAINERS, min="-", max="+", count=count, idle=idle)
         except redis.ResponseError:
             return []
-        ids = [p["message_id"] for p in pending
-               if (p["consumer"].decode() if isinstance(p["consumer"], bytes) else p["consumer"]) != trainer][:count]
+        ids = [p["message_id"] for p in pending]
         if not ids:
             return []
         return [e for e in self.r.xclaim(stream, feed.TRAINERS, trainer, idle, ids) if e[1]]
@@ -146,11 +148,16 @@ class FeedService:
             return None
         cfg = self.cfg
         if group.status == feed.FEED_FAILED:
-            if cfg.failed_policy == feed.FAILED_REFILL:
+            runs = int(self.r.hget(self.keys.feed_refills(self.job_id), group.group_id) or 0)
+            if cfg.failed_policy == feed.FAILED_REFILL and runs < cfg.refill_max:
                 feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_REFILLED,
-                            redo=_redo(group, "failed member"), failure=group.pack())
-            else:
-                feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_FAILED, failure=group.pack())
+                            redo=_redo(group, "failed member", runs + 1), failure=group.pack())
+                log.warning("group %s failed (%s): its tasks run again as a fresh group (re-run %d of %d)",
+                            group.group_id, group.reason, runs + 1, cfg.refill_max)
+                return None
+            if cfg.failed_policy == feed.FAILED_REFILL:
+                group.reason += f"; re-run {runs} times (feed_refill_max {cfg.refill_max}), reported"
+            feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_FAILED, failure=group.pack())
             log.warning("group %s failed: %s", group.group_id, group.reason)
             return None
         current = feed.current_version(self.r, self.keys, self.job_id)
@@ -221,7 +228,7 @@ class FeedService:
                 holder = holder.decode() if isinstance(holder, bytes) else holder
                 if holder != trainer:
                     raise feed.FeedError(f"group {gid!r} is held by trainer {holder!r}, not {trainer!r} "
-                                         "(its ack timeout passed and it was given to another taker)", 404)
+                                         "(its ack timeout passed and it was handed out again)", 404)
                 plan.append((gid, entry))
             else:
                 plan.append((gid, None))  # settled already (acknowledged before, or never delivered)
@@ -323,8 +330,10 @@ def _public(group: FeedGroup) -> dict:
             "oldest_version": group.oldest_version, "newest_version": group.newest_version}
 
 
-def _redo(group: FeedGroup, why: str) -> bytes:
-    return msgpack.packb([group.group_id, list(group.members), why], use_bin_type=True)
+def _redo(group: FeedGroup, why: str, refills: int = 0) -> bytes:
+    """What the producer runs again (producer/continuous.py): the old group, its episodes (whose
+    specs are copied), why, and how many re-runs for failed members its new group descends from."""
+    return msgpack.packb([group.group_id, list(group.members), why, refills], use_bin_type=True)
 
 
 _STEP_KEYS = ("job_id", "session_id", "group_id", "env_name", "step_id", "attempt", "messages", "response",

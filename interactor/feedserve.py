@@ -22,6 +22,7 @@ import ipaddress
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
@@ -44,10 +45,10 @@ def is_loopback(host: str) -> bool:
 
 
 class FeedApp:
-    """What the routes call: a FeedService once a job is served (``start`` makes one when the
-    server was started without a job, for ``/start_rollout``)."""
+    """What the routes call: a FeedService once a job is served. ``start`` (a server that runs
+    its own fleet) makes one from ``/start_rollout``'s body; without it that route is refused."""
 
-    def __init__(self, service=None, start: Callable[[list[str]], Any] | None = None):
+    def __init__(self, service=None, start: Callable[[dict], Any] | None = None):
         self.service = service
         self.start = start
         self.lock = threading.Lock()
@@ -168,17 +169,74 @@ def _get_rollout_data(app: FeedApp, body: dict) -> dict:
 def _start_rollout(app: FeedApp, body: dict) -> dict:
     with app.lock:
         if app.service is not None:
-            return {"success": True, "message": f"rollout already running: job {app.service.job_id}",
-                    "job_id": app.service.job_id}
+            raise feed.FeedError(f"a rollout is running already: job {app.service.job_id} "
+                                 "(one job per feed server; start another server for another job)", 409)
         if app.start is None:
-            raise feed.FeedError("this feed server serves one job and cannot start another", 409)
-        files = body.get("task_files") or body.get("config")
-        files = [files] if isinstance(files, str) else files
-        if not files or not all(isinstance(f, str) for f in files):
-            raise feed.FeedError("start_rollout needs 'task_files' (a list of task file paths) or 'config'")
-        app.service = app.start(files)
-        return {"success": True, "message": f"rollout started: job {app.service.job_id}",
+            raise feed.FeedError("this feed server serves a job a fleet runs and cannot start one", 409)
+        app.service, note = app.start(body)
+        return {"success": True, "message": f"Rollout started: job {app.service.job_id}{note}",
                 "job_id": app.service.job_id}
+
+
+# The original buffer server's start_rollout keys that name its task (a dataset, an env, a group
+# size). What else its body carries (remote_engine_url, sampling_params, ...) configured what it
+# ran itself; our workers take that from their settings, and the answer names what was ignored.
+ORIGINAL_TASK_KEYS = {"input_file": "dataset", "task_type": "env_name", "num_repeat_per_sample": "env_num"}
+OUR_KEYS = ("task_files", "config", "epochs", "seed")
+
+
+def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> tuple[list[str], int, int, list[str]]:
+    """``/start_rollout``'s body as (task files, epochs, seed, keys ignored). One of:
+
+    * ``task_files``: paths of task files (as ``interactor feed serve tasks.yaml`` takes);
+    * ``config``: a path, or a task file's content inline (``{environments: [...]}``);
+    * the original buffer server's ``{task_type, input_file, num_repeat_per_sample}``: one
+      environment ``task_type`` over the rows of ``input_file``, groups of that many.
+
+    Relative paths are the server's working directory's. Inline content is written under the
+    run folder, so the job's task file stays readable after the request."""
+    cwd = cwd or Path.cwd()
+    epochs = body.get("epochs", 0)
+    seed = body.get("seed", 0)
+    for name, v in (("epochs", epochs), ("seed", seed)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise feed.FeedError(f"{name} must be an integer >= 0, got {v!r}")
+    files = body.get("task_files")
+    config = body.get("config")
+    original = {k: body[k] for k in ORIGINAL_TASK_KEYS if k in body}
+    given = [n for n, v in (("task_files", files), ("config", config), ("task_type/input_file", original)) if v]
+    if len(given) != 1:
+        raise feed.FeedError("start_rollout needs one of 'task_files' (task file paths), 'config' (a task file's "
+                             "path or content) or the original's 'task_type' + 'input_file' + "
+                             f"'num_repeat_per_sample'; got {', '.join(given) or 'none'}")
+    if files is not None or isinstance(config, str):
+        files = [config] if isinstance(config, str) else files
+        files = [files] if isinstance(files, str) else files
+        if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
+            raise feed.FeedError(f"task_files must be a list of task file paths, got {files!r}")
+        return [str(cwd / f) for f in files], epochs, seed, _ignored(body)
+    if original:
+        missing = [k for k in ORIGINAL_TASK_KEYS if k not in original]
+        if missing:
+            raise feed.FeedError(f"start_rollout: the original's shape needs {', '.join(missing)} too")
+        if not isinstance(original["input_file"], str) or not isinstance(original["task_type"], str):
+            raise feed.FeedError("input_file and task_type must be strings")
+        env = {ORIGINAL_TASK_KEYS[k]: v for k, v in original.items()}
+        env["dataset"] = str(cwd / env["dataset"])
+        config = {"environments": [env]}
+    if not isinstance(config, dict) or not isinstance(config.get("environments"), list):
+        raise feed.FeedError("config must be a task file path or a task file's content: {environments: [...]}")
+    for env in config["environments"]:
+        if isinstance(env, dict) and isinstance(env.get("dataset"), str):
+            env["dataset"] = str(cwd / env["dataset"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / f"start_rollout-{int(time.time() * 1000)}.yaml"
+    path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+    return [str(path)], epochs, seed, _ignored(body)
+
+
+def _ignored(body: dict) -> list[str]:
+    return sorted(k for k in body if k not in OUR_KEYS and k not in ORIGINAL_TASK_KEYS)
 
 
 ROUTES: dict[tuple[str, str], Callable[[FeedApp, dict], dict]] = {
@@ -201,8 +259,11 @@ def register(sub, add) -> None:
     sp = fsub.add_parser("serve", help="serve a job's complete groups to trainers over HTTP")
     add_setting_flags(sp, list(SETTING_FLAGS))  # the same flags as `interactor run`
     sp.set_defaults(fn=cmd_feed)
-    sp.add_argument("tasks", nargs="*", help="task files to run as a continuous job (else --job)")
+    sp.add_argument("tasks", nargs="*", help="task files to run as a continuous job (else --job J, or neither: "
+                                             "the job comes from POST /start_rollout)")
     sp.add_argument("--job", help="serve the feed of a job already in Redis")
+    sp.add_argument("--llm-session-routing", action="store_true",
+                    help="model base URL becomes {llm-base-url}/{episode_id} (as for interactor run)")
     sp.add_argument("--epochs", type=int, default=0, help="continuous job: stop after N epochs (0: without end)")
     sp.add_argument("--seed", type=int, default=0, help="shuffles each epoch's tasks")
     sp.add_argument("--workers", type=int, default=None)
@@ -212,10 +273,14 @@ def register(sub, add) -> None:
     sp.add_argument("--max-staleness", type=int, default=None)
     sp.add_argument("--stale-policy", choices=[feed.STALE_REQUEUE, feed.STALE_DROP], default=None)
     sp.add_argument("--failed-policy", choices=[feed.FAILED_REPORT, feed.FAILED_REFILL], default=None)
+    sp.add_argument("--refill-max", type=int, default=None,
+                    help="--failed-policy refill: re-runs of a group's tasks before it is reported failed (default 2)")
     sp.add_argument("--ack-timeout", type=float, default=None, help="seconds")
     sp.add_argument("--drop-uniform", action="store_true", default=None)
     sp.add_argument("--filter", default=None, help="module:function (allow-listed by INTERACTOR_FEED_FILTERS)")
     sp.add_argument("--no-fleet", action="store_true", help="with task files: start no local workers/consumer")
+    sp.add_argument("--no-preflight", action="store_true",
+                    help="create the job without first asking the model endpoint and env servers whether they answer")
 
 
 def cmd_feed(args) -> int:
@@ -224,81 +289,164 @@ def cmd_feed(args) -> int:
     settings = settings_from_args(args)
     overrides = {k: v for k, v in dict(feed_host=args.host, feed_port=args.port, feed_max_ahead=args.max_ahead,
                                        feed_max_staleness=args.max_staleness, feed_stale_policy=args.stale_policy,
-                                       feed_failed_policy=args.failed_policy, feed_ack_timeout_s=args.ack_timeout,
+                                       feed_failed_policy=args.failed_policy,
+                                       feed_refill_max=args.refill_max, feed_ack_timeout_s=args.ack_timeout,
                                        feed_drop_uniform=args.drop_uniform, feed_filter=args.filter).items()
                  if v is not None}
     if overrides:
         settings = settings.replace(**overrides)
-    if bool(args.tasks) == bool(args.job):
+    if args.tasks and args.job:
         raise SettingsError("name task files to run, or --job J to serve a running job (not both)")
+    if args.job and (args.epochs or args.seed):
+        raise SettingsError("--epochs and --seed are for task files; --job serves a job as it was created")
+    # A filter off the allow-list (or not importable) stops us before anything starts.
+    from interactor.feed import load_filter
+
+    try:
+        load_filter(settings.feed_filter, settings.feed_filters)
+    except feed.FeedError as exc:
+        raise SettingsError(str(exc)) from None
     return serve(settings, tasks=args.tasks, job_id=args.job, epochs=args.epochs, seed=args.seed,
-                 workers=args.workers, fleet=not args.no_fleet)
+                 workers=args.workers, fleet=not args.no_fleet, preflight=not args.no_preflight)
+
+
+class Rollout:
+    """The job a feed server serves and its producer thread (continuous jobs); what
+    ``/start_rollout`` starts when the server was started without one."""
+
+    def __init__(self, client, settings: Settings, store, stop: threading.Event, preflight: bool = True):
+        self.r = client
+        self.settings = settings
+        self.store = store
+        self.stop = stop
+        self.preflight = preflight
+        self.thread: threading.Thread | None = None
+
+    def new_job(self, paths: list[str], epochs: int, seed: int):
+        """Create a continuous job from task files (checked, and their servers asked, first)."""
+        from producer.continuous import create_continuous_job
+        from producer.enqueue import plan
+
+        planned = plan(self.settings, paths)  # TaskFileError / SettingsError name the fault
+        if self.preflight:
+            from interactor.preflight import check, refusal
+
+            problems = check(self.settings, planned.episodes)
+            if problems:
+                raise SettingsError(refusal(problems))
+        job = create_continuous_job(self.r, self.settings, paths, epochs=epochs, seed=seed, planned=planned)
+        print(f"job {job.job_id}: continuous over {', '.join(paths)}"
+              + (f", {epochs} epochs" if epochs else ", without end"), flush=True)
+        return self.attach(job.job_id)
+
+    def attach(self, job_id: str):
+        from interactor.feed import FeedService
+        from producer.continuous import ContinuousProducer
+
+        service = FeedService(self.r, self.settings, job_id, self.store)
+        service.backfill()
+        if service.cfg.continuous:
+            producer = ContinuousProducer(self.r, self.settings, job_id)
+            self.thread = threading.Thread(target=producer.run, args=(self.stop,), daemon=True, name="producer")
+            self.thread.start()
+        return service
+
+    def from_request(self, body: dict):
+        """``/start_rollout``: bad input is a 400 naming it, and nothing is created."""
+        from producer.taskfile import TaskFileError
+
+        paths, epochs, seed, ignored = rollout_request(body, Path(self.settings.run_dir) / "rollouts")
+        try:
+            service = self.new_job(paths, epochs, seed)
+        except (TaskFileError, SettingsError) as exc:
+            raise feed.FeedError(f"start_rollout: {exc}") from None
+        note = (f" ({', '.join(ignored)} ignored: the workers use their own settings)" if ignored else "")
+        return service, note
 
 
 def serve(settings: Settings, *, tasks: list[str] | None = None, job_id: str | None = None, epochs: int = 0,
-          seed: int = 0, workers: int | None = None, fleet: bool = True,
+          seed: int = 0, workers: int | None = None, fleet: bool = True, preflight: bool = True,
           ready: Callable[[str], None] | None = None) -> int:
-    """Run the feed server until SIGINT/SIGTERM."""
+    """Run the feed server until SIGINT/SIGTERM/SIGHUP, then stop in order: the producer, the
+    HTTP server, the workers (they hand back what they run), the consumer, Redis.
+
+    With ``job_id`` it serves that job of a fleet already running (``REDIS_URL``). Otherwise
+    it is ``interactor run`` for a continuous job: an embedded Redis unless ``REDIS_URL``, local
+    workers and consumer (unless ``fleet`` is False), and the job from ``tasks``, or from the
+    first ``/start_rollout`` when none are named. A guard process stops the children should we
+    be killed outright (interactor/children.py)."""
     import signal
 
     from broker.embedded import EmbeddedRedis
-    from broker.keys import Keys
     from broker.redisconn import connect
     from consumer.storage import open_store
-    from interactor.feed import FeedService
-    from producer.continuous import ContinuousProducer, create_continuous_job
+    from interactor.localrun import STAGE_LAST, LocalFleet, _persistent_password, start_guard
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    own_fleet = job_id is None
     run_dir = Path(settings.run_dir)
-    embedded = local = None
-    threads: list[threading.Thread] = []
+    if tasks:  # a bad file stops us before anything starts (and again, with the servers, below)
+        from producer.enqueue import plan
+
+        plan(settings, tasks)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    guard = start_guard(settings, run_dir / "logs") if own_fleet else None
+    embedded = local = server = store = None
+    rollout = None
+    done = False
     try:
-        if tasks and not settings.redis_url:
-            embedded = EmbeddedRedis(run_dir / "redis", port=None)
-            embedded.start()
+        if own_fleet and not settings.redis_url:
+            embedded = EmbeddedRedis(run_dir / "redis", port=None, password=_persistent_password(run_dir))
+            try:
+                embedded.start()
+                guard.add(embedded.proc, STAGE_LAST)
+            except BaseException:
+                embedded.stop(kill=True)
+                raise
             settings = settings.replace(redis_url=embedded.url)
+            print(f"embedded Redis on 127.0.0.1:{embedded.port} (data in {run_dir / 'redis'})", flush=True)
         client = connect(settings)
         store = open_store(settings.results_store)
-        if tasks:
-            job = create_continuous_job(client, settings, tasks, epochs=epochs, seed=seed)
-            job_id = job.job_id
-            if fleet:
-                from interactor.localrun import LocalFleet
-
-                local = LocalFleet(settings, workers, run_dir / "logs")
-                local.start()
-        if job_id is None:
-            raise SettingsError("no job to serve")
-        service = FeedService(client, settings, job_id, store)
-        service.backfill()
-        cfg = service.cfg
-        if cfg.continuous:
-            producer = ContinuousProducer(client, settings, job_id)
-            threads.append(threading.Thread(target=producer.run, args=(stop,), daemon=True, name="producer"))
-        server = make_server(FeedApp(service), settings.feed_host, settings.feed_port, settings.feed_token.reveal())
-        threads.append(threading.Thread(target=server.serve_forever, daemon=True, name="feed-http"))
-        for t in threads:
-            t.start()
+        rollout = Rollout(client, settings, store, stop, preflight)
+        try:
+            service = rollout.new_job(tasks, epochs, seed) if tasks else (rollout.attach(job_id) if job_id else None)
+        except feed.FeedError as exc:  # a job without a feed, a filter this server may not import
+            raise SettingsError(str(exc)) from None
+        if own_fleet and fleet:
+            local = LocalFleet(settings, workers, run_dir / "logs", guard)
+            local.start()
+        app = FeedApp(service, start=rollout.from_request if own_fleet else None)
+        server = make_server(app, settings.feed_host, settings.feed_port, settings.feed_token.reveal())
+        threading.Thread(target=server.serve_forever, daemon=True, name="feed-http").start()
         url = f"http://{settings.feed_host}:{server.server_address[1]}"
-        print(f"feed of job {job_id} at {url}", flush=True)
+        print(f"feed {'of job ' + service.job_id if service else 'waiting for POST /start_rollout'} at {url}",
+              flush=True)
         if ready is not None:
             ready(url)
-        last_backfill = 0.0
-        import time
-
+        last_backfill = time.monotonic()
         while not stop.wait(1.0):
             if local is not None:
                 local.supervise()
-            if time.monotonic() - last_backfill > 30:
+            if app.service is not None and time.monotonic() - last_backfill > 30:
                 last_backfill = time.monotonic()
-                service.backfill()  # what the consumer could not announce (a failure outside a batch)
-        server.shutdown()
+                app.service.backfill()  # what the consumer could not announce (a failure outside a batch)
+        print("stopping: the producer, then the workers (they hand back what they run), then the consumer",
+              flush=True)
+        done = True
         return 0
     finally:
         stop.set()
+        if rollout is not None and rollout.thread is not None:
+            rollout.thread.join(10)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
         if local is not None:
             local.stop(settings.shutdown_grace_s + 10)
+        if store is not None:
+            store.close()
         if embedded is not None:
             embedded.stop()
+        if guard is not None:
+            guard.close(done=done)

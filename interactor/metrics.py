@@ -66,6 +66,14 @@ METRIC_NAMES = {
     "interactor_job_episodes": "gauge",
     "interactor_job_size": "gauge",
     "interactor_job_progress_ratio": "gauge",
+    # the online-RL feed of a job (broker/feed.py), live from its counters
+    "interactor_feed_groups": "gauge",
+    "interactor_feed_groups_settled": "counter",
+    "interactor_feed_groups_delivered": "counter",
+    "interactor_feed_version": "gauge",
+    "interactor_feed_versions_behind_mean": "gauge",
+    "interactor_feed_trainer_wait_seconds": "counter",
+    "interactor_feed_takes": "counter",
     # folded from committed records
     "interactor_steps": "counter",
     "interactor_episodes_finished": "counter",
@@ -415,6 +423,7 @@ class FleetCollector:
         yield je
         yield jt
         yield jp
+        yield from self._feeds([j for j in snap["jobs"] if j.get("feed")])
 
         stats: Stats = snap["stats"]
         docs = {
@@ -441,6 +450,48 @@ class FleetCollector:
                 if len(lv) == len(labels):
                     h.add_metric(list(lv), hist.cumulative(), hist.sum)
             yield h
+
+
+    @staticmethod
+    def _feeds(jobs: list[dict]):
+        """Jobs with an online-RL feed: its groups by state and by outcome, the version, and
+        the trainers' wait (a trainer that waits is a trainer the rollouts do not keep busy)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        groups = GaugeMetricFamily("interactor_feed_groups", "Feed groups now: ready (announced, not taken), "
+                                   "taken (not acknowledged), inflight (produced, not settled)",
+                                   labels=["job_id", "state"])
+        settled = CounterMetricFamily("interactor_feed_groups_settled", "Feed groups finished with, by outcome "
+                                      "(acked, stale_requeued, stale_dropped, failed, refilled, filtered) and, "
+                                      "for filtered, reason", labels=["job_id", "outcome", "reason"])
+        delivered = CounterMetricFamily("interactor_feed_groups_delivered", "Feed groups handed to a trainer: "
+                                        "first time, or again after their ack timeout", labels=["job_id", "kind"])
+        version = GaugeMetricFamily("interactor_feed_version", "The trainer's published policy version",
+                                    labels=["job_id"])
+        behind = GaugeMetricFamily("interactor_feed_versions_behind_mean", "Mean versions behind the current "
+                                   "one of delivered groups' oldest step", labels=["job_id"])
+        wait = CounterMetricFamily("interactor_feed_trainer_wait_seconds", "Seconds trainers spent waiting "
+                                   "inside take for groups", labels=["job_id"])
+        takes = CounterMetricFamily("interactor_feed_takes", "Takes that returned groups", labels=["job_id"])
+        for job in jobs:
+            j, f = job["job_id"], job["feed"]
+            for state in ("ready", "taken", "inflight"):
+                groups.add_metric([j, state], f[state])
+            for outcome, n in (("acked", f["acked"]), ("stale_requeued", f["requeued"]),
+                               ("stale_dropped", f["dropped"]), ("failed", f["failed_reported"]),
+                               ("refilled", f["refilled"])):
+                settled.add_metric([j, outcome, ""], n)
+            for reason, n in sorted(f["filtered_by"].items()):
+                settled.add_metric([j, "filtered", reason], n)
+            delivered.add_metric([j, "first"], f["delivered"])
+            delivered.add_metric([j, "redelivered"], f["redelivered"])
+            if f["version"] is not None:
+                version.add_metric([j], f["version"])
+            if f["versions_behind_mean"] is not None:
+                behind.add_metric([j], f["versions_behind_mean"])
+            wait.add_metric([j], f["trainer_wait_s"])
+            takes.add_metric([j], f["takes"])
+        yield from (groups, settled, delivered, version, behind, wait, takes)
 
 
 def registry(reader: FleetReader):

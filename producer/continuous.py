@@ -37,10 +37,12 @@ _SEED_MOD = 2**31
 
 
 def create_continuous_job(client: redis.Redis, settings: Settings, paths: list[str], *, job_id: str | None = None,
-                          epochs: int = 0, seed: int = 0) -> JobSpec:
+                          epochs: int = 0, seed: int = 0, planned=None) -> JobSpec:
     """Validate the task files, keep one epoch's groups as templates, create the job with no
-    episode yet, and give it a feed. Episodes come from :class:`ContinuousProducer`."""
-    planned = plan(settings, paths, job_id)
+    episode yet, and give it a feed. Episodes come from :class:`ContinuousProducer`.
+    ``planned``: the files already read by ``producer.enqueue.plan`` (a caller that checked the
+    servers they name first)."""
+    planned = planned if planned is not None else plan(settings, paths, job_id)
     if not planned.episodes:
         raise ValueError("the task files plan no episode")
     templates: dict[str, list[EpisodeSpec]] = {}
@@ -60,6 +62,10 @@ def create_continuous_job(client: redis.Redis, settings: Settings, paths: list[s
     return job
 
 
+class FeedGone(ValueError):
+    """The job has no feed (any more: retention expired it with its job, broker/recovery.py)."""
+
+
 class ContinuousProducer:
     """Produces a continuous job's groups while fewer than ``max_ahead`` are in flight."""
 
@@ -74,7 +80,7 @@ class ContinuousProducer:
     def config(self) -> feed.FeedConfig:
         cfg = feed.config(self.r, self.keys, self.job_id)
         if cfg is None:
-            raise ValueError(f"job {self.job_id!r} has no feed")
+            raise FeedGone(f"job {self.job_id!r} has no feed")
         return cfg
 
     def _order(self, epoch: int, n: int, seed: int) -> list[int]:
@@ -103,8 +109,10 @@ class ContinuousProducer:
                     pos = {a.decode(): int(b) for a, b in pipe.hgetall(k.feed_position(job)).items()}
                     seq, epoch, index = pos.get("seq", 0), pos.get("epoch", 0), pos.get("index", 0)
                     redo = pipe.lindex(k.feed_redo(job), 0)
+                    refills = 0
                     if redo is not None:
-                        old_group, old_ids, why = msgpack.unpackb(redo, raw=False)
+                        old_group, old_ids, why, *rest = msgpack.unpackb(redo, raw=False)
+                        refills = int(rest[0]) if rest else 0
                         raw = pipe.hmget(k.job_episodes(job), old_ids)
                         specs = [unpack(x) for x in raw if x]
                         source = f"re-run of group {old_group} ({why})"
@@ -147,6 +155,8 @@ class ContinuousProducer:
                     pipe.hincrby(k.feed_stats(job), feed.C_PRODUCED, 1)
                     if redo is not None:
                         pipe.lpop(k.feed_redo(job))
+                    if refills:  # the feed reports this group, not re-runs it, once refill_max is reached
+                        pipe.hset(k.feed_refills(job), gid, refills)
                     pipe.execute()
                     break
                 except redis.WatchError:
@@ -174,6 +184,9 @@ class ContinuousProducer:
             try:
                 self.fill()
                 delay = interval_s
+            except FeedGone as exc:
+                log.warning("producer stops: %s (its job's retention ran out, or it was deleted)", exc)
+                return
             except redis.RedisError as exc:
                 delay = min(10.0, max(1.0, delay * 2))
                 log.warning("producer: Redis unavailable (%s); retrying in %.0fs", exc, delay)

@@ -131,7 +131,8 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
             facets=facets, reasons={k: n for k, n in facets["reason"].items() if k},
             dist=plots.reward_distribution(by_env),
             trend=plots.reward_over_time(points),
-            letters=progress["failed"] if progress["counts_from"] == "redis" else None, tab="overview")
+            letters=progress["failed"] if progress["counts_from"] == "redis" else None, tab="overview",
+            feed=source.feed(job_id))
 
     @app.get("/jobs/<job_id>/episodes")
     def episodes(job_id: str):

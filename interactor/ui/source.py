@@ -206,6 +206,26 @@ class Source:
                 "dead_letters": snap["dead_letters"], "steps_per_s": snap["steps_per_s"],
                 "breakers": snap.get("breakers", []), "redis": snap["redis"]}
 
+    def feed(self, job_id: str) -> dict | None:
+        """The job's online-RL feed (broker/feed.py ``summary``), or None: no Redis, or no feed.
+        Only Redis knows it (its counters and stream), so a store-only browser shows none."""
+        if self.live is None:
+            return None
+        from broker import feed
+        from broker.keys import Keys
+
+        keys = Keys(self.live.settings.key_prefix)
+
+        def read():
+            if not feed.has_feed(self.live.client, keys, job_id):
+                return None
+            out = feed.summary(self.live.client, keys, job_id)
+            cfg = feed.config(self.live.client, keys, job_id)
+            out["config"] = cfg
+            return out
+
+        return self.live.call(read, None)
+
     # --- dead letters -------------------------------------------------------------------
     def dead_letters(self, job_id: str | None = None, reason: str | None = None,
                      limit: int = 1000) -> tuple[list, int, bool] | None:

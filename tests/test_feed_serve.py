@@ -1,0 +1,172 @@
+"""``interactor feed serve`` as a user runs it: a process of its own that starts an embedded
+Redis, local workers and a consumer (as ``interactor run`` does), serves a continuous job's
+groups over HTTP to a trainer using the stdlib client, and on SIGTERM stops everything it
+started (found by a marker in the children's environment, as tests/test_no_orphans.py does)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from interactor.feed_client import Feed, FeedHTTPError
+from tests.conftest import ROOT, wait_for
+from tests.test_feed import write_tasks
+from tests.test_no_orphans import assert_none_left, clean_env, describe, mark, marked  # noqa: F401 - mark: fixture
+
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FeedServer:
+    def __init__(self, tmp_path, mark, model_url, *args, env_url=""):
+        self.run_dir = tmp_path / "runs"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = clean_env(mark)
+        env["INTERACTOR_ENV_BASE_URL"] = env_url
+        self.log = tmp_path / "feed-serve.log"
+        with open(self.log, "wb") as out:
+            self.p = subprocess.Popen(
+                [sys.executable, "-m", "interactor.cli", "feed", "serve", *args, "--port", str(self.port),
+                 "--llm-base-url", model_url + "/v1", "--run-dir", str(self.run_dir), "--workers", "1",
+                 "--concurrency", "4", "--shutdown-grace", "2", "--ack-timeout", "60"],
+                env=env, cwd=str(ROOT), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def health(self):
+        def up():
+            assert self.p.poll() is None, self.output()
+            try:
+                return Feed(self.url).health()
+            except (OSError, FeedHTTPError):
+                return None
+
+        return wait_for(up, 120, what="the feed server up")
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        self.p.send_signal(sig)
+        try:
+            return self.p.wait(120)
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+                self.p.wait(10)
+
+
+def take_and_ack_all(f: Feed, n: int) -> list[dict]:
+    got = []
+
+    def more():
+        batch = f.take(2, timeout=1.0)
+        got.extend(batch)
+        if batch:
+            assert f.ack([g["group_id"] for g in batch])["acked"] == [g["group_id"] for g in batch]
+        return len(got) >= n
+
+    wait_for(more, 240, interval=0.01, what=f"{n} groups taken and acknowledged")
+    return got
+
+
+def test_feed_serve_task_files_end_to_end_and_a_clean_stop(env_server, model_server, tmp_path, mark):
+    _, env_url = env_server
+    _, model_url = model_server
+    tasks = write_tasks(tmp_path, env_url, rows=4)
+    server = FeedServer(tmp_path, mark, model_url, tasks, "--epochs", "1", "--max-ahead", "4")
+    try:
+        job_id = server.health()["job_id"]
+        assert job_id, server.output()
+        f = Feed(server.url, trainer="grpo-0")
+        got = take_and_ack_all(f, 4)
+        ids = [g["group_id"] for g in got]
+        assert len(set(ids)) == 4 and all(g["job_id"] == job_id and len(g["samples"]) == 2 for g in got)
+        assert f.take(2, timeout=1.0) == []  # one epoch: nothing more, nothing twice
+        st = f.stats()
+        assert st["acked"] == 4 and st["produced"] == 4 and st["inflight"] == 0
+        # One job per server: a second start is refused, naming the job that runs.
+        with pytest.raises(FeedHTTPError) as err:
+            f._call("POST", "/start_rollout", {"task_files": [tasks]})
+        assert err.value.status == 409 and job_id in str(err.value)
+        # Redis (working in the run folder), the worker, its Celery process, the consumer, the guard.
+        running = marked(mark, server.run_dir)
+        assert len(running) >= 5, describe(running)
+        assert server.stop() == 0, server.output()[-3000:]
+    finally:
+        if server.p.poll() is None:
+            server.p.kill()
+    out = server.output()
+    assert f"job {job_id}: continuous over" in out and "embedded Redis" in out
+    assert_none_left(mark, server.run_dir, 30, "processes of a feed server stopped by SIGTERM")
+
+
+def test_start_rollout_submits_a_job_from_the_originals_config(env_server, model_server, tmp_path, mark):
+    """Started without task files, the server waits for ``/start_rollout``; bad bodies are
+    refused naming the problem (and create nothing), the original buffer server's
+    ``{task_type, input_file, num_repeat_per_sample}`` starts a continuous job, and a second
+    start is refused while it runs."""
+    _, env_url = env_server
+    _, model_url = model_server
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(3)))
+    server = FeedServer(tmp_path, mark, model_url, "--max-ahead", "3", env_url=env_url)
+    try:
+        assert server.health()["job_id"] is None
+        f = Feed(server.url, trainer="t")
+        with pytest.raises(FeedHTTPError) as err:
+            f.take(1, timeout=0)
+        assert err.value.status == 409 and "start_rollout" in str(err.value)
+        for body, says in [({}, "needs one of"),
+                           ({"task_type": "arithmetic", "input_file": str(data)}, "num_repeat_per_sample"),
+                           ({"task_files": [str(tmp_path / "missing.yaml")]}, "missing.yaml"),
+                           ({"task_type": "arithmetic", "input_file": str(data), "num_repeat_per_sample": 2,
+                             "epochs": -1}, "epochs must be")]:
+            with pytest.raises(FeedHTTPError) as err:
+                f._call("POST", "/start_rollout", body)
+            assert err.value.status == 400 and says in str(err.value), (body, str(err.value))
+        assert Feed(server.url).health()["job_id"] is None  # nothing was started by them
+        answer = f._call("POST", "/start_rollout", {
+            "task_type": "arithmetic", "input_file": str(data), "num_repeat_per_sample": 2, "epochs": 1,
+            "remote_engine_url": "http://elsewhere:30000", "sampling_params": {"temperature": 1.0}})
+        assert answer["success"] is True and answer["job_id"] and "Rollout started" in answer["message"]
+        assert "remote_engine_url, sampling_params ignored" in answer["message"]
+        with pytest.raises(FeedHTTPError) as err:
+            f._call("POST", "/start_rollout", {"task_files": ["x.yaml"]})
+        assert err.value.status == 409 and answer["job_id"] in str(err.value)
+        got = take_and_ack_all(f, 3)
+        questions = sorted(json.dumps(g["samples"][0]["steps"][0]["messages"]).split("What is ")[1][:1] for g in got)
+        assert questions == ["0", "1", "2"] and all(len(g["samples"]) == 2 for g in got)
+        assert f.take(1, timeout=1.0) == []
+        assert server.stop() == 0, server.output()[-3000:]
+    finally:
+        if server.p.poll() is None:
+            server.p.kill()
+    assert_none_left(mark, server.run_dir, 30, "processes of a feed server stopped by SIGTERM")
+
+
+def test_demo_rl_runs_briefly_and_leaves_no_process(tmp_path, mark):
+    """``make demo-rl`` (examples/demo_rl.py) for four steps: the trainer loop takes, pushes
+    weights to the stand-in, acknowledges and publishes versions; every process it started
+    stops with it."""
+    run_dir = tmp_path / "demo-rl"
+    out = subprocess.run([sys.executable, "-m", "examples.demo_rl", "--run-dir", str(run_dir), "--steps", "4",
+                          "--batch", "2", "--workers", "1"], env=clean_env(mark), cwd=str(ROOT),
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 4 and all(" 2 groups, " in line and "mean reward" in line for line in steps), out.stdout
+    assert "version 4 (stand-in skill" in steps[-1]
+    assert any(line.startswith("4 steps, version 4: mean reward") for line in lines), out.stdout
+    assert any("8 groups acknowledged" in line for line in lines), out.stdout
+    assert_none_left(mark, run_dir, 30, "processes of the RL demo")
