@@ -48,7 +48,8 @@ class Keys:
         """Every per-job key (what retention expires once the job is finished)."""
         return [self.job_spec(job_id), self.job_episodes(job_id), self.job_state(job_id), self.job_attempts(job_id),
                 self.job_attempt_limit(job_id), self.job_attempt_ids(job_id), self.job_attempt_previous(job_id),
-                self.job_queues(job_id), self.job_counts(job_id)]
+                self.job_queues(job_id), self.job_counts(job_id),
+                self.job_pause(job_id), self.job_streak(job_id), self.job_parked(job_id)]
 
     # --- leases and scheduling --------------------------------------------------------
     def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt>:<nonce>", with a TTL
@@ -111,6 +112,23 @@ class Keys:
     @property
     def stats_samples(self) -> str:  # zset "<ts>:<steps>" -> ts: recent step totals, for steps/s
         return f"{self.prefix}:stats:samples"
+
+    # --- fleet-wide limits (broker/pause.py, broker/caps.py) ----------------------------
+    def job_pause(self, job_id: str) -> str:  # hash reason, detail, streak, since: set while the job is paused
+        return f"{self.prefix}:job:{job_id}:pause"
+
+    def job_streak(self, job_id: str) -> str:  # hash reason, count: the job's run of failed attempts alike
+        return f"{self.prefix}:job:{job_id}:streak"
+
+    def job_parked(self, job_id: str) -> str:  # set of episode ids handed back (still queued) while paused
+        return f"{self.prefix}:job:{job_id}:parked"
+
+    def cap(self, kind: str, name: str) -> str:  # zset slot holder -> lease expiry (ms): calls in flight
+        return f"{self.prefix}:cap:{kind}:{name}"
+
+    @property
+    def caps(self) -> str:  # hash cap key -> limit: every cap a job set, for status and metrics
+        return f"{self.prefix}:caps"
 
 
 def member(job_id: str, episode_id: str) -> str:

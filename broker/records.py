@@ -31,6 +31,13 @@ Version 3 (this code writes it; versions 1 and 2 are still read, their token fie
   server gave, one per sampled token), and ``token_drift``: the first position where this turn's prompt ids
   stop extending the previous turn's prompt + completion ids (None: they extend it, or there is
   nothing to compare).
+
+Added within version 3, optional (a reader that does not know them ignores them, and a record
+without them reads as the defaults, so no version bump was needed):
+
+* ``JobSpec.pause_after_failures``: the job pauses after this many attempts in a row failed
+  with one reason (broker/pause.py; 0 = never).
+* ``JobSpec.limits``: the job's fleet-wide caps, resolved at submit (broker/caps.py ``Limits``).
 """
 
 from __future__ import annotations
@@ -174,6 +181,8 @@ class JobSpec(_Record):
     sources: list[str] = field(default_factory=list)  # task files, for the humans reading results
     created_at: float = field(default_factory=time.time)
     tokens: str = ""  # v3: broker/tokens.py TOKEN_MODES; "" = do not ask the server for tokens
+    pause_after_failures: int = 20  # broker/pause.py; 0 = never pause
+    limits: dict[str, Any] = field(default_factory=dict)  # broker/caps.py Limits.to_dict(); {} = no caps
 
 
 @dataclass

@@ -16,6 +16,7 @@ Metric names are listed in :data:`METRIC_NAMES`; deploy/grafana and docs/deploym
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -23,7 +24,9 @@ from typing import Any, Iterable
 
 import redis
 
+from broker.caps import FleetSlots
 from broker.keys import Keys
+from broker.pause import JobPause
 from broker.queueing import PRIORITY_SEP, declared_queues, inflight_per_queue, sub_queues
 from broker.records import LEDGER_STATES
 from broker.settings import Settings, redact_url
@@ -279,6 +282,7 @@ class FleetReader:
                     specs[j] = unpack(raw) if raw else None
                 except Exception:
                     specs[j] = None
+        paused = JobPause(self.r, k).states(shown)
         jobs = []
         for j in shown:
             c = counts.get(j) or {s: 0 for s in LEDGER_STATES}
@@ -287,7 +291,8 @@ class FleetReader:
             jobs.append({"job_id": j, "counts": c, "total": total,
                          "created_at": spec.created_at if spec is not None else None,
                          "progress": (c["done"] + c["failed"]) / total if total else 1.0,
-                         "active": j in active})
+                         "active": j in active,
+                         "paused": dataclasses.asdict(paused[j]) if j in paused else None})
         return {
             "time": now,
             "redis": redact_url(self.settings.redis_url),
@@ -308,6 +313,7 @@ class FleetReader:
             "jobs_active": len(active),
             "jobs": jobs,
             "breakers": self.breakers(),
+            "caps": FleetSlots(self.r, k, 0).use(),
         }
 
 
@@ -408,6 +414,21 @@ class FleetCollector:
         yield je
         yield jt
         yield jp
+        jpa = GaugeMetricFamily("interactor_job_paused", "1 while a job is paused: attempts in a row failed with "
+                                "this reason (interactor resume JOB continues it)", labels=["job_id", "reason"])
+        for job in snap["jobs"]:
+            if job.get("paused"):
+                jpa.add_metric([job["job_id"], job["paused"]["reason"]], 1)
+        yield jpa
+        cl = GaugeMetricFamily("interactor_fleet_cap_limit", "A fleet-wide cap: slots in all",
+                               labels=["kind", "name"])
+        cu = GaugeMetricFamily("interactor_fleet_cap_in_use", "A fleet-wide cap: slots held now",
+                               labels=["kind", "name"])
+        for cap in snap.get("caps", []):
+            cl.add_metric([cap["kind"], cap["name"]], cap["limit"])
+            cu.add_metric([cap["kind"], cap["name"]], cap["in_use"])
+        yield cl
+        yield cu
 
         stats: Stats = snap["stats"]
         docs = {

@@ -30,6 +30,9 @@ def register(sub, add) -> None:
     sp.add_argument("--interval", type=float, default=2.0)
     sp.add_argument("--json", action="store_true")
 
+    sp = add("resume", cmd_resume, "continue a paused job (its attempts kept failing alike): parked episodes go again")
+    sp.add_argument("job")
+
     sp = add("autoscale", cmd_autoscale, "run local worker processes, as many as the queue needs")
     sp.add_argument("--min", dest="min_workers", type=int, default=0)
     sp.add_argument("--max", dest="max_workers", type=int, default=4)
@@ -87,6 +90,27 @@ def cmd_status(args) -> int:
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
+
+
+# --- resume ---------------------------------------------------------------------------------
+def cmd_resume(args) -> int:
+    from broker.pause import JobPause, resume_job
+    from broker.keys import Keys
+    from broker.ledger import Ledger
+    from interactor.common import redis_for, settings_from_args
+
+    settings = settings_from_args(args)
+    client = redis_for(settings)
+    if Ledger.for_settings(client, settings).job_spec(args.job) is None:
+        print(f"interactor: no job {args.job!r} in Redis (prefix {settings.key_prefix})", file=sys.stderr)
+        return 2
+    state = JobPause(client, Keys(settings.key_prefix)).state(args.job)
+    sent = resume_job(client, settings, args.job)
+    if state is None:
+        print(f"job {args.job} was not paused" + (f"; sent {len(sent)} parked episodes again" if sent else ""))
+    else:
+        print(f"resumed job {args.job} ({state.describe()}); sent {len(sent)} parked episodes again")
+    return 0
 
 
 def snapshot_json(snap: dict) -> dict:
@@ -152,6 +176,14 @@ def render_status(snap: dict) -> str:
         down = f"{snap['time'] - b['since']:.0f}s" if b["since"] else "?"
         lines.append(f"BREAKER    {b['kind']} server {b['server']} down for {down} (seen by {b['workers']} worker "
                      f"process{'es' if b['workers'] != 1 else ''}; its episodes wait): {b['error'][:160]}")
+    for cap in snap.get("caps", []):
+        lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use")
+    for j in snap["jobs"]:
+        if j.get("paused"):
+            p = j["paused"]
+            lines.append(f"PAUSED     job {j['job_id']}: {p['streak']} attempts in a row failed with {p['reason']}"
+                         + (f" (last: {p['detail'][:160]})" if p["detail"] else "")
+                         + f"; no new episode starts. Fix the cause, then: interactor resume {j['job_id']}")
     lat = _latency_line(st)
     if lat:
         lines.append(f"latency    per step: {lat}")
@@ -162,7 +194,7 @@ def render_status(snap: dict) -> str:
         rows = [("job", "total", "done", "failed", "running", "queued", "retrying", "progress")]
         for j in snap["jobs"]:
             c = j["counts"]
-            rows.append((j["job_id"], str(j["total"]), str(c["done"]), str(c["failed"]), str(c["running"]),
+            rows.append((j["job_id"] + (" (paused)" if j.get("paused") else ""), str(j["total"]), str(c["done"]), str(c["failed"]), str(c["running"]),
                          str(c["queued"]), str(c["retrying"]), f"{100 * j['progress']:.1f}%"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines.append("jobs")

@@ -53,6 +53,8 @@ from broker.records import (
     StepRecord,
     new_attempt_id,
 )
+from broker.caps import FleetSlots, Limits
+from broker.pause import PARKED
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
 from broker.settings import Settings, origin_of, redact_url
@@ -63,10 +65,12 @@ from workers.allowlist import HostAllowlist, env_class_allowlist, hook_allowlist
 from workers.breakers import BreakerBoard, BreakerHeartbeat
 from workers.budget import Budget
 from workers.envclient import EnvClient
+from workers.fleetcaps import CappedEnv, CappedPolicy, FleetGate
 from workers.hooks import load_hook
 from workers.loop import LoopConfig, run_episode
 from workers.modelclient import ModelClient
 from workers.orphans import OrphanCloser
+from workers.pausing import PauseWatch
 from workers.ports import BoundEnv, BoundPolicy, Guard, policy_url
 from workers.publisher import StepPublisher
 from workers.renewer import LeaseRenewer
@@ -118,6 +122,10 @@ class WorkerRuntime:
         self.publisher = StepPublisher(self.ledger, backlog_max=settings.stream_backlog_max)
         self.orphans = OrphanCloser(self.redis, self.keys, self.env, env_hosts=self.env_hosts).start()
         self.breaker_heartbeat = BreakerHeartbeat(self.breakers).start()
+        # Fleet-wide limits: jobs that pause themselves, caps shared by every worker process.
+        self.pause_watch = PauseWatch(self.redis, self.keys)
+        self.fleet = FleetGate(FleetSlots(self.redis, self.keys, int(settings.lease_ttl_s * 1000)), self.name,
+                               settings.lease_ttl_s)
 
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
@@ -144,6 +152,8 @@ class WorkerRuntime:
         self.publisher.stop()
         self.orphans.stop()
         self.breaker_heartbeat.stop()
+        self.pause_watch.stop()
+        self.fleet.stop()
 
     def received(self, job_id: str, episode_id: str) -> None:
         """The broker handed us a task; the renewer holds a reservation on it until it starts."""
@@ -154,6 +164,10 @@ class WorkerRuntime:
         # START is retried through a Redis outage with one attempt_id: a START that ran but
         # whose reply was lost is then found again as ours, with its predecessor, rather than
         # left behind as a phantom lease that makes the next delivery count another attempt.
+        if self._parked(job_id, episode_id):
+            self.renewer.started(member(job_id, episode_id))  # handed back before START: nothing counted
+            log.info("episode %s: its job is paused; parked until `interactor resume %s`", episode_id, job_id)
+            return PARKED
         attempt_id = new_attempt_id()
         started = self._through_outage(episode_id, "starting", lambda: self.ledger.start(
             job_id, episode_id, self.name, attempt_id=attempt_id),  # also ends the reservation
@@ -168,6 +182,12 @@ class WorkerRuntime:
             return self._run_attempt(lease, started.spec, started.previous)
         finally:
             self.renewer.release(lease)
+
+    def _parked(self, job_id: str, episode_id: str) -> bool:
+        try:
+            return self.pause_watch.park(self._job(job_id), episode_id)
+        except redis.RedisError:
+            return False  # START finds out about Redis, through its outage handling
 
     def _job(self, job_id: str) -> JobSpec | None:
         job = self._jobs.get(job_id)
@@ -192,6 +212,7 @@ class WorkerRuntime:
         refused = self._refused(job, spec)
         if refused:
             err = errors.EpisodeError(errors.BAD_TASK, refused, transient=False)
+            self.pause_watch.failed(job, err.reason, refused)
             return self._close_failed(lease, base, spec, err, "", limit=lease.attempt)
 
         budget = Budget(job.episode_budget_s)
@@ -208,10 +229,13 @@ class WorkerRuntime:
                 self._close_previous(spec, previous)
             policy = BoundPolicy(self.model, job, policy_url(job, spec.episode_id), self._api_key_for(job), budget,
                                  guard, self.breakers.for_model(job.llm_base_url))
+            env = self._env_port(spec, lease, budget, guard)
+            policy = limits.LimitedPolicy(policy, self.model_gate, lambda: budget.deadline, check)
+            policy, env = self._fleet_capped(job, spec, policy, env, check, budget)
             outcome = run_episode(
                 cfg,
-                env=self._env_port(spec, lease, budget, guard),
-                policy=limits.LimitedPolicy(policy, self.model_gate, lambda: budget.deadline, check),
+                env=env,
+                policy=policy,
                 publish=lambda rec: self._publish(lease, rec, budget),
                 hook=hook,
                 check=check,
@@ -234,6 +258,7 @@ class WorkerRuntime:
         if not self._finish(lease, record, DONE):
             log.warning("episode %s attempt %d: lease lost before completion was recorded", spec.episode_id, lease.attempt)
             return errors.LEASE_LOST
+        self.pause_watch.succeeded(job)
         log.info("episode %s attempt %d completed: reward=%.3f steps=%d", spec.episode_id, lease.attempt,
                  outcome.total_reward, outcome.steps)
         return COMPLETED
@@ -280,6 +305,22 @@ class WorkerRuntime:
         return key
 
     # --- ports -----------------------------------------------------------------------
+    def _fleet_capped(self, job: JobSpec, spec: EpisodeSpec, policy, env, check, budget):
+        """The ports with the job's fleet-wide caps (workers/fleetcaps.py); as they are when it
+        has none (no round trip then)."""
+        if not job.limits:
+            return policy, env
+        caps = Limits.from_dict(job.limits)
+        model_caps = caps.model_caps(self.keys, job.llm_base_url)
+        if model_caps:
+            policy = CappedPolicy(policy, self.fleet, model_caps, check, budget)
+        if spec.transport != "inproc":
+            call_caps = caps.env_call_caps(self.keys, spec.base_url, spec.env_name)
+            instance_caps = caps.env_instance_caps(self.keys, spec.base_url)
+            if call_caps or instance_caps:
+                env = CappedEnv(env, self.fleet, call_caps, instance_caps, check, budget)
+        return policy, env
+
     def _env_port(self, spec: EpisodeSpec, lease: Lease, budget: Budget, guard: Guard):
         if spec.transport == "inproc":
             from workers.inproc import InprocEnv  # the env class runs inside this worker process
@@ -385,6 +426,7 @@ class WorkerRuntime:
     # --- closing an attempt that did not complete ------------------------------------
     def _close_error(self, lease, base, spec, job, exc: errors.EpisodeError, tb: str, *, outage_seen: bool = False) -> str:
         message = self._redact(str(exc.args[0]) if exc.args else "")
+        self.pause_watch.failed(job, exc.reason, message)  # counts towards pausing the job (broker/pause.py)
         if exc.reason == errors.LEASE_LOST:
             log.warning("episode %s attempt %d abandoned: %s", lease.episode_id, lease.attempt, message)
             return errors.LEASE_LOST

@@ -1,0 +1,273 @@
+"""Fleet-wide limits (issue 25): jobs that pause when everything fails, caps on calls in flight
+and on live env instances that hold across worker processes.
+
+Real Redis, real worker processes, real HTTP servers on loopback. Nothing asserts on speed:
+waits are generous and every figure checked is a count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from broker.caps import CAP_ENV, CAP_ENV_INSTANCES, CAP_MODEL, Cap, FleetSlots, Limits
+from broker.dlq import DeadLetterQueue
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.pause import JobPause
+from broker.redisconn import connect
+from producer.enqueue import plan, submit
+from producer.taskfile import TaskFileError
+from tests.conftest import ROOT, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+
+def arith_job(tmp_path, env_url: str, rows: int, extra: str = "", name: str = "job.yaml") -> str:
+    data = [{"question": f"What is {i} + {i}?", "answer": 2 * i} for i in range(rows)]
+    (tmp_path / "rows.json").write_text(json.dumps(data))
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(f"""\
+        environments:
+          - env_name: arithmetic
+            base_url: {env_url}
+            dataset: rows.json
+        """) + textwrap.dedent(extra))
+    return str(path)
+
+
+def cli(settings, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    env.update(settings.as_environ())
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "interactor.cli", *args], env=env, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=120)
+
+
+# --- jobs that stop burning ----------------------------------------------------------------------
+def test_job_pauses_when_every_attempt_fails_alike_and_resumes_once_fixed(settings, procs, env_server,
+                                                                          model_server, tmp_path):
+    """An env server that answers every reset 500: the job pauses after 5 failed attempts in a
+    row, most of its episodes untouched (queued, not dead-lettered); status says why. With the
+    server fixed, `interactor resume` and a re-drive of the dead letters finish every episode."""
+    env_srv, env_url = env_server
+    _, model_url = model_server
+    env_srv.error_rate = 1.0  # every reset, prompt and step: 500
+    settings = settings.replace(llm_base_url=model_url + "/v1", pause_after_failures=5, concurrency=3)
+    procs.settings = settings
+    rows = 60
+    client = connect(settings)
+    job = submit(client, settings, [arith_job(tmp_path, env_url, rows)]).job
+    assert job.pause_after_failures == 5
+    for i in range(2):
+        procs.worker(f"w{i}")
+    procs.consumer()
+    ledger = Ledger.for_settings(client, settings)
+    pause = JobPause(client, Keys(settings.key_prefix))
+
+    state = wait_for(lambda: pause.state(job.job_id), timeout=120, what="the job to pause")
+    assert state.reason == "env_bad_request" and state.streak >= 5
+    # the attempts running when it paused finish; nothing new starts
+    wait_for(lambda: ledger.counts(job.job_id)["running"] == 0, timeout=60, what="running attempts to end")
+    time.sleep(3 * settings.sweep_interval_s + 1)  # a sweep or two: nothing is re-sent while paused
+    counts = ledger.counts(job.job_id)
+    dead = len(DeadLetterQueue(client, settings).list(job_id=job.job_id))
+    assert counts["running"] == 0 and counts["done"] == 0
+    # 5 to pause it, at most one more per worker slot that was already running
+    assert counts["failed"] == dead <= 5 + 2 * 3, counts
+    assert counts["queued"] + counts["retrying"] >= rows - 11, counts
+    resets_when_paused = env_srv.stats()["faults"]["error"]
+    time.sleep(2)
+    assert env_srv.stats()["faults"]["error"] == resets_when_paused, "paused, yet episodes still start"
+
+    status = cli(settings, "status", job.job_id)
+    assert status.returncode == 0, status.stderr
+    assert "PAUSED" in status.stdout and "env_bad_request" in status.stdout and "interactor resume" in status.stdout
+    metrics = cli(settings, "metrics", "--once")
+    assert f'interactor_job_paused{{job_id="{job.job_id}",reason="env_bad_request"}} 1.0' in metrics.stdout
+
+    env_srv.error_rate = 0.0  # fixed
+    out = cli(settings, "resume", job.job_id)
+    assert out.returncode == 0 and "resumed job" in out.stdout, out.stdout + out.stderr
+    assert pause.state(job.job_id) is None
+    out = cli(settings, "dlq", "redrive", "--job", job.job_id)
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: ledger.counts(job.job_id)["done"] == rows, timeout=180,
+             what=f"every episode done after the resume ({ledger.counts(job.job_id)})")
+    assert ledger.counts(job.job_id)["failed"] == 0
+    assert not pause.parked(job.job_id)
+
+
+def test_resume_of_unknown_job_is_a_clear_error(settings):
+    out = cli(settings, "resume", "no-such-job")
+    assert out.returncode == 2 and "no job 'no-such-job'" in out.stderr
+
+
+def test_success_ends_a_streak_and_only_the_same_reason_counts(settings, redis_client):
+    pause = JobPause(connect(settings), Keys(settings.key_prefix))
+    for _ in range(4):
+        assert not pause.record("j", "env_server_error", 5)
+    pause.record("j", "", 5)  # a success: the streak starts over
+    for _ in range(4):
+        assert not pause.record("j", "env_server_error", 5)
+    assert not pause.record("j", "model_bad_request", 5)  # another reason: starts over too
+    for _ in range(3):
+        assert not pause.record("j", "model_bad_request", 5)
+    assert pause.record("j", "model_bad_request", 5)  # the fifth alike pauses
+    assert not pause.record("j", "model_bad_request", 5)  # once
+    assert not pause.record("j", "worker_shutdown", 5)  # not the job's doing: not counted
+    assert pause.state("j").streak == 5
+
+
+# --- task files and settings: caps checked at submit ----------------------------------------------
+def test_limits_in_task_file_are_checked_at_submit(settings, tmp_path):
+    url = "http://127.0.0.1:9"
+    ok = arith_job(tmp_path, url, 3, extra=f"""\
+        pause_after_failures: 7
+        limits:
+          model: {{max_concurrency: 4}}
+          env_servers:
+            "{url}/": {{max_concurrency: 8, max_instances: 2}}
+          env_names:
+            arithmetic: {{max_concurrency: 3}}
+        """)
+    planned = plan(settings, [ok])
+    from producer.enqueue import job_spec
+
+    spec = job_spec(settings.replace(llm_fleet_max_concurrency=99), "j1", planned)
+    assert spec.pause_after_failures == 7
+    lim = Limits.from_dict(spec.limits)
+    assert lim.model == 4 and lim.env_servers == {url: {"max_concurrency": 8, "max_instances": 2}}
+    assert lim.env_names == {"arithmetic": 3}
+    # the settings fill in what the task file leaves out
+    plain = plan(settings, [arith_job(tmp_path, url, 3, name="plain.yaml")])
+    lim = Limits.from_dict(job_spec(settings.replace(llm_fleet_max_concurrency=5, env_fleet_max_instances=6),
+                                    "j2", plain).limits)
+    assert lim.model == 5 and lim.env_servers == {url: {"max_instances": 6}}
+
+    bad = {
+        "model: {max_concurrency: 0}": "max_concurrency must be an integer >= 1, got 0",
+        "model: {max_concurrency: -3}": "must be an integer >= 1",
+        "env_servers: {'http://127.0.0.1:10': {max_concurrency: 2}}": "matches no entry's base_url",
+        "env_names: {sokoban: {max_concurrency: 2}}": "env_names 'sokoban' matches no entry's env_name",
+        "model: {max_calls: 2}": "unknown key 'max_calls'",
+        "judges: {}": "unknown key 'judges'",
+    }
+    for i, (text, message) in enumerate(bad.items()):
+        path = arith_job(tmp_path, url, 2, extra="limits:\n  " + text + "\n", name=f"bad{i}.yaml")
+        with pytest.raises(TaskFileError, match=message):
+            plan(settings, [path])
+    # at the command line: exit 2, one line naming the problem
+    path = arith_job(tmp_path, url, 2, extra="limits:\n  model: {max_concurrency: 0}\n", name="cli.yaml")
+    out = cli(settings, "submit", "--no-preflight", path)
+    assert out.returncode == 2 and "max_concurrency must be an integer >= 1" in out.stderr, out.stderr
+    out = cli(settings.replace(), "submit", "--no-preflight", "--llm-fleet-max-concurrency", "-1", path)
+    assert out.returncode == 2 and "llm_fleet_max_concurrency must be >= 0" in out.stderr, out.stderr
+
+
+# --- the slots themselves ---------------------------------------------------------------------------
+def test_slots_are_all_or_none_and_lapse_without_renewal(settings):
+    client = connect(settings)
+    keys = Keys(settings.key_prefix)
+    slots = FleetSlots(client, keys, ttl_ms=1000)
+    a, b = Cap(keys.cap(CAP_MODEL, "m"), 2), Cap(keys.cap(CAP_ENV, "e"), 1)
+    assert slots.try_acquire([a, b], "h1") == 0
+    assert slots.try_acquire([a, b], "h2") == 2  # b is full: nothing taken of a either
+    assert client.zcard(a.key) == 1
+    assert slots.try_acquire([a], "h3") == 0
+    assert slots.try_acquire([a], "h4") == 1
+    slots.release([a, b], "h1")
+    assert slots.try_acquire([a, b], "h2") == 0
+    assert slots.renew([(a.key, "h2"), (a.key, "gone")]) == [1]
+    time.sleep(1.3)  # nobody renews: every slot lapses
+    assert slots.try_acquire([a, b], "h5") == 0
+
+
+# --- caps across worker processes -------------------------------------------------------------------
+class _ConcurrencyProbe:
+    """Wraps a stand-in server's request handling: counts requests in flight, keeps the peak."""
+
+    def __init__(self, server, delay_s: float):
+        self.now = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+        self.delay_s = delay_s
+        self.server = server
+
+    def enter(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+        time.sleep(self.delay_s)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+def _probe_model(server, delay_s: float) -> _ConcurrencyProbe:
+    probe = _ConcurrencyProbe(server, delay_s)
+    base = server.RequestHandlerClass
+
+    class Probed(base):  # type: ignore[misc, valid-type]
+        def chat(self, session, body):
+            probe.enter()
+            try:
+                return super().chat(session, body)
+            finally:
+                probe.leave()
+
+    server.RequestHandlerClass = Probed
+    return probe
+
+
+def test_model_cap_holds_across_four_workers_and_a_killed_workers_slots_come_back(settings, procs, env_server,
+                                                                               model_server, tmp_path):
+    """4 worker processes x 50 episodes each against a model that takes 0.2 s per answer, with
+    a fleet cap of 6: the model never sees more than 6 requests at once. A worker SIGKILLed
+    while holding slots: its slots lapse within the lease TTL and the job still finishes."""
+    _, env_url = env_server
+    model_srv, model_url = model_server
+    probe = _probe_model(model_srv, 0.2)
+    cap = 6
+    settings = settings.replace(llm_base_url=model_url + "/v1", concurrency=50, llm_fleet_max_concurrency=cap)
+    procs.settings = settings
+    rows = 240
+    client = connect(settings)
+    job = submit(client, settings, [arith_job(tmp_path, env_url, rows)]).job
+    assert Limits.from_dict(job.limits).model == cap
+    for i in range(4):
+        procs.worker(f"w{i}")
+    procs.consumer()
+    ledger = Ledger.for_settings(client, settings)
+    cap_key = Keys(settings.key_prefix).cap(CAP_MODEL, model_url + "/v1")
+
+    # a worker holding slots: its holder names start with its runtime name (host-pid)
+    victim = procs.procs["w2"]
+    import psutil
+
+    pids = {str(p.pid) for p in psutil.Process(victim.pid).children(recursive=True)} | {str(victim.pid)}
+
+    def victim_holders() -> list[str]:
+        return [m.decode() for m in client.zrange(cap_key, 0, -1)
+                if m.decode().rsplit(":", 1)[0].rsplit("-", 1)[-1] in pids]
+
+    wait_for(victim_holders, timeout=120, interval=0.05, what="the victim worker to hold a model slot")
+    procs.kill("w2")
+    # lapsed slots are swept by the next acquire anyone makes: the victim's go within the TTL
+    # (plus slack for a busy machine)
+    wait_for(lambda: not victim_holders(), timeout=settings.lease_ttl_s + 15, interval=0.1,
+             what="the killed worker's slots to lapse")
+    wait_for(lambda: ledger.counts(job.job_id)["done"] == rows, timeout=300,
+             what=f"every episode done ({ledger.counts(job.job_id)})")
+    assert 1 <= probe.peak <= cap, probe.peak
+    print(f"\n[fleet cap] peak model requests in flight {probe.peak} (cap {cap}), {rows} episodes")
+    status = cli(settings, "status")
+    assert f"cap        model {model_url}/v1:" in status.stdout and f"/{cap} in use" in status.stdout, status.stdout
