@@ -273,3 +273,64 @@ def test_model_cap_holds_across_four_workers_and_a_killed_workers_slots_come_bac
     print(f"\n[fleet cap] peak model requests in flight {probe.peak} (cap {cap}), {rows} episodes")
     status = cli(settings, "status")
     assert f"cap        model {model_url}/v1:" in status.stdout and f"/{cap} in use" in status.stdout, status.stdout
+
+
+def _refuse_above(server, k: int) -> dict:
+    """Makes an env server refuse (429) a reset that would take it above ``k`` live instances,
+    as a sandbox-backed server at capacity does; counts refusals and the peak of live ones."""
+    seen = {"refused": 0, "peak": 0}
+    gate = threading.Lock()
+    base = server.RequestHandlerClass
+
+    class Refusing(base):  # type: ignore[misc, valid-type]
+        def reset(self, env_name, env_id, payload):
+            with gate:  # one reset at a time: the count and the creation go together
+                with server.lock:
+                    live, known = len(server.instances), (env_name, env_id) in server.instances
+                if live >= k and not known:
+                    seen["refused"] += 1
+                    return self.send_json(429, {"error": f"at capacity: {live} live instances"})
+                super().reset(env_name, env_id, payload)
+                with server.lock:
+                    seen["peak"] = max(seen["peak"], len(server.instances))
+
+    server.RequestHandlerClass = Refusing
+    return seen
+
+
+def test_env_instance_cap_keeps_a_sandbox_server_within_its_capacity(settings, procs, env_server, model_server,
+                                                                     tmp_path):
+    """An env server that holds at most 4 live instances (reset, not yet closed), 2 worker
+    processes x 20 multi-turn episodes, the task file capping the server's instances at 4:
+    not one reset is refused, and every episode completes."""
+    env_srv, env_url = env_server
+    _, model_url = model_server
+    k = 4
+    seen = _refuse_above(env_srv, k)
+    env_srv.latency_ms = 20  # instances live a while: several turns of 20 ms calls each
+    settings = settings.replace(llm_base_url=model_url + "/v1", concurrency=20)
+    procs.settings = settings
+    path = tmp_path / "guess.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        environments:
+          - env_name: guess_number
+            base_url: {env_url}
+            env_params: {{max_turns: 4, high: 64}}
+            env_num: 40
+        limits:
+          env_servers:
+            {env_url}: {{max_instances: {k}}}
+        """))
+    client = connect(settings)
+    job = submit(client, settings, [str(path)]).job
+    for i in range(2):
+        procs.worker(f"w{i}")
+    procs.consumer()
+    ledger = Ledger.for_settings(client, settings)
+    wait_for(lambda: ledger.counts(job.job_id)["done"] == 40, timeout=300,
+             what=f"every episode done ({ledger.counts(job.job_id)})")
+    print(f"\n[instance cap] peak live instances {seen['peak']} (cap {k}), refused {seen['refused']}")
+    assert seen["refused"] == 0
+    assert 1 <= seen["peak"] <= k
+    key = Keys(settings.key_prefix).cap(CAP_ENV_INSTANCES, env_url)
+    wait_for(lambda: client.zcard(key) == 0, timeout=30, what="every instance slot released")
