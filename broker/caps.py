@@ -37,7 +37,9 @@ CAP_KINDS = (CAP_MODEL, CAP_ENV, CAP_ENV_NAME, CAP_ENV_INSTANCES)
 # The task file's spelling (top-level ``limits:``), docs/protocol.md#task-files.
 LIMIT_MODEL, LIMIT_ENV_SERVERS, LIMIT_ENV_NAMES = "model", "env_servers", "env_names"
 MAX_CONCURRENCY, MAX_INSTANCES = "max_concurrency", "max_instances"
-_ALLOWED = {LIMIT_MODEL: (MAX_CONCURRENCY,), LIMIT_ENV_SERVERS: (MAX_CONCURRENCY, MAX_INSTANCES),
+# the model endpoint's rate limits (broker/ratelimit.py)
+REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = "requests_per_minute", "tokens_per_minute"
+_ALLOWED = {LIMIT_MODEL: (MAX_CONCURRENCY, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE), LIMIT_ENV_SERVERS: (MAX_CONCURRENCY, MAX_INSTANCES),
             LIMIT_ENV_NAMES: (MAX_CONCURRENCY,)}
 
 _NOW = """
@@ -101,16 +103,20 @@ class Limits:
     """A job's caps, as its JobSpec carries them (``to_dict``); 0 / absent = no cap."""
 
     model: int = 0
+    model_rpm: int = 0  # requests per minute to the model endpoint, fleet-wide (broker/ratelimit.py)
+    model_tpm: int = 0  # tokens per minute (the answers' usage), fleet-wide
     env_servers: dict[str, dict[str, int]] = field(default_factory=dict)  # base URL -> {max_concurrency, max_instances}
     env_names: dict[str, int] = field(default_factory=dict)  # env_name -> max_concurrency
 
     def __bool__(self) -> bool:
-        return bool(self.model or self.env_servers or self.env_names)
+        return bool(self.model or self.model_rpm or self.model_tpm or self.env_servers or self.env_names)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        if self.model:
-            out[LIMIT_MODEL] = {MAX_CONCURRENCY: self.model}
+        model = {k: n for k, n in ((MAX_CONCURRENCY, self.model), (REQUESTS_PER_MINUTE, self.model_rpm),
+                                   (TOKENS_PER_MINUTE, self.model_tpm)) if n}
+        if model:
+            out[LIMIT_MODEL] = model
         if self.env_servers:
             out[LIMIT_ENV_SERVERS] = {u: dict(v) for u, v in self.env_servers.items()}
         if self.env_names:
@@ -120,7 +126,9 @@ class Limits:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "Limits":
         d = d or {}
-        return cls(model=int((d.get(LIMIT_MODEL) or {}).get(MAX_CONCURRENCY, 0)),
+        model = d.get(LIMIT_MODEL) or {}
+        return cls(model=int(model.get(MAX_CONCURRENCY, 0)), model_rpm=int(model.get(REQUESTS_PER_MINUTE, 0)),
+                   model_tpm=int(model.get(TOKENS_PER_MINUTE, 0)),
                    env_servers={server_name(u): {k: int(n) for k, n in v.items()}
                                 for u, v in (d.get(LIMIT_ENV_SERVERS) or {}).items()},
                    env_names={n: int(v.get(MAX_CONCURRENCY, 0)) for n, v in (d.get(LIMIT_ENV_NAMES) or {}).items()})

@@ -130,6 +130,16 @@ class Keys:
     def caps(self) -> str:  # hash cap key -> limit: every cap a job set, for status and metrics
         return f"{self.prefix}:caps"
 
+    def rate(self, server: str) -> str:  # hash r, rt, t, tt: a model endpoint's RPM and TPM buckets (broker/ratelimit.py)
+        return f"{self.prefix}:rate:{server}"
+
+    def rate_hold(self, server: str) -> str:  # Redis time (ms) before which nobody calls the endpoint (429s)
+        return f"{self.prefix}:rate-hold:{server}"
+
+    @property
+    def rates(self) -> str:  # hash server -> "<rpm> <tpm>": every rate limit a job set, for status and metrics
+        return f"{self.prefix}:rates"
+
 
 def member(job_id: str, episode_id: str) -> str:
     """How an episode is named in the shared zsets; ids never contain spaces."""

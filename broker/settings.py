@@ -165,6 +165,9 @@ class Settings:
     # Calls in flight across every worker process (0 = no cap): to the job's model endpoint, to
     # each env server it uses; live env instances (reset, not yet closed) per env server.
     llm_fleet_max_concurrency: int = 0
+    # Rate limits of the job's model endpoint, fleet-wide (broker/ratelimit.py; 0 = none).
+    llm_fleet_rpm: int = 0  # requests per minute
+    llm_fleet_tpm: int = 0  # tokens per minute, charged from the answers' usage
     env_fleet_max_concurrency: int = 0
     env_fleet_max_instances: int = 0
 
@@ -283,7 +286,7 @@ class Settings:
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
         for name in ("pause_after_failures", "llm_fleet_max_concurrency", "env_fleet_max_concurrency",
-                     "env_fleet_max_instances"):
+                     "env_fleet_max_instances", "llm_fleet_rpm", "llm_fleet_tpm"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0 (0 = none)")
         if self.experience_top_k < 1:

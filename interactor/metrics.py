@@ -27,6 +27,7 @@ import redis
 from broker.caps import FleetSlots
 from broker.keys import Keys
 from broker.pause import JobPause
+from broker.ratelimit import RateLimits
 from broker.queueing import PRIORITY_SEP, declared_queues, inflight_per_queue, sub_queues
 from broker.records import LEDGER_STATES
 from broker.settings import Settings, redact_url
@@ -314,7 +315,22 @@ class FleetReader:
             "jobs": jobs,
             "breakers": self.breakers(),
             "caps": FleetSlots(self.r, k, 0).use(),
+            "rates": self.rates(),
         }
+
+    def rates(self) -> list[dict[str, Any]]:
+        """Each model endpoint's fleet-wide rate limits, with what its buckets hold now."""
+        out = []
+        limits = RateLimits(self.r, self.keys)
+        for server, raw in sorted(self.r.hgetall(self.keys.rates).items()):
+            try:
+                rpm, tpm = (int(x) for x in raw.decode().split())
+            except ValueError:
+                continue
+            left_r, left_t, hold = limits.levels(server.decode(), rpm, tpm)
+            out.append({"server": server.decode(), "rpm": rpm, "tpm": tpm, "requests_left": left_r,
+                        "tokens_left": left_t, "hold_s": hold})
+        return out
 
 
 # --- Prometheus ------------------------------------------------------------------------------
@@ -429,6 +445,22 @@ class FleetCollector:
             cu.add_metric([cap["kind"], cap["name"]], cap["in_use"])
         yield cl
         yield cu
+        rl = GaugeMetricFamily("interactor_rate_limit", "A model endpoint's fleet-wide rate limit, per minute",
+                               labels=["server", "unit"])
+        rb = GaugeMetricFamily("interactor_rate_bucket", "What the endpoint's bucket holds now (may be below 0 "
+                               "for tokens: answers used more than it had)", labels=["server", "unit"])
+        rh = GaugeMetricFamily("interactor_rate_hold_seconds", "How long the fleet still waits before calling the "
+                               "endpoint (its 429s and x-ratelimit headers)", labels=["server"])
+        for rate in snap.get("rates", []):
+            for unit, limit, left in (("requests", rate["rpm"], rate["requests_left"]),
+                                      ("tokens", rate["tpm"], rate["tokens_left"])):
+                if limit:
+                    rl.add_metric([rate["server"], unit], limit)
+                    rb.add_metric([rate["server"], unit], left)
+            rh.add_metric([rate["server"]], rate["hold_s"])
+        yield rl
+        yield rb
+        yield rh
 
         stats: Stats = snap["stats"]
         docs = {

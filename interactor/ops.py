@@ -178,6 +178,15 @@ def render_status(snap: dict) -> str:
                      f"process{'es' if b['workers'] != 1 else ''}; its episodes wait): {b['error'][:160]}")
     for cap in snap.get("caps", []):
         lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use")
+    for rate in snap.get("rates", []):
+        parts = []
+        if rate["rpm"]:
+            parts.append(f"{rate['requests_left']:.1f} requests in the bucket ({rate['rpm']}/min)")
+        if rate["tpm"]:
+            parts.append(f"{rate['tokens_left']:.0f} tokens ({rate['tpm']}/min)")
+        if rate["hold_s"] > 0:
+            parts.append(f"the server said wait: {rate['hold_s']:.1f}s more")
+        lines.append(f"rate       model {rate['server']}: " + ", ".join(parts))
     for j in snap["jobs"]:
         if j.get("paused"):
             p = j["paused"]

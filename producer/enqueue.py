@@ -67,11 +67,14 @@ def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
 
 def job_limits(settings: Settings, plan: PlannedJob) -> Limits:
     """The job's fleet-wide caps: the task files' ``limits``, and for what they leave out the
-    settings' (``llm_fleet_max_concurrency``, ``env_fleet_max_concurrency`` and
-    ``env_fleet_max_instances``, the last two for every env server the job uses)."""
+    settings' (``llm_fleet_max_concurrency``, ``llm_fleet_rpm``, ``llm_fleet_tpm``,
+    ``env_fleet_max_concurrency`` and ``env_fleet_max_instances``, the last two for every env
+    server the job uses)."""
     limits = Limits.from_dict(plan.limits)
     if not limits.model and settings.llm_fleet_max_concurrency > 0:
         limits.model = settings.llm_fleet_max_concurrency
+    limits.model_rpm = limits.model_rpm or settings.llm_fleet_rpm
+    limits.model_tpm = limits.model_tpm or settings.llm_fleet_tpm
     defaults = {k: n for k, n in ((MAX_CONCURRENCY, settings.env_fleet_max_concurrency),
                                   (MAX_INSTANCES, settings.env_fleet_max_instances)) if n > 0}
     if defaults:
@@ -100,8 +103,11 @@ def submit_plan(client: redis.Redis, settings: Settings, planned: PlannedJob) ->
     job = job_spec(settings, job_id, planned)
     t0 = time.perf_counter()
     Ledger.for_settings(client, settings).create_job(job, planned.episodes)
-    caps = Limits.from_dict(job.limits).all_caps(Keys(settings.key_prefix), job.llm_base_url)
-    FleetSlots(client, Keys(settings.key_prefix), int(settings.lease_ttl_s * 1000)).register(caps)
+    limits = Limits.from_dict(job.limits)
+    keys = Keys(settings.key_prefix)
+    FleetSlots(client, keys, int(settings.lease_ttl_s * 1000)).register(limits.all_caps(keys, job.llm_base_url))
+    if limits.model_rpm or limits.model_tpm:  # shown by status and metrics
+        client.hset(keys.rates, server_name(job.llm_base_url), f"{limits.model_rpm} {limits.model_tpm}")
     push_episodes(client, ((job_id, e.episode_id, settings.queue_for(e)) for e in planned.episodes))
     dt = time.perf_counter() - t0
     log.debug("job %s: %d episodes in %d groups enqueued in %.2fs", job_id, len(planned.episodes), planned.groups, dt)

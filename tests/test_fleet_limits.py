@@ -334,3 +334,103 @@ def test_env_instance_cap_keeps_a_sandbox_server_within_its_capacity(settings, p
     assert 1 <= seen["peak"] <= k
     key = Keys(settings.key_prefix).cap(CAP_ENV_INSTANCES, env_url)
     wait_for(lambda: client.zcard(key) == 0, timeout=30, what="every instance slot released")
+
+
+# --- rate limits --------------------------------------------------------------------------------------
+class _RpmLimiter:
+    """A model server's requests-per-minute limit, as hosted APIs enforce it: a bucket refilled
+    continuously (``rpm / 60`` a second, holding one second's worth), a 429 with Retry-After and
+    the x-ratelimit headers past it. It starts empty (another client just used it up), so the
+    fleet's first request is refused."""
+
+    def __init__(self, server, rpm: int):
+        self.rate = rpm / 60.0
+        self.cap = self.rate
+        self.tokens = 0.0
+        self.t: float | None = None  # empty when the first request comes
+        self.lock = threading.Lock()
+        self.refused = 0
+        self.served: list[float] = []
+        self.answers: list[int] = []  # statuses, in order
+        limiter = self
+        base = server.RequestHandlerClass
+
+        class Limited(base):  # type: ignore[misc, valid-type]
+            def chat(self, session, body):
+                with limiter.lock:
+                    now = time.monotonic()
+                    limiter.t = limiter.t or now
+                    limiter.tokens = min(limiter.cap, limiter.tokens + (now - limiter.t) * limiter.rate)
+                    limiter.t = now
+                    ok = limiter.tokens >= 1
+                    limiter.answers.append(200 if ok else 429)
+                    if ok:
+                        limiter.tokens -= 1
+                        limiter.served.append(now)
+                    else:
+                        limiter.refused += 1
+                        wait = (1 - limiter.tokens) / limiter.rate
+                if not ok:
+                    return self.send_json(429, {"error": {"message": "Rate limit reached for requests",
+                                                          "type": "requests", "code": "rate_limit_exceeded"}},
+                                          headers={"Retry-After": f"{wait:.3f}",
+                                                   "x-ratelimit-remaining-requests": "0",
+                                                   "x-ratelimit-reset-requests": f"{int(wait * 1000)}ms"})
+                return super().chat(session, body)
+
+        server.RequestHandlerClass = Limited
+
+
+def test_fleet_stays_under_the_model_rpm_limit(settings, procs, env_server, model_server, tmp_path):
+    """A model server allowing 240 requests a minute, 2 worker processes x 20 single-turn
+    episodes, the job's requests_per_minute at 240: after the first 429 (the server's bucket
+    starts empty) the fleet stays under the limit (at most a couple more), no attempt fails,
+    and the server serves at least 90% of its limit."""
+    _, env_url = env_server
+    model_srv, model_url = model_server
+    rpm, rows = 240, 100
+    limiter = _RpmLimiter(model_srv, rpm)
+    settings = settings.replace(llm_base_url=model_url + "/v1", concurrency=20, llm_backoff_max_s=5)
+    procs.settings = settings
+    client = connect(settings)
+    path = arith_job(tmp_path, env_url, rows, extra=f"limits:\n  model: {{requests_per_minute: {rpm}}}\n")
+    job = submit(client, settings, [path]).job
+    assert Limits.from_dict(job.limits).model_rpm == rpm
+    for i in range(2):
+        procs.worker(f"w{i}")
+    procs.consumer()
+    ledger = Ledger.for_settings(client, settings)
+    status_seen = wait_for(lambda: (lambda out: out if "rate       model" in out else "")(cli(settings, "status").stdout),
+                           timeout=60, what="status showing the rate bucket")
+    assert f"({rpm}/min)" in status_seen
+    wait_for(lambda: ledger.counts(job.job_id)["done"] == rows, timeout=300,
+             what=f"every episode done ({ledger.counts(job.job_id)})")
+    served = limiter.served
+    achieved = (len(served) - 1) / (served[-1] - served[0]) * 60
+    print(f"\n[rpm] limit {rpm}/min, achieved {achieved:.0f}/min over {len(served)} requests, "
+          f"429s {limiter.refused}")
+    # the first (the bucket started empty) and those sent with it; none once the fleet knew
+    assert 1 <= limiter.refused <= 3, limiter.refused
+    last_429 = max(i for i, status in enumerate(limiter.answers) if status == 429)
+    assert last_429 < 8, limiter.answers[:20]
+    assert ledger.counts(job.job_id)["failed"] == 0
+    attempts = [ledger.attempts(job.job_id, e) for e in ledger.states(job.job_id)]
+    assert max(attempts) == 1, "an attempt failed"
+    assert achieved >= 0.9 * rpm
+
+
+def test_token_bucket_charges_usage_and_a_hold_stops_everyone(settings):
+    from broker.ratelimit import RateLimits, parse_reset
+
+    rates = RateLimits(connect(settings), Keys(settings.key_prefix))
+    assert rates.take("m", 0, 6000) == 0  # tokens left: go
+    rates.charge("m", 6000, 500)  # the answer used 500: the bucket (100 a second) is ~400 short
+    wait = rates.take("m", 0, 6000)
+    assert 3.0 < wait <= 4.2, wait
+    assert rates.take("other", 600, 0) == 0  # another endpoint is not held up
+    rates.hold("other", 0.5)  # a 429 said: wait half a second
+    assert 0 < rates.take("other", 600, 0) <= 0.5
+    left_r, left_t, hold = rates.levels("other", 600, 0)
+    assert left_t == -1 and 0 < hold <= 0.5
+    assert parse_reset("6m0s") == 360 and parse_reset("20ms") == 0.02 and parse_reset("1.5") == 1.5
+    assert parse_reset("1s500ms") == 1.5 and parse_reset("soon") is None and parse_reset("") is None

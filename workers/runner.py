@@ -53,7 +53,8 @@ from broker.records import (
     StepRecord,
     new_attempt_id,
 )
-from broker.caps import FleetSlots, Limits
+from broker.caps import FleetSlots, Limits, server_name
+from broker.ratelimit import RateLimits
 from broker.pause import PARKED
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
@@ -70,6 +71,7 @@ from workers.hooks import load_hook
 from workers.loop import LoopConfig, run_episode
 from workers.modelclient import ModelClient
 from workers.orphans import OrphanCloser
+from workers.pacing import Pacing
 from workers.pausing import PauseWatch
 from workers.ports import BoundEnv, BoundPolicy, Guard, policy_url
 from workers.publisher import StepPublisher
@@ -124,6 +126,7 @@ class WorkerRuntime:
         self.breaker_heartbeat = BreakerHeartbeat(self.breakers).start()
         # Fleet-wide limits: jobs that pause themselves, caps shared by every worker process.
         self.pause_watch = PauseWatch(self.redis, self.keys)
+        self.pacing = Pacing(RateLimits(self.redis, self.keys))
         self.fleet = FleetGate(FleetSlots(self.redis, self.keys, int(settings.lease_ttl_s * 1000)), self.name,
                                settings.lease_ttl_s)
 
@@ -228,7 +231,8 @@ class WorkerRuntime:
             if previous is not None:
                 self._close_previous(spec, previous)
             policy = BoundPolicy(self.model, job, policy_url(job, spec.episode_id), self._api_key_for(job), budget,
-                                 guard, self.breakers.for_model(job.llm_base_url))
+                                 guard, self.breakers.for_model(job.llm_base_url),
+                                 pacer=self._pacer(job, check, budget))
             env = self._env_port(spec, lease, budget, guard)
             policy = limits.LimitedPolicy(policy, self.model_gate, lambda: budget.deadline, check)
             policy, env = self._fleet_capped(job, spec, policy, env, check, budget)
@@ -305,6 +309,15 @@ class WorkerRuntime:
         return key
 
     # --- ports -----------------------------------------------------------------------
+    def _pacer(self, job: JobSpec, check, budget):
+        """The job's model endpoint paced by its fleet-wide rate limits; None when it sets none."""
+        if not job.limits:
+            return None
+        caps = Limits.from_dict(job.limits)
+        if not (caps.model_rpm or caps.model_tpm):
+            return None
+        return self.pacing.pacer(server_name(job.llm_base_url), caps.model_rpm, caps.model_tpm, check, budget)
+
     def _fleet_capped(self, job: JobSpec, spec: EpisodeSpec, policy, env, check, budget):
         """The ports with the job's fleet-wide caps (workers/fleetcaps.py); as they are when it
         has none (no round trip then)."""
