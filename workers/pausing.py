@@ -2,8 +2,11 @@
 
 * Before START, :meth:`PauseWatch.park` hands back an episode whose job is paused, uncounted.
   Whether a job is paused is read from Redis at most once a second per job and process (a
-  cached answer), so a delivery costs no round trip; the parking itself is checked in Redis
-  (the pause may just have been lifted), so nothing is parked after a resume.
+  cached answer), so a healthy job's deliveries cost no round trip. A job whose attempts
+  failed here lately (a streak under way) is asked about at every delivery instead, until one
+  of its attempts completes here: once it pauses, this process starts none of it. The parking
+  itself is checked in Redis (the pause may just have been lifted), so nothing is parked after
+  a resume.
 * When an attempt fails, :meth:`PauseWatch.failed` counts it towards the job's streak
   (one script: atomic across the fleet) and, when it paused the job, says so in the log.
 * When one completes, :meth:`PauseWatch.succeeded` notes the job; a duty ends the streaks
@@ -30,6 +33,7 @@ from broker.records import JobSpec
 log = logging.getLogger("interactor.worker")
 
 _CACHE_S = 1.0
+_SUSPECT_S = 60.0  # after a failed attempt of a job, how long its deliveries check Redis each time
 _RESET_EVERY_S = 0.2
 
 
@@ -55,13 +59,15 @@ class PauseWatch:
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[bool, float]] = {}  # job -> (paused, read at)
         self._successes: set[str] = set()
+        self._suspect: dict[str, float] = {}  # job -> until when its pause is not cached
         self._resets: _StreakResets | None = None
 
     def _paused(self, job_id: str) -> bool:
         now = time.monotonic()
         with self._lock:
             cached = self._cache.get(job_id)
-        if cached is not None and now - cached[1] < _CACHE_S:
+            suspect = self._suspect.get(job_id, 0.0) > now
+        if cached is not None and (cached[0] or not suspect) and now - cached[1] < _CACHE_S:
             return cached[0]
         paused = self.pause.is_paused(job_id)
         with self._lock:
@@ -88,6 +94,10 @@ class PauseWatch:
         except redis.RedisError as exc:  # never in the way of closing the attempt
             log.warning("job %s: could not count a failed attempt towards pausing it: %s", job.job_id, exc)
             return
+        with self._lock:
+            if len(self._suspect) > 1024:
+                self._suspect.clear()
+            self._suspect[job.job_id] = time.monotonic() + _SUSPECT_S
         if paused:
             with self._lock:
                 self._cache[job.job_id] = (True, time.monotonic())
@@ -98,6 +108,7 @@ class PauseWatch:
         if job is None or job.pause_after_failures <= 0:
             return
         with self._lock:
+            self._suspect.pop(job.job_id, None)
             self._successes.add(job.job_id)
             if self._resets is None:
                 self._resets = _StreakResets(self).start()
