@@ -474,6 +474,8 @@ class FleetCollector:
             "completion_tokens": "Completion tokens the model server reported (usage), per model",
             "step_latency_seconds": "Time per step in env calls (get_task_prompt + step) and in the model call",
             "episode_duration_seconds": "Wall clock of the attempt that finished an episode",
+            "phase_seconds": "Where each attempt's time went: queue_wait (first attempts: submit to start), reset, "
+                             "prompt, model, env_step, close (totals per attempt)",
         }
         for name, labels in COUNTERS.items():
             c = CounterMetricFamily(f"interactor_{name}", docs[name], labels=list(labels))

@@ -149,6 +149,18 @@ def _latency_line(st) -> str:
     return ", ".join(parts)
 
 
+def _phases_line(st) -> str:
+    """Mean seconds per attempt in each phase (records v4), over every env."""
+    from broker.records import PHASES
+
+    sums: dict[str, list[float]] = {}
+    for (phase, _env), h in st.histograms.get("phase_seconds", {}).items():
+        agg = sums.setdefault(phase, [0.0, 0])
+        agg[0] += h.sum
+        agg[1] += h.count
+    return ", ".join(f"{p} {sums[p][0] / sums[p][1]:.3f}s" for p in PHASES if p in sums and sums[p][1])
+
+
 def render_status(snap: dict) -> str:
     st = snap["stats"]
     ep = snap["episodes"]
@@ -196,6 +208,9 @@ def render_status(snap: dict) -> str:
     lat = _latency_line(st)
     if lat:
         lines.append(f"latency    per step: {lat}")
+    phases = _phases_line(st)
+    if phases:
+        lines.append(f"phases     per attempt, mean: {phases}")
     fails = _failures(st)
     if fails:
         lines.append("failures   " + ", ".join(f"{r}={n}" for r, n in list(fails.items())[:8]))

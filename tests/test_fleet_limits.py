@@ -346,6 +346,16 @@ def test_env_instance_cap_keeps_a_sandbox_server_within_its_capacity(settings, p
     assert 1 <= seen["peak"] <= k
     key = Keys(settings.key_prefix).cap(CAP_ENV_INSTANCES, env_url)
     wait_for(lambda: client.zcard(key) == 0, timeout=30, what="every instance slot released")
+    # every attempt's phases reach the metrics (records v4) and the status line
+    def phase_count() -> float:
+        out = cli(settings, "metrics", "--once").stdout
+        lines = [ln for ln in out.splitlines() if ln.startswith("interactor_phase_seconds_count")]
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if 'phase="reset"' in ln)
+
+    wait_for(lambda: phase_count() >= 40, timeout=60, what="phase timings in the metrics")
+    status = cli(settings, "status").stdout
+    assert "phases     per attempt, mean: queue_wait" in status and "env_step" in status, status
+    assert f"cap        env_instances {env_url}: 0/{k} in use" in status, status
 
 
 # --- rate limits --------------------------------------------------------------------------------------
@@ -446,3 +456,57 @@ def test_token_bucket_charges_usage_and_a_hold_stops_everyone(settings):
     assert left_t == -1 and 0 < hold <= 0.5
     assert parse_reset("6m0s") == 360 and parse_reset("20ms") == 0.02 and parse_reset("1.5") == 1.5
     assert parse_reset("1s500ms") == 1.5 and parse_reset("soon") is None and parse_reset("") is None
+
+
+# --- per-phase timings (records v4) -------------------------------------------------------------------
+def test_timings_tell_each_phase_and_older_records_still_decode():
+    import msgpack
+    from types import SimpleNamespace
+
+    from broker.records import AttemptRecord, StepRecord, unpack
+    from workers.hooks import NullHook
+    from workers.loop import LoopConfig, PhaseTimings, run_episode
+
+    class SlowEnv:
+        def __init__(self):
+            self.turn = 0
+
+        def reset(self):
+            time.sleep(0.05)
+
+        def get_task_prompt(self):
+            time.sleep(0.02)
+            return [{"role": "user", "content": f"turn {self.turn}"}]
+
+        def step(self, action):
+            time.sleep(0.03)
+            self.turn += 1
+            return SimpleNamespace(reward=1.0, terminated=self.turn == 2, truncated=False, info={})
+
+        def close(self):
+            time.sleep(0.04)
+
+    class SlowPolicy:
+        def complete(self, messages):
+            time.sleep(0.06)
+            return SimpleNamespace(content="a", finish_reason="stop", weight_version=None)
+
+    steps: list[StepRecord] = []
+    tm = PhaseTimings()
+    cfg = LoopConfig(job_id="j", episode_id="e", env_name="x", group_id="g", llm_model="m")
+    run_episode(cfg, env=SlowEnv(), policy=SlowPolicy(), publish=steps.append, hook=NullHook(), timings=tm)
+    assert tm.reset_s >= 0.05 and tm.prompt_s >= 0.04 and tm.model_s >= 0.12 and tm.env_step_s >= 0.06
+    assert tm.close_s >= 0.04
+    first, second = (unpack(s.pack()) for s in steps)
+    assert first.reset_s >= 0.05 and second.reset_s is None
+    assert first.prompt_s >= 0.02 and first.env_step_s >= 0.03 and first.model_latency_s >= 0.06
+    rec = AttemptRecord(job_id="j", episode_id="e", attempt=1, status="completed", group_id="g", group_size=1,
+                        env_name="x", llm_model="m", queue_wait_s=1.5, **tm.record_fields())
+    back = unpack(rec.pack())
+    assert back.phases()["queue_wait"] == 1.5 and back.phases()["model"] == tm.model_s
+    # a v3 attempt record (no timings) still decodes, its timings None
+    old = {k: v for k, v in rec.to_dict().items() if k not in ("queue_wait_s", "reset_s", "prompt_s", "model_s",
+                                                                "env_step_s", "close_s")}
+    old["v"] = 3
+    back = unpack(msgpack.packb(old, use_bin_type=True))
+    assert back.model_s is None and back.phases() == {}

@@ -68,7 +68,7 @@ from workers.budget import Budget
 from workers.envclient import EnvClient
 from workers.fleetcaps import CappedEnv, CappedPolicy, FleetGate
 from workers.hooks import load_hook
-from workers.loop import LoopConfig, run_episode
+from workers.loop import LoopConfig, PhaseTimings, run_episode
 from workers.modelclient import ModelClient
 from workers.orphans import OrphanCloser
 from workers.pacing import Pacing
@@ -223,6 +223,9 @@ class WorkerRuntime:
                          group_id=spec.group_id, llm_model=job.model, attempt=lease.attempt,
                          max_steps=job.max_steps, message_cut=job.message_cut, attempt_id=lease.attempt_id)
         outcome = None
+        timings = PhaseTimings()  # where the attempt's time goes (records v4)
+        if lease.attempt == 1:  # later attempts' waits are not timed
+            base["queue_wait_s"] = max(0.0, t_start - job.created_at)
         check = lambda: self._check(lease, budget)  # noqa: E731
         guard = Guard(budget, check, self.settings.outage_budget_s)
         try:
@@ -243,19 +246,24 @@ class WorkerRuntime:
                 publish=lambda rec: self._publish(lease, rec, budget),
                 hook=hook,
                 check=check,
+                timings=timings,
             )
         except errors.EpisodeError as exc:
+            base.update(timings.record_fields())
             return self._close_error(lease, base, spec, job, exc, "", outage_seen=guard.outage_seen)
         except redis.RedisError as exc:
             # Redis went away for longer than the client's retries: not the episode's doing.
+            base.update(timings.record_fields())
             err = errors.EpisodeError(errors.BROKER_OUTAGE, f"Redis unreachable: {type(exc).__name__}: {exc}",
                                       transient=True, outage=True)
             return self._close_error(lease, base, spec, job, err, "")
         except Exception as exc:
+            base.update(timings.record_fields())
             err = errors.EpisodeError(errors.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", transient=False)
             err.__cause__ = exc
             return self._close_error(lease, base, spec, job, err, self._traceback(exc))
 
+        base.update(timings.record_fields())
         record = AttemptRecord(**base, status=COMPLETED, total_reward=outcome.total_reward,
                                steps=outcome.steps, last_info=outcome.last_info, ended_by=outcome.ended_by,
                                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
