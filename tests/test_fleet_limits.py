@@ -115,6 +115,10 @@ def test_job_pauses_when_every_attempt_fails_alike_and_resumes_once_fixed(settin
              what=f"every episode done after the resume ({ledger.counts(job.job_id)})")
     assert ledger.counts(job.job_id)["failed"] == 0
     assert not pause.parked(job.job_id)
+    # a job that sets no caps and no rate limits touched none: its calls cost no round trip for them
+    prefix = settings.key_prefix
+    assert not client.keys(f"{prefix}:cap:*") and not client.keys(f"{prefix}:rate*") and not client.exists(
+        f"{prefix}:caps")
 
 
 def test_resume_of_unknown_job_is_a_clear_error(settings):
@@ -451,9 +455,9 @@ def test_token_bucket_charges_usage_and_a_hold_stops_everyone(settings):
     assert 3.0 < wait <= 4.2, wait
     assert rates.take("other", 600, 0) == 0  # another endpoint is not held up
     rates.hold("other", 0.5)  # a 429 said: wait half a second
-    assert 0 < rates.take("other", 600, 0) <= 0.5
+    assert 0 < rates.take("other", 600, 0) <= 0.51
     left_r, left_t, hold = rates.levels("other", 600, 0)
-    assert left_t == -1 and 0 < hold <= 0.5
+    assert left_t == -1 and 0 < hold <= 0.51
     assert parse_reset("6m0s") == 360 and parse_reset("20ms") == 0.02 and parse_reset("1.5") == 1.5
     assert parse_reset("1s500ms") == 1.5 and parse_reset("soon") is None and parse_reset("") is None
 

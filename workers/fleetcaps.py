@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import redis
+
 from broker.caps import Cap, FleetSlots
 from broker.duty import Duty
 from workers.budget import Budget
@@ -140,6 +142,8 @@ class FleetGate:
             woken = [line for k, line in self._lines.items() if k & keys]
         try:
             self.slots.release(caps, holder)
+        except redis.RedisError as exc:  # the slot lapses within the TTL instead
+            log.warning("could not release fleet slot %s (%s); it lapses within the lease TTL", holder, exc)
         finally:
             for line in woken:
                 line.freed.set()
@@ -199,7 +203,10 @@ class CappedEnv:
         try:
             holder = None
             if self.call_caps:
-                holder = self.gate.acquire(self.call_caps, lambda: None, None, max_wait_s=_CLOSE_WAIT_S)
+                try:
+                    holder = self.gate.acquire(self.call_caps, lambda: None, None, max_wait_s=_CLOSE_WAIT_S)
+                except redis.RedisError:
+                    holder = None  # Redis away: close without a slot rather than leave the instance
             try:
                 self.inner.close()
             finally:

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable, Mapping
 
+import redis
+
 from broker.ratelimit import RateLimits, parse_reset
 from workers.budget import Budget
 from workers.http import retry_after_s
@@ -102,8 +104,15 @@ class Pacer:
                 hold = max(hold, min(_MAX_HOLD_S, parse_reset(headers.get(reset)) or 0.0))
         if hold > 0:
             self.pacing.holds_set += 1
-            self.pacing.rates.hold(self.server, hold)
+            try:
+                self.pacing.rates.hold(self.server, hold)
+            except redis.RedisError as exc:  # this call backs off on its own all the same
+                log.warning("could not tell the fleet to wait for %s: %s", self.server, exc)
 
     def charge(self, tokens: int | None) -> None:
+        """Best effort: an answer already received is never lost to Redis being away."""
         if tokens:
-            self.pacing.rates.charge(self.server, self.tpm, tokens)
+            try:
+                self.pacing.rates.charge(self.server, self.tpm, tokens)
+            except redis.RedisError as exc:
+                log.warning("could not charge %d tokens to %s: %s", tokens, self.server, exc)
