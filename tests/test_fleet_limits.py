@@ -514,3 +514,62 @@ def test_timings_tell_each_phase_and_older_records_still_decode():
     old["v"] = 3
     back = unpack(msgpack.packb(old, use_bin_type=True))
     assert back.model_s is None and back.phases() == {}
+
+
+def test_env_server_and_env_name_caps_hold_together(settings, procs, env_server, model_server, tmp_path):
+    """Two env_names on one env server, 2 worker processes x 15 episodes: the server capped at
+    4 calls in flight and arithmetic at 2. The server never sees more than 4 calls at once, nor
+    more than 2 of arithmetic's."""
+    env_srv, env_url = env_server
+    _, model_url = model_server
+    env_srv.latency_ms = 30
+    peaks = {"all": 0, "arithmetic": 0}
+    now = {"all": 0, "arithmetic": 0}
+    lock = threading.Lock()
+    base = env_srv.RequestHandlerClass
+
+    class Probed(base):  # type: ignore[misc, valid-type]
+        def env_call(self, op, env_name, env_id, body):
+            names = ["all"] + (["arithmetic"] if env_name == "arithmetic" else [])
+            with lock:
+                for n in names:
+                    now[n] += 1
+                    peaks[n] = max(peaks[n], now[n])
+            try:
+                return super().env_call(op, env_name, env_id, body)
+            finally:
+                with lock:
+                    for n in names:
+                        now[n] -= 1
+
+    env_srv.RequestHandlerClass = Probed
+    settings = settings.replace(llm_base_url=model_url + "/v1", concurrency=15)
+    procs.settings = settings
+    data = [{"question": f"What is {i} + 1?", "answer": i + 1} for i in range(30)]
+    (tmp_path / "rows.json").write_text(json.dumps(data))
+    path = tmp_path / "two.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        environments:
+          - env_name: arithmetic
+            base_url: {env_url}
+            dataset: rows.json
+          - env_name: guess_number
+            base_url: {env_url}
+            env_params: {{max_turns: 3, high: 16}}
+            env_num: 30
+        limits:
+          env_servers:
+            {env_url}: {{max_concurrency: 4}}
+          env_names:
+            arithmetic: {{max_concurrency: 2}}
+        """))
+    client = connect(settings)
+    job = submit(client, settings, [str(path)]).job
+    for i in range(2):
+        procs.worker(f"w{i}")
+    procs.consumer()
+    ledger = Ledger.for_settings(client, settings)
+    wait_for(lambda: ledger.counts(job.job_id)["done"] == 60, timeout=300,
+             what=f"every episode done ({ledger.counts(job.job_id)})")
+    print(f"\n[env caps] peak calls in flight {peaks['all']} (cap 4), arithmetic {peaks['arithmetic']} (cap 2)")
+    assert 1 <= peaks["all"] <= 4 and 1 <= peaks["arithmetic"] <= 2, peaks
