@@ -360,6 +360,8 @@ def test_env_instance_cap_keeps_a_sandbox_server_within_its_capacity(settings, p
     status = cli(settings, "status").stdout
     assert "phases     per attempt, mean: queue_wait" in status and "env_step" in status, status
     assert f"cap        env_instances {env_url}: 0/{k} in use" in status, status
+    snap = json.loads(cli(settings, "status", "--json").stdout)
+    assert {"kind": "env_instances", "name": env_url, "limit": k, "in_use": 0} in snap["caps"]
 
 
 # --- rate limits --------------------------------------------------------------------------------------
@@ -573,3 +575,28 @@ def test_env_server_and_env_name_caps_hold_together(settings, procs, env_server,
              what=f"every episode done ({ledger.counts(job.job_id)})")
     print(f"\n[env caps] peak calls in flight {peaks['all']} (cap 4), arithmetic {peaks['arithmetic']} (cap 2)")
     assert 1 <= peaks["all"] <= 4 and 1 <= peaks["arithmetic"] <= 2, peaks
+
+
+def test_a_job_whose_attempts_fail_now_and_then_does_not_pause(settings, procs, env_server, model_server, tmp_path):
+    """An env server failing 8% of calls: attempts fail now and then, between successes, and the
+    job (pausing after 8 alike in a row) runs to its end without pausing."""
+    env_srv, env_url = env_server
+    _, model_url = model_server
+    env_srv.error_rate = 0.08
+    settings = settings.replace(llm_base_url=model_url + "/v1", pause_after_failures=8, concurrency=4)
+    procs.settings = settings
+    rows = 80
+    client = connect(settings)
+    job = submit(client, settings, [arith_job(tmp_path, env_url, rows)]).job
+    for i in range(2):
+        procs.worker(f"w{i}")
+    procs.consumer()
+    ledger = Ledger.for_settings(client, settings)
+    pause = JobPause(client, Keys(settings.key_prefix))
+    paused = []
+    wait_for(lambda: paused.append(pause.state(job.job_id)) or
+             ledger.counts(job.job_id)["done"] + ledger.counts(job.job_id)["failed"] == rows,
+             timeout=300, what=f"every episode finished ({ledger.counts(job.job_id)})")
+    faults = env_srv.stats()["faults"]["error"]
+    print(f"\n[no pause] {faults} injected 500s, {ledger.counts(job.job_id)}")
+    assert faults > 0 and not any(paused)

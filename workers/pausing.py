@@ -9,10 +9,13 @@
   a resume.
 * When an attempt fails, :meth:`PauseWatch.failed` counts it towards the job's streak
   (one script: atomic across the fleet) and, when it paused the job, says so in the log.
-* When one completes, :meth:`PauseWatch.succeeded` notes the job; a duty ends the streaks
-  of the noted jobs every 0.2 s in one round trip. A success thus costs the attempt nothing,
-  and the reset may come a moment late: a streak is then at worst longer than it is, which
-  with every attempt failing (what pausing is for) changes nothing.
+* When one completes, :meth:`PauseWatch.succeeded` ends the job's streak. If an attempt of
+  the job failed here lately, at once (one round trip); otherwise the job is noted and a duty
+  ends the streaks of the noted jobs every 0.2 s in one round trip, so a healthy job's
+  successes cost nothing. A reset that comes a moment late leaves a streak longer than it is
+  for that moment; a process whose own attempts fail resets at once, so a job where some
+  attempts fail and others complete does not pause, while one where every attempt fails (what
+  pausing is for) does.
 
 A job with ``pause_after_failures`` 0 is never counted nor checked.
 """
@@ -108,7 +111,14 @@ class PauseWatch:
         if job is None or job.pause_after_failures <= 0:
             return
         with self._lock:
-            self._suspect.pop(job.job_id, None)
+            now_failing = self._suspect.pop(job.job_id, None) is not None
+        if now_failing:
+            try:
+                self.pause.record(job.job_id, "", job.pause_after_failures)
+                return
+            except redis.RedisError:
+                pass  # the duty's round tries again
+        with self._lock:
             self._successes.add(job.job_id)
             if self._resets is None:
                 self._resets = _StreakResets(self).start()
