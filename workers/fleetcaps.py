@@ -14,7 +14,10 @@ around calls, renew them while held.
   all of them), started with the first slot taken; a process that dies or freezes stops
   renewing and its slots lapse within the TTL.
 
-A job without caps gets none of this: the runtime wraps no port, and no call costs a round trip.
+What it costs Redis: a capped call whose caps have room, one round trip to take its slots
+(every cap the call needs, in one script) and one to give them back; a process, one round
+trip per third of the TTL to renew all the slots it holds. A job without caps gets none of
+this: the runtime wraps no port, and no call costs a round trip.
 """
 
 from __future__ import annotations
