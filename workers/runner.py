@@ -34,6 +34,7 @@ from typing import Any, Callable
 import redis
 
 from broker import errors
+from broker.caps import FleetSlots, Limits, server_name
 from broker.keys import Keys, env_instance_id, member
 from broker.ledger import Lease, Ledger
 from broker.queueing import send_episodes
@@ -53,9 +54,8 @@ from broker.records import (
     StepRecord,
     new_attempt_id,
 )
-from broker.caps import FleetSlots, Limits, server_name
-from broker.ratelimit import RateLimits
 from broker.pause import PARKED
+from broker.ratelimit import RateLimits
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
 from broker.settings import Settings, origin_of, redact_url
@@ -164,13 +164,13 @@ class WorkerRuntime:
 
     # --- one delivery ----------------------------------------------------------------
     def run(self, job_id: str, episode_id: str) -> str:
-        # START is retried through a Redis outage with one attempt_id: a START that ran but
-        # whose reply was lost is then found again as ours, with its predecessor, rather than
-        # left behind as a phantom lease that makes the next delivery count another attempt.
         if self._parked(job_id, episode_id):
             self.renewer.started(member(job_id, episode_id))  # handed back before START: nothing counted
             log.info("episode %s: its job is paused; parked until `interactor resume %s`", episode_id, job_id)
             return PARKED
+        # START is retried through a Redis outage with one attempt_id: a START that ran but
+        # whose reply was lost is then found again as ours, with its predecessor, rather than
+        # left behind as a phantom lease that makes the next delivery count another attempt.
         attempt_id = new_attempt_id()
         started = self._through_outage(episode_id, "starting", lambda: self.ledger.start(
             job_id, episode_id, self.name, attempt_id=attempt_id),  # also ends the reservation
