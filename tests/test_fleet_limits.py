@@ -600,3 +600,53 @@ def test_a_job_whose_attempts_fail_now_and_then_does_not_pause(settings, procs, 
     faults = env_srv.stats()["faults"]["error"]
     print(f"\n[no pause] {faults} injected 500s, {ledger.counts(job.job_id)}")
     assert faults > 0 and not any(paused)
+
+
+def test_a_frozen_workers_slots_come_back_and_it_carries_on_after(settings, procs, env_server, model_server,
+                                                                  tmp_path):
+    """A worker frozen (SIGSTOP) while it holds model slots under a fleet cap of 4: its slots
+    lapse within the lease TTL, so the other worker goes on using them; thawed, it carries on
+    and the job finishes."""
+    import signal
+
+    import psutil
+
+    _, env_url = env_server
+    model_srv, model_url = model_server
+    _probe_model(model_srv, 0.2)
+    settings = settings.replace(llm_base_url=model_url + "/v1", concurrency=20, llm_fleet_max_concurrency=4)
+    procs.settings = settings
+    rows = 120
+    client = connect(settings)
+    job = submit(client, settings, [arith_job(tmp_path, env_url, rows)]).job
+    for i in range(2):
+        procs.worker(f"w{i}")
+    procs.consumer()
+    ledger = Ledger.for_settings(client, settings)
+    cap_key = Keys(settings.key_prefix).cap(CAP_MODEL, model_url + "/v1")
+    victim = procs.procs["w1"]
+
+    def victim_pids() -> set[str]:
+        return {str(p.pid) for p in psutil.Process(victim.pid).children(recursive=True)} | {str(victim.pid)}
+
+    def victim_holders() -> list[str]:
+        pids = victim_pids()
+        return [m.decode() for m in client.zrange(cap_key, 0, -1)
+                if m.decode().rsplit(":", 1)[0].rsplit("-", 1)[-1] in pids]
+
+    wait_for(victim_holders, timeout=120, interval=0.05, what="the victim worker to hold a model slot")
+    frozen = [psutil.Process(victim.pid)] + psutil.Process(victim.pid).children(recursive=True)
+    for p in frozen:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        done_then = ledger.counts(job.job_id)["done"]
+        wait_for(lambda: not victim_holders(), timeout=settings.lease_ttl_s + 15, interval=0.1,
+                 what="the frozen worker's slots to lapse")
+        # the other worker goes on with the slots
+        wait_for(lambda: ledger.counts(job.job_id)["done"] >= done_then + 8, timeout=120,
+                 what="the other worker to go on")
+    finally:
+        for p in frozen:
+            p.send_signal(signal.SIGCONT)
+    wait_for(lambda: ledger.counts(job.job_id)["done"] == rows, timeout=300,
+             what=f"every episode done ({ledger.counts(job.job_id)})")
