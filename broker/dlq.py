@@ -14,6 +14,7 @@ import redis
 
 from broker.keys import Keys, split_member
 from broker.ledger import Ledger
+from broker.pause import JobPause, resume_job
 from broker.queueing import send_episodes
 from broker.records import FAILED, QUEUED, DeadLetter, unpack
 from broker.settings import Settings
@@ -90,13 +91,15 @@ class DeadLetterQueue:
         The ledger move failed -> queued is the guard: a letter whose episode is no longer
         failed (re-driven by someone else meanwhile) is only removed from the queue.
         """
-        sent = []
+        sent, jobs = [], set()
         for letter in letters:
+            jobs.add(letter.job_id)
             if self._redrive(letter.job_id, letter.episode_id, letter.spec.get("queue") or ""):
                 sent.append(letter.episode_id)
             self._remove(f"{letter.job_id} {letter.episode_id}")
         if sent:
             log.info("re-drove %d dead episodes", len(sent))
+        self._resume(jobs)
         return sent
 
     def redrive_failed(self, job_id: str) -> list[str]:
@@ -109,7 +112,17 @@ class DeadLetterQueue:
             self._remove(f"{job_id} {e}")
         if sent:
             log.info("re-drove %d failed episodes of %s", len(sent), job_id)
+        self._resume({job_id})
         return sent
+
+    def _resume(self, job_ids: set[str]) -> None:
+        """A re-drive says "try again": a job that paused itself (broker/pause.py) continues,
+        its parked episodes sent again, else the re-driven episodes would only be parked."""
+        pause = JobPause(self.r, self.keys)
+        for job_id in job_ids:
+            if pause.is_paused(job_id):
+                sent = resume_job(self.r, self.settings, job_id)
+                log.info("job %s resumed by the re-drive; %d parked episodes sent again", job_id, len(sent))
 
     def _redrive(self, job_id: str, episode_id: str, queue: str) -> bool:
         job = self.ledger.job_spec(job_id)

@@ -48,7 +48,8 @@ class Keys:
         """Every per-job key (what retention expires once the job is finished)."""
         return [self.job_spec(job_id), self.job_episodes(job_id), self.job_state(job_id), self.job_attempts(job_id),
                 self.job_attempt_limit(job_id), self.job_attempt_ids(job_id), self.job_attempt_previous(job_id),
-                self.job_queues(job_id), self.job_counts(job_id)]
+                self.job_queues(job_id), self.job_counts(job_id),
+                self.job_pause(job_id), self.job_streak(job_id), self.job_parked(job_id)]
 
     # --- leases and scheduling --------------------------------------------------------
     def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt>:<nonce>", with a TTL
@@ -151,6 +152,33 @@ class Keys:
         return [self.feed_config(job_id), self.feed_stream(job_id), self.feed_seen(job_id), self.feed_stats(job_id),
                 self.feed_version(job_id), self.feed_position(job_id), self.feed_templates(job_id),
                 self.feed_redo(job_id), self.feed_failures(job_id), self.feed_refills(job_id)]
+
+    # --- fleet-wide limits (broker/pause.py, broker/caps.py) ----------------------------
+    def job_pause(self, job_id: str) -> str:  # hash reason, detail, streak, since: set while the job is paused
+        return f"{self.prefix}:job:{job_id}:pause"
+
+    def job_streak(self, job_id: str) -> str:  # hash reason, count: the job's run of failed attempts alike
+        return f"{self.prefix}:job:{job_id}:streak"
+
+    def job_parked(self, job_id: str) -> str:  # set of episode ids handed back (still queued) while paused
+        return f"{self.prefix}:job:{job_id}:parked"
+
+    def cap(self, kind: str, name: str) -> str:  # zset slot holder -> lease expiry (ms): calls in flight
+        return f"{self.prefix}:cap:{kind}:{name}"
+
+    @property
+    def caps(self) -> str:  # hash cap key -> limit: every cap a job set, for status and metrics
+        return f"{self.prefix}:caps"
+
+    def rate(self, server: str) -> str:  # hash r, rt, t, tt: a model endpoint's RPM and TPM buckets (broker/ratelimit.py)
+        return f"{self.prefix}:rate:{server}"
+
+    def rate_hold(self, server: str) -> str:  # Redis time (ms) before which nobody calls the endpoint (429s)
+        return f"{self.prefix}:rate-hold:{server}"
+
+    @property
+    def rates(self) -> str:  # hash server -> "<rpm> <tpm>": every rate limit a job set, for status and metrics
+        return f"{self.prefix}:rates"
 
 
 def member(job_id: str, episode_id: str) -> str:

@@ -32,13 +32,31 @@ Version 3 (this code writes it; versions 1 and 2 are still read, their token fie
   stop extending the previous turn's prompt + completion ids (None: they extend it, or there is
   nothing to compare).
 
-Version 4 (this code writes it; versions 1 to 3 are still read, ``policy_version`` None):
+Version 4 (versions 1 to 3 are still read, ``policy_version`` None):
 
 * ``StepRecord.policy_version``: the trainer's policy version (broker/feed.py) in effect when
   the model request was sent, for jobs with a feed; None otherwise. ``weight_version`` stays
   what the model server said; the feed's staleness bound reads the server's version when it
   is an integer, else this one.
 * :class:`FeedGroup`: a complete (or failed) group as the feed announces it to trainers.
+
+Version 5 (this code writes it; versions 1 to 4 are still read, their timings None): where an
+attempt's time went, phase by phase (``PHASES``), so that a user sees whether the env, the
+model or the queue holds episodes up:
+
+* ``StepRecord.prompt_s`` (get_task_prompt), ``env_step_s`` (step), and on an episode's first
+  step ``reset_s``; the model call is ``model_latency_s`` as before (``env_latency_s`` stays
+  prompt + step).
+* ``AttemptRecord`` totals over the attempt: ``reset_s``, ``prompt_s``, ``model_s``,
+  ``env_step_s``, ``close_s``, and ``queue_wait_s``: for a first attempt, from the job's
+  submit to its start (None for later attempts, whose wait the ledger does not time).
+
+Added within version 3, optional (a reader that does not know them ignores them, and a record
+without them reads as the defaults, so no version bump was needed):
+
+* ``JobSpec.pause_after_failures``: the job pauses after this many attempts in a row failed
+  with one reason (broker/pause.py; 0 = never).
+* ``JobSpec.limits``: the job's fleet-wide caps, resolved at submit (broker/caps.py ``Limits``).
 """
 
 from __future__ import annotations
@@ -53,8 +71,8 @@ import orjson
 
 from broker.settings import redact_url
 
-SCHEMA_VERSION = 4
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
+SCHEMA_VERSION = 5
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5})
 
 
 class RecordError(ValueError):
@@ -81,6 +99,11 @@ ENDED_LENGTH = "length"  # the model's answer was cut off (finish_reason "length
 CONTEXT_LENGTH = "context_length"
 ENDED_EMPTY_PROMPT = "empty_prompt"  # the env had no prompt to give
 ENDED_MAX_STEPS = "max_steps"  # the job's max_steps was reached
+# Phases of an attempt's time (v5 timings, in records and the phase_seconds histogram).
+PHASE_QUEUE_WAIT, PHASE_RESET, PHASE_PROMPT, PHASE_MODEL, PHASE_ENV_STEP, PHASE_CLOSE = (
+    "queue_wait", "reset", "prompt", "model", "env_step", "close")
+PHASES = (PHASE_QUEUE_WAIT, PHASE_RESET, PHASE_PROMPT, PHASE_MODEL, PHASE_ENV_STEP, PHASE_CLOSE)
+
 ENDED_BY = (ENDED_TERMINATED, ENDED_TRUNCATED, ENDED_LENGTH, CONTEXT_LENGTH, ENDED_EMPTY_PROMPT, ENDED_MAX_STEPS)
 
 
@@ -182,6 +205,8 @@ class JobSpec(_Record):
     sources: list[str] = field(default_factory=list)  # task files, for the humans reading results
     created_at: float = field(default_factory=time.time)
     tokens: str = ""  # v3: broker/tokens.py TOKEN_MODES; "" = do not ask the server for tokens
+    pause_after_failures: int = 20  # broker/pause.py; 0 = never pause
+    limits: dict[str, Any] = field(default_factory=dict)  # broker/caps.py Limits.to_dict(); {} = no caps
 
 
 @dataclass
@@ -242,6 +267,10 @@ class StepRecord(_Record):
     completion_token_texts: list[str] | None = None  # the sampled tokens' strings, as the server spelled them
     token_drift: int | None = None  # first prompt position not extending the previous turn
     policy_version: int | None = None  # v4: the feed's version when the request was sent (see the module docstring)
+    # v5 timings (seconds; None: not timed, e.g. a record of an older version)
+    prompt_s: float | None = None  # get_task_prompt
+    env_step_s: float | None = None  # step
+    reset_s: float | None = None  # reset, on the episode's first step only
 
     _TOKEN_FIELDS: ClassVar[tuple[str, ...]] = (
         "token_source", "token_status", "token_error", "prompt_ids", "completion_ids", "completion_logprobs",
@@ -292,6 +321,18 @@ class AttemptRecord(_Record):
     ended_by: str = ""  # completed: why the episode ended (one of ENDED_BY)
     prompt_tokens: int = 0  # sums over the attempt's steps of the server's usage
     completion_tokens: int = 0
+    # v5 timings, totals over the attempt in seconds (None: not timed); see the module docstring
+    queue_wait_s: float | None = None
+    reset_s: float | None = None
+    prompt_s: float | None = None
+    model_s: float | None = None
+    env_step_s: float | None = None
+    close_s: float | None = None
+
+    def phases(self) -> dict[str, float]:
+        """The timed phases of the attempt, by name (PHASES)."""
+        values = (self.queue_wait_s, self.reset_s, self.prompt_s, self.model_s, self.env_step_s, self.close_s)
+        return {name: v for name, v in zip(PHASES, values) if v is not None}
 
     @property
     def duration_s(self) -> float:

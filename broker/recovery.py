@@ -23,6 +23,7 @@ from broker import errors, feed
 from broker.duty import Duty
 from broker.keys import Keys, env_instance_id, member, split_member
 from broker.ledger import Ledger
+from broker.pause import JobPause
 from broker.queueing import push_episodes, send_episodes, waiting_episodes
 from broker.records import (
     ABANDONED,
@@ -295,7 +296,8 @@ def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: 
 
     An episode is accounted for when it is done or failed (dead-lettered), running (a dead
     worker's lease is the sweeper's business), waiting in the retry schedule, reserved by a
-    live worker, or has a task message waiting (see ``broker.queueing.waiting_episodes``). Anything else was lost
+    live worker, parked while its job is paused (broker/pause.py), or has a task message waiting
+    (see ``broker.queueing.waiting_episodes``). Anything else was lost
     on the way: a worker killed between receiving and reserving, a message popped by BRPOP
     while Redis went down, a crash between a ledger write and a send, a flushed queue. It is
     sent again; a duplicate message, should the old one resurface, is dropped by the ledger.
@@ -306,6 +308,7 @@ def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: 
     # along meanwhile is seen in at least one place.
     scheduled = {m.decode() for m in client.zrange(keys.retry, 0, -1)}
     scheduled |= {m.decode() for m in client.zrange(keys.reserved, 0, -1)}
+    scheduled |= {member(job_id, e) for e in JobPause(client, keys).parked(job_id)}  # waiting for a resume
     queues = sorted(set(settings.served_queues) | ledger.job_queues(job_id))
     waiting = waiting_episodes(client, queues, unacked_grace_s=settings.lease_ttl_s)
     accounted = {member(*w) for w in waiting} | scheduled

@@ -162,6 +162,18 @@ class Settings:
     # "" = any. Keeps a job from pointing workers at internal services (SSRF).
     env_hosts: str = ""
 
+    # --- fleet-wide limits (broker/caps.py, broker/pause.py); a task file's own win ----------
+    # A job pauses once this many of its attempts in a row failed with the same reason (0 = never).
+    pause_after_failures: int = 20
+    # Calls in flight across every worker process (0 = no cap): to the job's model endpoint, to
+    # each env server it uses; live env instances (reset, not yet closed) per env server.
+    llm_fleet_max_concurrency: int = 0
+    # Rate limits of the job's model endpoint, fleet-wide (broker/ratelimit.py; 0 = none).
+    llm_fleet_rpm: int = 0  # requests per minute
+    llm_fleet_tpm: int = 0  # tokens per minute, charged from the answers' usage
+    env_fleet_max_concurrency: int = 0
+    env_fleet_max_instances: int = 0
+
     # --- workers -----------------------------------------------------------------------
     concurrency: int = 16  # episodes at once per worker process
     # gevent: an episode is a greenlet; at hundreds of episodes per process it costs about half
@@ -296,6 +308,10 @@ class Settings:
         for name in ("llm_max_concurrency", "llm_max_connections", "llm_startup_jitter_s"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
+        for name in ("pause_after_failures", "llm_fleet_max_concurrency", "env_fleet_max_concurrency",
+                     "env_fleet_max_instances", "llm_fleet_rpm", "llm_fleet_tpm"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0 (0 = none)")
         if self.experience_top_k < 1:
             problems.append("experience_top_k must be >= 1")
         if self.outage_budget_s < 0:

@@ -44,6 +44,8 @@ COUNTERS = {
 HISTOGRAMS = {
     "step_latency_seconds": (("part", "env_name"), LATENCY_BUCKETS),
     "episode_duration_seconds": (("env_name", "status"), DURATION_BUCKETS),
+    # per attempt, where its time went (records v4: broker/records.py PHASES)
+    "phase_seconds": (("phase", "env_name"), LATENCY_BUCKETS + (600.0, 1800.0, 3600.0)),
 }
 _STEPS_FIELD = "n|steps"  # all steps, the value the rate samples follow
 
@@ -109,6 +111,8 @@ class StatsRecorder:
                     counts[key] = counts.get(key, 0) + 1
                     if rec.started_at > 0 and rec.finished_at >= rec.started_at:
                         observe("episode_duration_seconds", (env, rec.status), rec.finished_at - rec.started_at)
+                for phase, seconds in rec.phases().items():
+                    observe("phase_seconds", (phase, env), max(0.0, float(seconds)))
                 if rec.status != "completed":
                     key = ("attempt_failures", (rec.reason or "unknown", rec.status))
                     counts[key] = counts.get(key, 0) + 1

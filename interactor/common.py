@@ -25,6 +25,9 @@ SETTING_FLAGS = {
     "--llm-startup-jitter": "llm_startup_jitter_s",
     "--experience-dir": "experience_dir", "--experience-top-k": "experience_top_k",
     "--tokens": "tokens",
+    "--pause-after-failures": "pause_after_failures", "--llm-fleet-max-concurrency": "llm_fleet_max_concurrency",
+    "--env-fleet-max-concurrency": "env_fleet_max_concurrency", "--env-fleet-max-instances": "env_fleet_max_instances",
+    "--llm-fleet-rpm": "llm_fleet_rpm", "--llm-fleet-tpm": "llm_fleet_tpm",
 }
 # Setting flags that may be given bare: the value they then stand for.
 _BARE = {"--tokens": "auto"}  # --tokens = ask in the way the server's answer shows (broker/tokens.py)

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 from broker.embedded import EmbeddedRedis
+from broker.keys import Keys
 from broker.ledger import Ledger
+from broker.pause import JobPause, resume_job
 from broker.redisconn import connect
 from broker.settings import Settings, redact_url
 from interactor.children import Guard, exit_code, interrupt_on_signals, spawn, spawn_role, terminate
@@ -166,6 +168,8 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
             from broker.recovery import reconcile
 
             print(f"resuming job {job_id}: re-enqueued {len(reconcile(client, settings, job_id))} lost episodes")
+            if JobPause(client, Keys(settings.key_prefix)).is_paused(job_id):  # it paused itself: go on
+                print(f"job {job_id} was paused; {len(resume_job(client, settings, job_id))} parked episodes sent again")
         fleet.start()
         try:
             _wait(job_id, total, ledger, store, fleet, t0)
@@ -217,6 +221,7 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
     from interactor.metrics import FleetReader
 
     breakers = BreakerNotes(FleetReader(ledger.r, fleet.settings))
+    pauses = PauseNotes(JobPause(ledger.r, Keys(fleet.settings.key_prefix)), job_id)
     last_steps, last_t = 0, time.monotonic()
     rate = 0.0
     tty = sys.stdout.isatty()
@@ -232,7 +237,7 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
             rate = (steps - last_steps) / (now - last_t)
             last_steps, last_t = steps, now
         line = progress_line(counts, res, total, rate, now - t0)
-        said = breakers.news(now)
+        said = breakers.news(now) + pauses.news(now)
         if said:  # on lines of their own: a stalled bar says why it is stalled
             print(("\n" if tty else "") + "\n".join(said), flush=True)
         if tty:
@@ -245,6 +250,34 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
                 and not res.get("short_trajectories", 0)):
             print("\r" + line if tty else line)
             return
+
+
+class PauseNotes:
+    """A job that paused itself (broker/pause.py) waits for a resume: said under the progress
+    bar when it pauses and every ``repeat_s`` after, with how to go on."""
+
+    def __init__(self, pause, job_id: str, *, every_s: float = 2.0, repeat_s: float = 60.0):
+        self.pause, self.job_id = pause, job_id
+        self.every_s, self.repeat_s = every_s, repeat_s
+        self._read_at = -1e9
+        self._told_at: float | None = None
+
+    def news(self, now: float) -> list[str]:
+        if now - self._read_at < self.every_s:
+            return []
+        self._read_at = now
+        try:
+            state = self.pause.state(self.job_id)
+        except Exception:  # noqa: BLE001 - Redis away: said by the breakers' notes and the workers
+            return []
+        if state is None:
+            self._told_at = None
+            return []
+        if self._told_at is not None and now - self._told_at < self.repeat_s:
+            return []
+        self._told_at = now
+        return [f"job {self.job_id} {state.describe()}: no new episode starts. Fix the cause, then Ctrl-C and "
+                f"`interactor run --resume {self.job_id}` (same --run-dir), or `interactor resume {self.job_id}`"]
 
 
 class BreakerNotes:

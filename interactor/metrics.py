@@ -16,6 +16,7 @@ Metric names are listed in :data:`METRIC_NAMES`; deploy/grafana and docs/deploym
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -23,7 +24,10 @@ from typing import Any, Iterable
 
 import redis
 
+from broker.caps import FleetSlots
 from broker.keys import Keys
+from broker.pause import JobPause
+from broker.ratelimit import RateLimits
 from broker.queueing import PRIORITY_SEP, declared_queues, inflight_per_queue, sub_queues
 from broker.records import LEDGER_STATES
 from broker.settings import Settings, redact_url
@@ -287,6 +291,7 @@ class FleetReader:
                     specs[j] = unpack(raw) if raw else None
                 except Exception:
                     specs[j] = None
+        paused = JobPause(self.r, k).states(shown)
         jobs = []
         for j in shown:
             c = counts.get(j) or {s: 0 for s in LEDGER_STATES}
@@ -295,7 +300,8 @@ class FleetReader:
             jobs.append({"job_id": j, "counts": c, "total": total,
                          "created_at": spec.created_at if spec is not None else None,
                          "progress": (c["done"] + c["failed"]) / total if total else 1.0,
-                         "active": j in active})
+                         "active": j in active,
+                         "paused": dataclasses.asdict(paused[j]) if j in paused else None})
         if jobs:  # jobs with an online-RL feed show it (broker/feed.py)
             from broker import feed
 
@@ -323,7 +329,23 @@ class FleetReader:
             "jobs_active": len(active),
             "jobs": jobs,
             "breakers": self.breakers(),
+            "caps": FleetSlots(self.r, k, 0).use(),
+            "rates": self.rates(),
         }
+
+    def rates(self) -> list[dict[str, Any]]:
+        """Each model endpoint's fleet-wide rate limits, with what its buckets hold now."""
+        out = []
+        limits = RateLimits(self.r, self.keys)
+        for server, raw in sorted(self.r.hgetall(self.keys.rates).items()):
+            try:
+                rpm, tpm = (int(x) for x in raw.decode().split())
+            except ValueError:
+                continue
+            left_r, left_t, hold = limits.levels(server.decode(), rpm, tpm)
+            out.append({"server": server.decode(), "rpm": rpm, "tpm": tpm, "requests_left": left_r,
+                        "tokens_left": left_t, "hold_s": hold})
+        return out
 
 
 # --- Prometheus ------------------------------------------------------------------------------
@@ -424,6 +446,37 @@ class FleetCollector:
         yield jt
         yield jp
         yield from self._feeds([j for j in snap["jobs"] if j.get("feed")])
+        jpa = GaugeMetricFamily("interactor_job_paused", "1 while a job is paused: attempts in a row failed with "
+                                "this reason (interactor resume JOB continues it)", labels=["job_id", "reason"])
+        for job in snap["jobs"]:
+            if job.get("paused"):
+                jpa.add_metric([job["job_id"], job["paused"]["reason"]], 1)
+        yield jpa
+        cl = GaugeMetricFamily("interactor_fleet_cap_limit", "A fleet-wide cap: slots in all",
+                               labels=["kind", "name"])
+        cu = GaugeMetricFamily("interactor_fleet_cap_in_use", "A fleet-wide cap: slots held now",
+                               labels=["kind", "name"])
+        for cap in snap.get("caps", []):
+            cl.add_metric([cap["kind"], cap["name"]], cap["limit"])
+            cu.add_metric([cap["kind"], cap["name"]], cap["in_use"])
+        yield cl
+        yield cu
+        rl = GaugeMetricFamily("interactor_rate_limit", "A model endpoint's fleet-wide rate limit, per minute",
+                               labels=["server", "unit"])
+        rb = GaugeMetricFamily("interactor_rate_bucket", "What the endpoint's bucket holds now (may be below 0 "
+                               "for tokens: answers used more than it had)", labels=["server", "unit"])
+        rh = GaugeMetricFamily("interactor_rate_hold_seconds", "How long the fleet still waits before calling the "
+                               "endpoint (its 429s and x-ratelimit headers)", labels=["server"])
+        for rate in snap.get("rates", []):
+            for unit, limit, left in (("requests", rate["rpm"], rate["requests_left"]),
+                                      ("tokens", rate["tpm"], rate["tokens_left"])):
+                if limit:
+                    rl.add_metric([rate["server"], unit], limit)
+                    rb.add_metric([rate["server"], unit], left)
+            rh.add_metric([rate["server"]], rate["hold_s"])
+        yield rl
+        yield rb
+        yield rh
 
         stats: Stats = snap["stats"]
         docs = {
@@ -437,6 +490,8 @@ class FleetCollector:
             "completion_tokens": "Completion tokens the model server reported (usage), per model",
             "step_latency_seconds": "Time per step in env calls (get_task_prompt + step) and in the model call",
             "episode_duration_seconds": "Wall clock of the attempt that finished an episode",
+            "phase_seconds": "Where each attempt's time went: queue_wait (first attempts: submit to start), reset, "
+                             "prompt, model, env_step, close (totals per attempt)",
         }
         for name, labels in COUNTERS.items():
             c = CounterMetricFamily(f"interactor_{name}", docs[name], labels=list(labels))

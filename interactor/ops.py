@@ -30,6 +30,9 @@ def register(sub, add) -> None:
     sp.add_argument("--interval", type=float, default=2.0)
     sp.add_argument("--json", action="store_true")
 
+    sp = add("resume", cmd_resume, "continue a paused job (its attempts kept failing alike): parked episodes go again")
+    sp.add_argument("job")
+
     sp = add("autoscale", cmd_autoscale, "run local worker processes, as many as the queue needs")
     sp.add_argument("--min", dest="min_workers", type=int, default=0)
     sp.add_argument("--max", dest="max_workers", type=int, default=4)
@@ -89,6 +92,27 @@ def cmd_status(args) -> int:
         return 0
 
 
+# --- resume ---------------------------------------------------------------------------------
+def cmd_resume(args) -> int:
+    from broker.pause import JobPause, resume_job
+    from broker.keys import Keys
+    from broker.ledger import Ledger
+    from interactor.common import redis_for, settings_from_args
+
+    settings = settings_from_args(args)
+    client = redis_for(settings)
+    if Ledger.for_settings(client, settings).job_spec(args.job) is None:
+        print(f"interactor: no job {args.job!r} in Redis (prefix {settings.key_prefix})", file=sys.stderr)
+        return 2
+    state = JobPause(client, Keys(settings.key_prefix)).state(args.job)
+    sent = resume_job(client, settings, args.job)
+    if state is None:
+        print(f"job {args.job} was not paused" + (f"; sent {len(sent)} parked episodes again" if sent else ""))
+    else:
+        print(f"resumed job {args.job} ({state.describe()}); sent {len(sent)} parked episodes again")
+    return 0
+
+
 def snapshot_json(snap: dict) -> dict:
     out = {k: v for k, v in snap.items() if k != "stats"}
     st = snap["stats"]
@@ -125,6 +149,18 @@ def _latency_line(st) -> str:
     return ", ".join(parts)
 
 
+def _phases_line(st) -> str:
+    """Mean seconds per attempt in each phase (records v4), over every env."""
+    from broker.records import PHASES
+
+    sums: dict[str, list[float]] = {}
+    for (phase, _env), h in st.histograms.get("phase_seconds", {}).items():
+        agg = sums.setdefault(phase, [0.0, 0])
+        agg[0] += h.sum
+        agg[1] += h.count
+    return ", ".join(f"{p} {sums[p][0] / sums[p][1]:.3f}s" for p in PHASES if p in sums and sums[p][1])
+
+
 def render_status(snap: dict) -> str:
     st = snap["stats"]
     ep = snap["episodes"]
@@ -152,9 +188,29 @@ def render_status(snap: dict) -> str:
         down = f"{snap['time'] - b['since']:.0f}s" if b["since"] else "?"
         lines.append(f"BREAKER    {b['kind']} server {b['server']} down for {down} (seen by {b['workers']} worker "
                      f"process{'es' if b['workers'] != 1 else ''}; its episodes wait): {b['error'][:160]}")
+    for cap in snap.get("caps", []):
+        lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use")
+    for rate in snap.get("rates", []):
+        parts = []
+        if rate["rpm"]:
+            parts.append(f"{rate['requests_left']:.1f} requests in the bucket ({rate['rpm']}/min)")
+        if rate["tpm"]:
+            parts.append(f"{rate['tokens_left']:.0f} tokens ({rate['tpm']}/min)")
+        if rate["hold_s"] > 0:
+            parts.append(f"the server said wait: {rate['hold_s']:.1f}s more")
+        lines.append(f"rate       model {rate['server']}: " + ", ".join(parts))
+    for j in snap["jobs"]:
+        if j.get("paused"):
+            p = j["paused"]
+            lines.append(f"PAUSED     job {j['job_id']}: {p['streak']} attempts in a row failed with {p['reason']}"
+                         + (f" (last: {p['detail'][:160]})" if p["detail"] else "")
+                         + f"; no new episode starts. Fix the cause, then: interactor resume {j['job_id']}")
     lat = _latency_line(st)
     if lat:
         lines.append(f"latency    per step: {lat}")
+    phases = _phases_line(st)
+    if phases:
+        lines.append(f"phases     per attempt, mean: {phases}")
     fails = _failures(st)
     if fails:
         lines.append("failures   " + ", ".join(f"{r}={n}" for r, n in list(fails.items())[:8]))
@@ -162,7 +218,7 @@ def render_status(snap: dict) -> str:
         rows = [("job", "total", "done", "failed", "running", "queued", "retrying", "progress")]
         for j in snap["jobs"]:
             c = j["counts"]
-            rows.append((j["job_id"], str(j["total"]), str(c["done"]), str(c["failed"]), str(c["running"]),
+            rows.append((j["job_id"] + (" (paused)" if j.get("paused") else ""), str(j["total"]), str(c["done"]), str(c["failed"]), str(c["running"]),
                          str(c["queued"]), str(c["retrying"]), f"{100 * j['progress']:.1f}%"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines.append("jobs")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import redis
 
+from broker.caps import MAX_CONCURRENCY, MAX_INSTANCES, FleetSlots, Limits, server_name
+from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
 from broker.records import JobSpec
@@ -56,7 +58,29 @@ def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
         sources=plan.sources,
         # the command line's --tokens / INTERACTOR_TOKENS wins; else what the task files say
         tokens=settings.tokens if settings.tokens else (plan.tokens or ""),
+        # the task files' own win over the settings
+        pause_after_failures=(plan.pause_after_failures if plan.pause_after_failures is not None
+                              else settings.pause_after_failures),
+        limits=job_limits(settings, plan).to_dict(),
     )
+
+
+def job_limits(settings: Settings, plan: PlannedJob) -> Limits:
+    """The job's fleet-wide caps: the task files' ``limits``, and for what they leave out the
+    settings' (``llm_fleet_max_concurrency``, ``llm_fleet_rpm``, ``llm_fleet_tpm``,
+    ``env_fleet_max_concurrency`` and ``env_fleet_max_instances``, the last two for every env
+    server the job uses)."""
+    limits = Limits.from_dict(plan.limits)
+    if not limits.model and settings.llm_fleet_max_concurrency > 0:
+        limits.model = settings.llm_fleet_max_concurrency
+    limits.model_rpm = limits.model_rpm or settings.llm_fleet_rpm
+    limits.model_tpm = limits.model_tpm or settings.llm_fleet_tpm
+    defaults = {k: n for k, n in ((MAX_CONCURRENCY, settings.env_fleet_max_concurrency),
+                                  (MAX_INSTANCES, settings.env_fleet_max_instances)) if n > 0}
+    if defaults:
+        for url in {server_name(e.base_url) for e in plan.episodes if e.transport != "inproc" and e.base_url}:
+            limits.env_servers[url] = {**defaults, **limits.env_servers.get(url, {})}
+    return limits
 
 
 @dataclass
@@ -79,6 +103,11 @@ def submit_plan(client: redis.Redis, settings: Settings, planned: PlannedJob) ->
     job = job_spec(settings, job_id, planned)
     t0 = time.perf_counter()
     Ledger.for_settings(client, settings).create_job(job, planned.episodes)
+    limits = Limits.from_dict(job.limits)
+    keys = Keys(settings.key_prefix)
+    FleetSlots(client, keys, int(settings.lease_ttl_s * 1000)).register(limits.all_caps(keys, job.llm_base_url))
+    if limits.model_rpm or limits.model_tpm:  # shown by status and metrics
+        client.hset(keys.rates, server_name(job.llm_base_url), f"{limits.model_rpm} {limits.model_tpm}")
     push_episodes(client, ((job_id, e.episode_id, settings.queue_for(e)) for e in planned.episodes))
     dt = time.perf_counter() - t0
     log.debug("job %s: %d episodes in %d groups enqueued in %.2fs", job_id, len(planned.episodes), planned.groups, dt)

@@ -40,6 +40,7 @@ from typing import Any
 import msgpack
 import yaml
 
+from broker.caps import LIMIT_ENV_NAMES, LIMIT_ENV_SERVERS, LIMIT_MODEL, check_limits, server_name
 from broker.records import EpisodeSpec
 from broker.settings import redact_url
 from broker.tokens import TOKEN_MODES, TOKENS_AUTO
@@ -54,7 +55,10 @@ ENTRY_KEYS = ("env_name", "env_params", "dataset", "env_num", "base_url", "seed"
 TRANSPORTS = ("http", "inproc")
 # "tokens" (optional): ask the model server for token ids and logprobs (broker/tokens.py
 # TOKEN_MODES; true = "auto"); the job's setting, unless the command line set one.
-TOP_KEYS = ("environments", "tokens")
+# "limits" (optional): fleet-wide caps (broker/caps.py check_limits), their names checked
+# against the entries; "pause_after_failures" (optional): the job pauses after that many
+# attempts in a row failed alike (broker/pause.py; 0 = never).
+TOP_KEYS = ("environments", "tokens", "limits", "pause_after_failures")
 
 # plan_job builds EpisodeSpec positionally for speed; fail loudly if the schema's order moves.
 _SPEC_ORDER = ("job_id", "episode_id", "group_id", "group_size", "env_name", "base_url",
@@ -81,6 +85,8 @@ class PlannedJob:
     sources: list[str]  # absolute task file paths, in the order given
     by_env: dict[str, int] = field(default_factory=dict)  # env_name -> episode count
     tokens: str | None = None  # the task files' "tokens" (None: none said)
+    limits: dict | None = None  # the task files' "limits", merged and checked (None: none said)
+    pause_after_failures: int | None = None  # the task files' (None: none said)
 
 
 # --------------------------------------------------------------------------- YAML loading
@@ -327,6 +333,18 @@ def load_task_file(path, *, default_base_url: str = "", default_queue: str = "ep
                                 f"{', '.join(m for m in TOKEN_MODES if m)}, got {doc['tokens']!r}")
         if meta is not None:
             meta["tokens"] = tokens
+    if "limits" in doc:
+        problem = check_limits(doc["limits"])
+        if problem:
+            raise TaskFileError(f"{path}: 'limits': {problem}")
+        if meta is not None:
+            meta["limits"] = doc["limits"]
+    if "pause_after_failures" in doc:
+        n = doc["pause_after_failures"]
+        if not _is_int(n) or n < 0:
+            raise TaskFileError(f"{path}: 'pause_after_failures' must be an integer >= 0 (0 = never pause), got {n!r}")
+        if meta is not None:
+            meta["pause_after_failures"] = n
     base_dir = os.path.dirname(os.path.abspath(path))
     return [_load_entry(path, base_dir, e, raw, lines[e - 1] if e - 1 < len(lines) else None,
                         default_base_url, default_queue)
@@ -484,13 +502,51 @@ def plan_job(paths: list[str], *, job_id: str, default_base_url: str = "",
         said = {m["tokens"] for m in metas if "tokens" in m}
         if len(said) > 1:  # one job, one way of asking the model server
             raise TaskFileError(f"the task files disagree on 'tokens': {sorted(said)}")
+        limits = _merge_limits(paths, metas, loaded)
+        pauses = {m["pause_after_failures"] for m in metas if "pause_after_failures" in m}
+        if len(pauses) > 1:
+            raise TaskFileError(f"the task files disagree on 'pause_after_failures': {sorted(pauses)}")
         episodes, groups, by_env = _expand(paths, loaded, job_id)
     finally:
         if gc_was_enabled:
             gc.enable()
 
     return PlannedJob(episodes=episodes, groups=groups, sources=[os.path.abspath(p) for p in paths],
-                      by_env=by_env, tokens=said.pop() if said else None)
+                      by_env=by_env, tokens=said.pop() if said else None, limits=limits,
+                      pause_after_failures=pauses.pop() if pauses else None)
+
+
+def _merge_limits(paths: list[str], metas: list[dict], loaded: list[list[dict]]) -> dict | None:
+    """The task files' ``limits`` as one mapping. Every env server and env_name a cap names
+    must be one an entry of the job uses (a typo would cap nothing, silently); two files may
+    name the same cap only with the same value."""
+    servers = {server_name(ent["base_url"]) for entries in loaded for ent in entries if ent["transport"] == "http"}
+    names = {ent["env_name"] for entries in loaded for ent in entries if ent["transport"] == "http"}
+    merged: dict = {}
+    said = False
+    for path, meta in zip(paths, metas):
+        raw = meta.get("limits")
+        if raw is None:
+            continue
+        said = True
+        for section, value in raw.items():
+            entries = {"": value} if section == LIMIT_MODEL else value
+            for name, caps in entries.items():
+                if section == LIMIT_ENV_SERVERS:
+                    name = server_name(name)
+                    if name not in servers:
+                        raise TaskFileError(f"{path}: 'limits': env_servers {name!r} matches no entry's base_url "
+                                            f"(the job's env servers: {', '.join(sorted(servers)) or 'none'})")
+                elif section == LIMIT_ENV_NAMES and name not in names:
+                    raise TaskFileError(f"{path}: 'limits': env_names {name!r} matches no entry's env_name "
+                                        f"(the job's http env names: {', '.join(sorted(names)) or 'none'})")
+                have = merged.setdefault(section, {}).setdefault(name, {}) if name else merged.setdefault(section, {})
+                for k, n in caps.items():
+                    if have.get(k, n) != n:
+                        raise TaskFileError(f"the task files disagree on 'limits' {section} {name!r} {k}: "
+                                            f"{have[k]} and {n}")
+                    have[k] = n
+    return merged if said else None
 
 
 def _expand(paths: list[str], loaded: list[list[dict]], job_id: str

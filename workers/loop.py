@@ -72,6 +72,23 @@ class LoopConfig:
 
 
 @dataclass
+class PhaseTimings:
+    """Where an attempt's time went (broker/records.py PHASES), filled in as the loop goes, so
+    that an attempt that fails half-way still tells its part."""
+
+    reset_s: float = 0.0
+    prompt_s: float = 0.0
+    model_s: float = 0.0
+    env_step_s: float = 0.0
+    close_s: float = 0.0
+
+    def record_fields(self) -> dict[str, float]:
+        """As AttemptRecord fields."""
+        return {"reset_s": self.reset_s, "prompt_s": self.prompt_s, "model_s": self.model_s,
+                "env_step_s": self.env_step_s, "close_s": self.close_s}
+
+
+@dataclass
 class EpisodeOutcome:
     total_reward: float = 0.0
     steps: int = 0
@@ -110,6 +127,7 @@ def run_episode(
     publish: Callable[[StepRecord], None],
     hook: EpisodeHook,
     check: Callable[[], None] = lambda: None,
+    timings: PhaseTimings | None = None,
 ) -> EpisodeOutcome:
     """Reset, step until the episode ends, always close and always call the end hook.
 
@@ -121,14 +139,19 @@ def run_episode(
     # The previous turn's prompt + completion ids: this turn's prompt ids must start with them
     # (an append-only template); where not, the step records token_drift (docs/protocol.md).
     prev_tokens: list[int] | None = None
+    tm = timings if timings is not None else PhaseTimings()
     try:
         check()
+        t0 = time.perf_counter()
         env.reset()
+        reset_s: float | None = time.perf_counter() - t0
+        tm.reset_s += reset_s
         for step_id in range(1, cfg.max_steps + 1):
             check()
             t0 = time.perf_counter()
             prompt_raw = env.get_task_prompt()
             env_s = time.perf_counter() - t0
+            tm.prompt_s += env_s
             prompt_raw = _hook_handle(hook, cfg, step_id, prompt_raw)
             prompt = trim_messages(prompt_raw, cfg.message_cut)
             if not prompt:
@@ -142,6 +165,7 @@ def run_episode(
             except ContextOverflow as exc:
                 completion, overflow = None, exc
             model_s = time.perf_counter() - t0
+            tm.model_s += model_s
             if completion is not None:
                 last_weight_version = completion.weight_version
                 action, finish_reason = completion.content or "", completion.finish_reason or "stop"
@@ -158,7 +182,9 @@ def run_episode(
                 finish_reason=finish_reason, model_latency_s=model_s, attempt_id=cfg.attempt_id,
                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                 policy_version=getattr(completion, "policy_version", None),  # feed jobs (workers/versions.py)
+                prompt_s=env_s, reset_s=reset_s,
             )
+            reset_s = None  # on the first step only
             tok = getattr(completion, "tokens", None)
             if tok is not None:
                 common.update(tok.record_fields())
@@ -197,7 +223,9 @@ def run_episode(
             check()
             t0 = time.perf_counter()
             result = env.step(action)
-            env_s += time.perf_counter() - t0
+            step_s = time.perf_counter() - t0
+            tm.env_step_s += step_s
+            env_s += step_s
             reward = float(result.reward or 0.0)
             out.total_reward += reward
             out.steps = step_id
@@ -213,7 +241,7 @@ def run_episode(
                                # episode cut off by max_steps would leave no trainable row.
                                is_trainable=is_trainable(cfg.message_cut, result.terminated,
                                                          result.truncated or step_id == cfg.max_steps),
-                               env_latency_s=env_s, ended_by=ended_by))
+                               env_latency_s=env_s, ended_by=ended_by, env_step_s=step_s))
             if done:
                 out.ended_by = ended_by
                 break
@@ -225,10 +253,12 @@ def run_episode(
             hook.on_episode_end(cfg.env_name, cfg.episode_id, out.total_reward, out.last_info)
         except Exception:
             log.exception("episode %s: on_episode_end hook failed (ignored)", cfg.episode_id)
+        t0 = time.perf_counter()
         try:
             env.close()
         except Exception:
             log.exception("episode %s: closing the env failed (ignored)", cfg.episode_id)
+        tm.close_s += time.perf_counter() - t0
 
 
 def _hook_handle(hook: EpisodeHook, cfg: LoopConfig, step_id: int, prompt: Any) -> Any:

@@ -86,9 +86,12 @@ class ModelClient(PooledClient):
         deadline: float,
         api_key: str = "",
         tokens: str = "",
+        pacer: Any = None,
     ) -> Completion:
         """``tokens``: the job's token mode (broker/tokens.py TOKEN_MODES): the request asks
-        for token ids and logprobs in that server's way and ``Completion.tokens`` holds them."""
+        for token ids and logprobs in that server's way and ``Completion.tokens`` holds them.
+        ``pacer``: the endpoint's fleet-wide rate limits (workers/pacing.py), asked before each
+        try and told each answer's status and headers and the tokens used; None: not paced."""
         s = self.settings
         url = f"{base_url.rstrip('/')}/chat/completions"
         shown = redact_url(url)
@@ -112,6 +115,8 @@ class ModelClient(PooledClient):
 
         def attempt() -> Reply:
             nonlocal tries
+            if pacer is not None:
+                pacer.before_try()
             timeout = timeouts(deadline, s.llm_connect_timeout_s, s.llm_read_timeout_s, what=what)
             tries += 1
             try:
@@ -133,6 +138,8 @@ class ModelClient(PooledClient):
                 raise  # the budget ran out mid-answer (workers/http.py's watchdog)
             except Exception as exc:  # e.g. InvalidHeader/InvalidURL, whose text may quote values
                 raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request could not be sent ({type(exc).__name__})") from None
+            if pacer is not None:
+                pacer.after_reply(reply.status, reply.headers)
             if reply.ok:
                 return reply
             text = error_text(reply, scrub=key)
@@ -160,6 +167,8 @@ class ModelClient(PooledClient):
             logger=log,
         )
         completion = _parse(reply, what, tries, tokens)
+        if pacer is not None:
+            pacer.charge((completion.prompt_tokens or 0) + (completion.completion_tokens or 0))
         ans = completion.tokens
         if ans is not None and ans.needs_prompt_tokenize:
             self._llama_prompt_ids(base_url, messages, ans, completion.prompt_tokens, headers, deadline, what)

@@ -111,11 +111,14 @@ class BoundPolicy:
     budget: Budget
     guard: Guard
     breaker: Breaker
+    pacer: Any = None  # the endpoint's fleet-wide rate limits (workers/pacing.py), when the job sets any
 
     def complete(self, messages: list[dict]):
         j = self.job
         # tokens only when the job asks: a v2 JobSpec has none, and the call stays as it was
         extra = {"tokens": j.tokens} if getattr(j, "tokens", "") else {}
+        if self.pacer is not None:
+            extra["pacer"] = self.pacer
         return self.guard.call(self.breaker, lambda: self.client.complete(
             self.base_url, messages, model=j.model, temperature=j.temperature, params=j.llm_params,
             deadline=self.budget.deadline, api_key=self.api_key, **extra), retry_safe=True)

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import redis
 
 from broker import errors
+from broker.caps import FleetSlots, Limits, server_name
 from broker.keys import Keys, env_instance_id, member
 from broker.ledger import Lease, Ledger
 from broker.queueing import send_episodes
@@ -53,6 +54,8 @@ from broker.records import (
     StepRecord,
     new_attempt_id,
 )
+from broker.pause import PARKED
+from broker.ratelimit import RateLimits
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
 from broker.settings import Settings, origin_of, redact_url
@@ -63,10 +66,13 @@ from workers.allowlist import HostAllowlist, env_class_allowlist, hook_allowlist
 from workers.breakers import BreakerBoard, BreakerHeartbeat
 from workers.budget import Budget
 from workers.envclient import EnvClient
+from workers.fleetcaps import CappedEnv, CappedPolicy, FleetGate
 from workers.hooks import load_hook
-from workers.loop import LoopConfig, run_episode
+from workers.loop import LoopConfig, PhaseTimings, run_episode
 from workers.modelclient import ModelClient
 from workers.orphans import OrphanCloser
+from workers.pacing import Pacing
+from workers.pausing import PauseWatch
 from workers.ports import BoundEnv, BoundPolicy, Guard, policy_url
 from workers.versions import PolicyVersions
 from workers.publisher import StepPublisher
@@ -120,6 +126,11 @@ class WorkerRuntime:
         self.orphans = OrphanCloser(self.redis, self.keys, self.env, env_hosts=self.env_hosts).start()
         self.breaker_heartbeat = BreakerHeartbeat(self.breakers).start()
         self.versions = PolicyVersions(self.redis, self.keys)  # feed jobs' policy versions (workers/versions.py)
+        # Fleet-wide limits: jobs that pause themselves, caps shared by every worker process.
+        self.pause_watch = PauseWatch(self.redis, self.keys)
+        self.pacing = Pacing(RateLimits(self.redis, self.keys))
+        self.fleet = FleetGate(FleetSlots(self.redis, self.keys, int(settings.lease_ttl_s * 1000)), self.name,
+                               settings.lease_ttl_s)
 
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
@@ -146,6 +157,8 @@ class WorkerRuntime:
         self.publisher.stop()
         self.orphans.stop()
         self.breaker_heartbeat.stop()
+        self.pause_watch.stop()
+        self.fleet.stop()
 
     def received(self, job_id: str, episode_id: str) -> None:
         """The broker handed us a task; the renewer holds a reservation on it until it starts."""
@@ -153,6 +166,10 @@ class WorkerRuntime:
 
     # --- one delivery ----------------------------------------------------------------
     def run(self, job_id: str, episode_id: str) -> str:
+        if self._parked(job_id, episode_id):
+            self.renewer.started(member(job_id, episode_id))  # handed back before START: nothing counted
+            log.info("episode %s: its job is paused; parked until `interactor resume %s`", episode_id, job_id)
+            return PARKED
         # START is retried through a Redis outage with one attempt_id: a START that ran but
         # whose reply was lost is then found again as ours, with its predecessor, rather than
         # left behind as a phantom lease that makes the next delivery count another attempt.
@@ -170,6 +187,12 @@ class WorkerRuntime:
             return self._run_attempt(lease, started.spec, started.previous)
         finally:
             self.renewer.release(lease)
+
+    def _parked(self, job_id: str, episode_id: str) -> bool:
+        try:
+            return self.pause_watch.park(self._job(job_id), episode_id)
+        except redis.RedisError:
+            return False  # START finds out about Redis, through its outage handling
 
     def _job(self, job_id: str) -> JobSpec | None:
         job = self._jobs.get(job_id)
@@ -194,6 +217,7 @@ class WorkerRuntime:
         refused = self._refused(job, spec)
         if refused:
             err = errors.EpisodeError(errors.BAD_TASK, refused, transient=False)
+            self.pause_watch.failed(job, err.reason, refused)
             return self._close_failed(lease, base, spec, err, "", limit=lease.attempt)
 
         budget = Budget(job.episode_budget_s)
@@ -201,6 +225,9 @@ class WorkerRuntime:
                          group_id=spec.group_id, llm_model=job.model, attempt=lease.attempt,
                          max_steps=job.max_steps, message_cut=job.message_cut, attempt_id=lease.attempt_id)
         outcome = None
+        timings = PhaseTimings()  # where the attempt's time goes (records v4)
+        if lease.attempt == 1:  # later attempts' waits are not timed
+            base["queue_wait_s"] = max(0.0, t_start - job.created_at)
         check = lambda: self._check(lease, budget)  # noqa: E731
         guard = Guard(budget, check, self.settings.outage_budget_s)
         try:
@@ -209,34 +236,44 @@ class WorkerRuntime:
             if previous is not None:
                 self._close_previous(spec, previous)
             policy = BoundPolicy(self.model, job, policy_url(job, spec.episode_id), self._api_key_for(job), budget,
-                                 guard, self.breakers.for_model(job.llm_base_url))
+                                 guard, self.breakers.for_model(job.llm_base_url),
+                                 pacer=self._pacer(job, check, budget))
+            env = self._env_port(spec, lease, budget, guard)
+            policy = limits.LimitedPolicy(self.versions.wrap(policy, job.job_id), self.model_gate,
+                                          lambda: budget.deadline, check)
+            policy, env = self._fleet_capped(job, spec, policy, env, check, budget)
             outcome = run_episode(
                 cfg,
-                env=self._env_port(spec, lease, budget, guard),
-                policy=limits.LimitedPolicy(self.versions.wrap(policy, job.job_id), self.model_gate,
-                                            lambda: budget.deadline, check),
+                env=env,
+                policy=policy,
                 publish=lambda rec: self._publish(lease, rec, budget),
                 hook=hook,
                 check=check,
+                timings=timings,
             )
         except errors.EpisodeError as exc:
+            base.update(timings.record_fields())
             return self._close_error(lease, base, spec, job, exc, "", outage_seen=guard.outage_seen)
         except redis.RedisError as exc:
             # Redis went away for longer than the client's retries: not the episode's doing.
+            base.update(timings.record_fields())
             err = errors.EpisodeError(errors.BROKER_OUTAGE, f"Redis unreachable: {type(exc).__name__}: {exc}",
                                       transient=True, outage=True)
             return self._close_error(lease, base, spec, job, err, "")
         except Exception as exc:
+            base.update(timings.record_fields())
             err = errors.EpisodeError(errors.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", transient=False)
             err.__cause__ = exc
             return self._close_error(lease, base, spec, job, err, self._traceback(exc))
 
+        base.update(timings.record_fields())
         record = AttemptRecord(**base, status=COMPLETED, total_reward=outcome.total_reward,
                                steps=outcome.steps, last_info=outcome.last_info, ended_by=outcome.ended_by,
                                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
         if not self._finish(lease, record, DONE):
             log.warning("episode %s attempt %d: lease lost before completion was recorded", spec.episode_id, lease.attempt)
             return errors.LEASE_LOST
+        self.pause_watch.succeeded(job)
         log.info("episode %s attempt %d completed: reward=%.3f steps=%d", spec.episode_id, lease.attempt,
                  outcome.total_reward, outcome.steps)
         return COMPLETED
@@ -283,6 +320,31 @@ class WorkerRuntime:
         return key
 
     # --- ports -----------------------------------------------------------------------
+    def _pacer(self, job: JobSpec, check, budget):
+        """The job's model endpoint paced by its fleet-wide rate limits; None when it sets none."""
+        if not job.limits:
+            return None
+        caps = Limits.from_dict(job.limits)
+        if not (caps.model_rpm or caps.model_tpm):
+            return None
+        return self.pacing.pacer(server_name(job.llm_base_url), caps.model_rpm, caps.model_tpm, check, budget)
+
+    def _fleet_capped(self, job: JobSpec, spec: EpisodeSpec, policy, env, check, budget):
+        """The ports with the job's fleet-wide caps (workers/fleetcaps.py); as they are when it
+        has none (no round trip then)."""
+        if not job.limits:
+            return policy, env
+        caps = Limits.from_dict(job.limits)
+        model_caps = caps.model_caps(self.keys, job.llm_base_url)
+        if model_caps:
+            policy = CappedPolicy(policy, self.fleet, model_caps, check, budget)
+        if spec.transport != "inproc":
+            call_caps = caps.env_call_caps(self.keys, spec.base_url, spec.env_name)
+            instance_caps = caps.env_instance_caps(self.keys, spec.base_url)
+            if call_caps or instance_caps:
+                env = CappedEnv(env, self.fleet, call_caps, instance_caps, check, budget)
+        return policy, env
+
     def _env_port(self, spec: EpisodeSpec, lease: Lease, budget: Budget, guard: Guard):
         if spec.transport == "inproc":
             from workers.inproc import InprocEnv  # the env class runs inside this worker process
@@ -388,6 +450,7 @@ class WorkerRuntime:
     # --- closing an attempt that did not complete ------------------------------------
     def _close_error(self, lease, base, spec, job, exc: errors.EpisodeError, tb: str, *, outage_seen: bool = False) -> str:
         message = self._redact(str(exc.args[0]) if exc.args else "")
+        self.pause_watch.failed(job, exc.reason, message)  # counts towards pausing the job (broker/pause.py)
         if exc.reason == errors.LEASE_LOST:
             log.warning("episode %s attempt %d abandoned: %s", lease.episode_id, lease.attempt, message)
             return errors.LEASE_LOST

@@ -38,6 +38,7 @@ class LiveState:
         from broker.dlq import DeadLetterQueue
         from broker.keys import Keys
         from broker.ledger import Ledger
+        from broker.pause import JobPause
         from broker.redisconn import connect
         from interactor.metrics import FleetReader
 
@@ -47,6 +48,7 @@ class LiveState:
         self.ledger = Ledger(self.client, Keys(settings.key_prefix), settings.lease_ttl_s)
         self.dlq = DeadLetterQueue(self.client, settings)
         self.fleet = FleetReader(self.client, settings)
+        self.pauses = JobPause(self.client, Keys(settings.key_prefix))
         self.error = ""
         self._down_until = 0.0
 
@@ -153,12 +155,18 @@ class Source:
         return out[::-1][:MAX_JOBS]
 
     def progress(self, job_ids: list[str]) -> list[dict]:
-        counts = {}
+        counts, paused = {}, {}
         if self.live is not None and job_ids:
             got = self.live.call(lambda: self.live.ledger.counts_many(job_ids), None)
             if got:
                 counts = {j: c for j, c in zip(job_ids, got) if sum(c.values())}
-        return [self._progress(j, counts.get(j)) for j in job_ids]
+            # jobs that paused themselves (broker/pause.py): the page says why
+            paused = self.live.call(lambda: self.live.pauses.states(job_ids), None) or {}
+        out = [self._progress(j, counts.get(j)) for j in job_ids]
+        for p in out:
+            state = paused.get(p["job_id"])
+            p["paused"] = state.describe() if state is not None else ""
+        return out
 
     def _progress(self, job_id: str, ledger: dict | None) -> dict:
         cached = self._finished.get(job_id)

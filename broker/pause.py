@@ -1,0 +1,162 @@
+"""Jobs that stop burning: a job whose attempts keep failing the same way pauses itself.
+
+One broken env server or a wrong model name would otherwise empty a whole dataset into the
+dead-letter queue, attempt after attempt. So every attempt that ends in failure counts towards
+its job's *streak* (``<prefix>:job:<job>:streak``: the reason and how many in a row); an
+attempt that completes, or fails for another reason, starts it over. When the streak reaches
+the job's ``pause_after_failures`` (JobSpec, default 20, 0 = never) the job is *paused*
+(``<prefix>:job:<job>:pause``: why, since when, the last error):
+
+* no new attempt starts: a worker that receives an episode of a paused job parks it
+  (``<prefix>:job:<job>:parked``, the episode stays ``queued``) before START, so no attempt
+  is spent; the sweeper's reconcile counts parked episodes as accounted for;
+* attempts already running finish as they would;
+* ``interactor resume JOB`` (or a re-drive from the dead-letter queue) lifts the pause and
+  sends the parked episodes again.
+
+Counting is one Lua script per attempt that ends (``record``), so that workers failing at the
+same moment count exactly; parking and resuming are scripts too, so that an episode is never
+parked after the pause that made it park was lifted (it would wait forever).
+
+Attempts that ended for reasons that are not the job's doing (a worker shut down or lost, a
+lease taken over, Redis away) are neither counted nor reset the streak.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis
+
+from broker import errors
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.queueing import send_episodes
+from broker.records import QUEUED
+
+# Not the job's doing: these neither count towards a streak nor end one.
+NOT_COUNTED = frozenset({errors.WORKER_SHUTDOWN, errors.WORKER_LOST, errors.LEASE_LOST, errors.BROKER_OUTAGE})
+PARKED = "parked"  # what a delivery of a paused job's episode came to (the runtime's answer)
+
+# KEYS: streak, pause   ARGV: reason ('' = a success), threshold, now_s, detail
+# Returns {count, paused_now}: the streak after this attempt, and 1 when this attempt paused the job.
+_RECORD = """
+if ARGV[1] == '' then
+  redis.call('DEL', KEYS[1])
+  return {0, 0}
+end
+local count
+if redis.call('HGET', KEYS[1], 'reason') == ARGV[1] then
+  count = redis.call('HINCRBY', KEYS[1], 'count', 1)
+else
+  redis.call('HSET', KEYS[1], 'reason', ARGV[1], 'count', 1)
+  count = 1
+end
+local threshold = tonumber(ARGV[2])
+if threshold > 0 and count >= threshold and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('HSET', KEYS[2], 'reason', ARGV[1], 'streak', count, 'since', ARGV[3], 'detail', ARGV[4])
+  return {count, 1}
+end
+return {count, 0}
+"""
+
+# KEYS: pause, parked, reserved, state   ARGV: episode, member
+# Parks a delivered episode while its job is paused: 1 parked, 0 the job is not paused (run it).
+_PARK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('ZREM', KEYS[3], ARGV[2])
+local st = redis.call('HGET', KEYS[4], ARGV[1])
+if st == 'queued' then redis.call('SADD', KEYS[2], ARGV[1]) end
+return 1
+"""
+
+# KEYS: pause, streak, parked   Lifts the pause; returns the parked episode ids (now to be sent).
+_RESUME = """
+redis.call('DEL', KEYS[1], KEYS[2])
+local parked = redis.call('SMEMBERS', KEYS[3])
+redis.call('DEL', KEYS[3])
+return parked
+"""
+
+
+@dataclass(frozen=True)
+class PauseState:
+    """Why a job is paused: ``streak`` attempts in a row failed with ``reason``."""
+
+    reason: str
+    streak: int
+    since: float
+    detail: str = ""
+
+    def describe(self) -> str:
+        return (f"paused: {self.streak} attempts in a row failed with {self.reason}"
+                + (f" (last: {self.detail})" if self.detail else ""))
+
+
+class JobPause:
+    """The pause state of jobs, in Redis; shared by workers (record, park), the CLI (resume,
+    status) and metrics."""
+
+    def __init__(self, client: redis.Redis, keys: Keys):
+        self.r = client
+        self.k = keys
+        self._record = client.register_script(_RECORD)
+        self._park = client.register_script(_PARK)
+        self._resume = client.register_script(_RESUME)
+
+    def record(self, job_id: str, reason: str, threshold: int, detail: str = "") -> bool:
+        """Count an attempt that ended (``reason`` "" = completed). True when it paused the job."""
+        if reason in NOT_COUNTED:
+            return False
+        count, paused_now = self._record(keys=[self.k.job_streak(job_id), self.k.job_pause(job_id)],
+                                         args=[reason, int(threshold), time.time(), detail[:300]])
+        return bool(paused_now)
+
+    def park(self, job_id: str, episode_id: str) -> bool:
+        """Hand a delivered episode of a paused job back without starting it: True if parked."""
+        return bool(self._park(keys=[self.k.job_pause(job_id), self.k.job_parked(job_id), self.k.reserved,
+                                     self.k.job_state(job_id)],
+                               args=[episode_id, f"{job_id} {episode_id}"]))
+
+    def is_paused(self, job_id: str) -> bool:
+        return bool(self.r.exists(self.k.job_pause(job_id)))
+
+    def state(self, job_id: str) -> PauseState | None:
+        return self.states([job_id]).get(job_id)
+
+    def states(self, job_ids: list[str]) -> dict[str, PauseState]:
+        """The paused ones among ``job_ids`` (one round trip)."""
+        if not job_ids:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.k.job_pause(job_id))
+        out = {}
+        for job_id, raw in zip(job_ids, pipe.execute()):
+            if raw:
+                d = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+                out[job_id] = PauseState(reason=d.get("reason", ""), streak=int(d.get("streak") or 0),
+                                         since=float(d.get("since") or 0), detail=d.get("detail", ""))
+        return out
+
+    def parked(self, job_id: str) -> set[str]:
+        return {m.decode() for m in self.r.smembers(self.k.job_parked(job_id))}
+
+    def resume(self, job_id: str) -> list[str]:
+        """Lift the pause (and forget the streak); returns the parked episodes, which the caller
+        sends again (broker.queueing.send_episodes)."""
+        out = self._resume(keys=[self.k.job_pause(job_id), self.k.job_streak(job_id), self.k.job_parked(job_id)])
+        return [m.decode() if isinstance(m, bytes) else m for m in out]
+
+
+def resume_job(client: redis.Redis, settings, job_id: str) -> list[str]:
+    """``interactor resume JOB``: lift the pause and send the parked episodes that are still
+    queued (one re-driven or finished meanwhile is left alone). Returns those sent."""
+    ledger = Ledger.for_settings(client, settings)
+    parked = JobPause(client, Keys(settings.key_prefix)).resume(job_id)
+    states = ledger.states(job_id) if parked else {}
+    waiting = [e for e in parked if states.get(e) == QUEUED]
+    specs = ledger.episode_specs(job_id, waiting)
+    send_episodes(client, [(job_id, e, settings.queue_for(specs.get(e))) for e in waiting])
+    return waiting

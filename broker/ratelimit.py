@@ -1,0 +1,145 @@
+"""Fleet-wide rate limits on a model endpoint: requests per minute and tokens per minute.
+
+Hosted APIs publish both limits and answer 429 past them; one benchmark lost a tenth of its
+trials that way, each worker backing off alone. Here the fleet shares one pair of token
+buckets per endpoint in Redis (``<prefix>:rate:<server>``) and one "wait until" mark
+(``<prefix>:rate-hold:<server>``):
+
+* before each request (each try), :meth:`RateLimits.take` checks the mark, then takes one
+  request from the RPM bucket and requires the TPM bucket to be above zero; one round trip.
+  It answers how long to wait when it cannot (the caller waits, then asks again);
+* after an answer, the tokens it used (the answer's ``usage``) are charged to the TPM
+  bucket, which may go below zero: the next requests wait until it refilled;
+* a 429's ``Retry-After``, or ``x-ratelimit-remaining-requests``/``-tokens`` at 0 with their
+  ``x-ratelimit-reset-*``, set the mark: every worker waits, not only the one told.
+
+The RPM bucket holds half a second's worth of requests (at least one): a burst the size of a
+server's one-second allowance could arrive closer together than it was sent and be refused.
+Time is Redis' clock. Buckets expire when unused for two minutes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import redis
+
+from broker.keys import Keys
+
+RPM_BURST_S = 0.5
+
+_NOW = """
+redis.replicate_commands()
+local _t = redis.call('TIME')
+local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
+"""
+
+_REFILL_FN = """
+local function refill(level, at, per_min, cap)
+  if not level then return cap end
+  return math.min(cap, level + (now - at) * per_min / 60000)
+end
+"""
+
+# KEYS: bucket hash, hold   ARGV: rpm, tpm, rpm_burst_s (0 = that limit is off)
+# 0: go (one request taken); else: milliseconds to wait before asking again.
+_TAKE = _NOW + _REFILL_FN + """
+local hold = tonumber(redis.call('GET', KEYS[2]) or '0')
+if hold > now then return hold - now end
+local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local h = redis.call('HMGET', KEYS[1], 'r', 'rt', 't', 'tt')
+local wait = 0
+local r, t
+if rpm > 0 then
+  r = refill(tonumber(h[1]), tonumber(h[2]), rpm, math.max(1, rpm / 60 * tonumber(ARGV[3])))
+  if r < 1 then wait = math.ceil((1 - r) * 60000 / rpm) end
+end
+if tpm > 0 then
+  t = refill(tonumber(h[3]), tonumber(h[4]), tpm, math.max(1, tpm / 60))
+  if t <= 0 then wait = math.max(wait, math.ceil((1 - t) * 60000 / tpm)) end
+end
+if wait > 0 then return wait end
+if rpm > 0 then redis.call('HSET', KEYS[1], 'r', r - 1, 'rt', now) end
+if tpm > 0 then redis.call('HSET', KEYS[1], 't', t, 'tt', now) end
+redis.call('PEXPIRE', KEYS[1], 120000)
+return 0
+"""
+
+# KEYS: bucket hash   ARGV: tpm, tokens used
+_CHARGE = _NOW + _REFILL_FN + """
+local h = redis.call('HMGET', KEYS[1], 't', 'tt')
+local tpm = tonumber(ARGV[1])
+local t = refill(tonumber(h[1]), tonumber(h[2]), tpm, math.max(1, tpm / 60))
+redis.call('HSET', KEYS[1], 't', t - tonumber(ARGV[2]), 'tt', now)
+redis.call('PEXPIRE', KEYS[1], 120000)
+return 0
+"""
+
+# KEYS: hold   ARGV: ms from now. Moves the mark later, never earlier.
+_HOLD = _NOW + """
+local due = now + tonumber(ARGV[1])
+local hold = tonumber(redis.call('GET', KEYS[1]) or '0')
+if due > hold then redis.call('SET', KEYS[1], due, 'PX', tonumber(ARGV[1]) + 1000) end
+return 0
+"""
+
+# KEYS: bucket hash, hold   ARGV: rpm, tpm, rpm_burst_s. For status: {requests left, tokens left, hold ms}.
+_LEVELS = _NOW + _REFILL_FN + """
+local h = redis.call('HMGET', KEYS[1], 'r', 'rt', 't', 'tt')
+local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local r, t = -1, -1
+if rpm > 0 then r = refill(tonumber(h[1]), tonumber(h[2]), rpm, math.max(1, rpm / 60 * tonumber(ARGV[3]))) end
+if tpm > 0 then t = refill(tonumber(h[3]), tonumber(h[4]), tpm, math.max(1, tpm / 60)) end
+local hold = tonumber(redis.call('GET', KEYS[2]) or '0')
+return {tostring(r), tostring(t), math.max(0, hold - now)}
+"""
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+def parse_reset(value: str | None) -> float | None:
+    """An ``x-ratelimit-reset-*`` value in seconds: ``"1s"``, ``"6m0s"``, ``"20ms"``,
+    ``"0.5s"`` (OpenAI's form) or a bare number of seconds; None when unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    parts = _DURATION_RE.findall(value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        return None
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+class RateLimits:
+    """The Redis side of the rate limits of model endpoints."""
+
+    def __init__(self, client: redis.Redis, keys: Keys):
+        self.r = client
+        self.k = keys
+        self._take = client.register_script(_TAKE)
+        self._charge = client.register_script(_CHARGE)
+        self._hold = client.register_script(_HOLD)
+        self._levels = client.register_script(_LEVELS)
+
+    def take(self, server: str, rpm: int, tpm: int) -> float:
+        """0.0: go; else seconds to wait before asking again."""
+        ms = self._take(keys=[self.k.rate(server), self.k.rate_hold(server)], args=[rpm, tpm, RPM_BURST_S])
+        return int(ms) / 1000.0
+
+    def charge(self, server: str, tpm: int, tokens: int) -> None:
+        if tpm > 0 and tokens > 0:
+            self._charge(keys=[self.k.rate(server)], args=[tpm, int(tokens)])
+
+    def hold(self, server: str, seconds: float) -> None:
+        """Every worker waits ``seconds`` before its next request to ``server``."""
+        if seconds > 0:
+            self._hold(keys=[self.k.rate_hold(server)], args=[int(seconds * 1000) + 1])
+
+    def levels(self, server: str, rpm: int, tpm: int) -> tuple[float, float, float]:
+        """(requests left, tokens left, seconds still held); -1 for a limit that is off."""
+        r, t, hold = self._levels(keys=[self.k.rate(server), self.k.rate_hold(server)], args=[rpm, tpm, RPM_BURST_S])
+        return float(r), float(t), int(hold) / 1000.0
