@@ -150,7 +150,7 @@ def _latency_line(st) -> str:
 
 
 def _phases_line(st) -> str:
-    """Mean seconds per attempt in each phase (records v4), over every env."""
+    """Mean seconds per attempt in each phase (records v5), over every env."""
     from broker.records import PHASES
 
     sums: dict[str, list[float]] = {}

@@ -350,7 +350,7 @@ def test_env_instance_cap_keeps_a_sandbox_server_within_its_capacity(settings, p
     assert 1 <= seen["peak"] <= k
     key = Keys(settings.key_prefix).cap(CAP_ENV_INSTANCES, env_url)
     wait_for(lambda: client.zcard(key) == 0, timeout=30, what="every instance slot released")
-    # every attempt's phases reach the metrics (records v4) and the status line
+    # every attempt's phases reach the metrics (records v5) and the status line
     def phase_count() -> float:
         out = cli(settings, "metrics", "--once").stdout
         lines = [ln for ln in out.splitlines() if ln.startswith("interactor_phase_seconds_count")]
@@ -464,7 +464,7 @@ def test_token_bucket_charges_usage_and_a_hold_stops_everyone(settings):
     assert parse_reset("1s500ms") == 1.5 and parse_reset("soon") is None and parse_reset("") is None
 
 
-# --- per-phase timings (records v4) -------------------------------------------------------------------
+# --- per-phase timings (records v5) -------------------------------------------------------------------
 def test_timings_tell_each_phase_and_older_records_still_decode():
     import msgpack
     from types import SimpleNamespace

@@ -225,7 +225,7 @@ class WorkerRuntime:
                          group_id=spec.group_id, llm_model=job.model, attempt=lease.attempt,
                          max_steps=job.max_steps, message_cut=job.message_cut, attempt_id=lease.attempt_id)
         outcome = None
-        timings = PhaseTimings()  # where the attempt's time goes (records v4)
+        timings = PhaseTimings()  # where the attempt's time goes (records v5)
         if lease.attempt == 1:  # later attempts' waits are not timed
             base["queue_wait_s"] = max(0.0, t_start - job.created_at)
         check = lambda: self._check(lease, budget)  # noqa: E731
