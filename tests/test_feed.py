@@ -499,7 +499,7 @@ def test_a_filter_off_the_allow_list_is_refused(settings, procs, redis_client, t
     for name, allowed, says in [("os:abort", "tests.feed_filters:*", "is not in feed_filters"),
                                 ("tests.feed_filters:reexported", "tests.feed_filters:*", "is not defined in")]:
         env = procs.env(feed_filters=allowed)
-        out = subprocess.run([sys.executable, "-m", "interactor.cli", "feed", "serve", "--job", "nojob",
+        out = subprocess.run([sys.executable, "-m", "interactor.cli", "feed", "serve",
                               "--filter", name, "--port", "0"], env=env, cwd=str(ROOT), capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2, out.stderr
