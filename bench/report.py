@@ -237,6 +237,29 @@ def choose_pool(pools: list[dict]) -> tuple[str, list[str]]:
     return pick["spec"]["pool"], why
 
 
+def feed_section(fd: dict) -> list[str]:
+    """The rollout feed's figures (bench/harness.py ``run_feed``)."""
+    s = fd["spec"]
+    lat = fd.get("latency_ms") or {}
+    st = fd.get("stats") or {}
+    out = ["## Rollout feed\n",
+           f"A continuous job at concurrency {s['concurrency']} (groups of {fd['group']} `countdown` episodes of "
+           f"{s['steps']} steps, the load runs' latencies) served by `interactor feed serve --job J` to a trainer "
+           f"loop that takes {fd['batch']} groups (what the fleet ideally completes in {fd['train_s']:g} s), "
+           f"acknowledges them and trains for {fd['train_s']:g} s, max_ahead {fd['max_ahead']}. "
+           "Measured over a "
+           f"{fd['window_s']:.0f} s window: **group delivery latency** runs from the group's completion (its last "
+           "member's attempt end, as stored) to the return of the take that handed it to the trainer, and the "
+           "**trainer idle fraction** is the trainer's time inside take divided by the window.\n",
+           _table(["C", "batch", "max_ahead", "takes", "groups delivered", "groups/s", "delivery latency p50",
+                   "delivery latency p99", "trainer idle fraction", "redelivered", "problems"],
+                  [(s["concurrency"], fd["batch"], fd["max_ahead"], fd["takes"], fd["groups"], _f(fd["rate"], 1),
+                    _f(lat.get("p50"), 0) + " ms", _f(lat.get("p99"), 0) + " ms",
+                    _f(fd["idle_fraction"], 3), st.get("redelivered", "n/a"),
+                    "; ".join(fd.get("errors") or []))]) + "\n"]
+    return out
+
+
 def render(res: dict, png_name: str | None) -> str:
     m = res["machine"]
     cfg = res["config"]
@@ -348,6 +371,10 @@ def render(res: dict, png_name: str | None) -> str:
                    "least orchestration CPU per step, then memory).\n")
         out += [f"* {w}" for w in why]
         out.append("")
+
+    fd = res.get("feed")
+    if fd:
+        out += feed_section(fd)
 
     runs = res.get("ingest_runs") or []
     if runs:

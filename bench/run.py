@@ -1,5 +1,5 @@
-"""One benchmark run: load levels, worker-process and pool comparisons, ingest, enqueue; then
-the report."""
+"""One benchmark run: load levels, worker-process and pool comparisons, the rollout feed, ingest,
+enqueue; then the report."""
 
 from __future__ import annotations
 
@@ -38,7 +38,11 @@ class BenchConfig:
     ingest_records: int = 50_000
     enqueue_episodes: int = 100_000
     token_episodes: int = 200  # 5-turn full-history episodes written with and without token ids
-    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, ingest, tokens, enqueue
+    # the rollout feed: a continuous job at this concurrency served to a trainer that takes a
+    # batch, acknowledges it and trains for feed_train_s (bench/harness.py run_feed); 0: none
+    feed_level: int = 1000
+    feed_train_s: float = 1.0
+    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, feed, ingest, tokens, enqueue
     out: str = str(ROOT / "docs" / "benchmarks.md")
     png: str = str(ROOT / "docs" / "benchmarks.png")
     work: str = str(ROOT / "runs" / "bench")
@@ -49,6 +53,7 @@ class BenchConfig:
         base = dict(levels=[16], single_turn_levels=[16], pools=[], pool_level=16, process_counts=[],
                     model_latency_ms=200.0, steps=5,
                     window_s=5.0, warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000, token_episodes=20,
+                    feed_level=16,
                     ingest_runs=[("sqlite", 1)],
                     out=str(ROOT / "runs" / "bench" / "benchmarks.md"), png=str(ROOT / "runs" / "bench" / "benchmarks.png"))
         base.update(kw)
@@ -85,7 +90,8 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
                    "env_latency_ms": cfg.env_latency_ms, "steps": cfg.steps, "window_s": cfg.window_s,
                    "warmup_s": cfg.warmup_s, "levels": cfg.levels, "pool": cfg.pool, "pools": cfg.pools,
                    "pool_level": cfg.pool_level, "process_counts": cfg.process_counts, "src": cfg.src,
-                   "single_turn_levels": cfg.single_turn_levels},
+                   "single_turn_levels": cfg.single_turn_levels, "feed_level": cfg.feed_level,
+                   "feed_train_s": cfg.feed_train_s},
         "load": [], "single_turn": [], "pools": [], "processes": [], "ingest_runs": [],
     }
     load_by_c: dict[int, dict] = {}
@@ -112,6 +118,9 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
                 continue
             res["pools"].append(harness.to_json(harness.run_load(cfg.spec(cfg.pool_level, pool), work, src=cfg.src,
                                                                  base=base)))
+    if "feed" not in cfg.skip and cfg.feed_level:
+        res["feed"] = harness.to_json(harness.run_feed(cfg.spec(cfg.feed_level, cfg.pool), work,
+                                                       train_s=cfg.feed_train_s, src=cfg.src, base=base))
     if "ingest" not in cfg.skip:
         for backend, consumers in cfg.ingest_runs:
             r = harness.to_json(harness.run_fleet_ingest(cfg.ingest_records, work, backend=backend,

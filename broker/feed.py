@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, fields
 import redis
 
 from broker.keys import Keys
+from broker.records import QUEUED, RETRYING, RUNNING
 
 TRAINERS = "trainers"  # the consumer group of a feed's stream; trainers are its consumers
 
@@ -265,6 +266,16 @@ def holds(r: redis.Redis, keys: Keys, job_id: str, idle_s: float, now: float | N
         return True
     epoch = int(r.hget(keys.feed_position(job_id), "epoch") or 0)
     return not cfg.epochs or epoch < cfg.epochs
+
+
+def finished(r: redis.Redis, keys: Keys, job_id: str, counts: dict[str, int], idle_s: float,
+             now: float | None = None) -> bool:
+    """A feed job is finished when none of its episodes is queued, running or retrying (its
+    ledger ``counts``) and its feed holds nothing more (:func:`holds`): the sweeper then lets its
+    keys expire (broker/recovery.py), and a feed server refuses to serve it."""
+    if counts.get(QUEUED) or counts.get(RUNNING) or counts.get(RETRYING):
+        return False
+    return not holds(r, keys, job_id, idle_s, now)
 
 
 def trim(r: redis.Redis, keys: Keys, job_id: str, older_than_s: float, now: float | None = None) -> int:

@@ -225,10 +225,11 @@ class Sweeper:
                     gone.append(job_id)
                     pipe.delete(*keys)  # a dead submit's partial writes
                 continue
-            active = c[QUEUED] or c[RUNNING] or c[RETRYING]
             if job_id in feeds:
                 feed.trim(self.r, self.keys, job_id, retention)
-                active = active or feed.holds(self.r, self.keys, job_id, retention)
+                active = not feed.finished(self.r, self.keys, job_id, c, retention)
+            else:
+                active = c[QUEUED] or c[RUNNING] or c[RETRYING]
             if not active and ttl == -1:
                 for key in keys:
                     pipe.expire(key, retention)

@@ -283,6 +283,14 @@ def register(sub, add) -> None:
                     help="create the job without first asking the model endpoint and env servers whether they answer")
 
 
+def feed_flags(args) -> list[tuple[str, Any]]:
+    """The flags that set a feed's configuration (broker/feed.py FeedConfig), as given."""
+    return [("--max-ahead", args.max_ahead), ("--max-staleness", args.max_staleness),
+            ("--stale-policy", args.stale_policy), ("--failed-policy", args.failed_policy),
+            ("--refill-max", args.refill_max), ("--ack-timeout", args.ack_timeout),
+            ("--drop-uniform", args.drop_uniform), ("--filter", args.filter)]
+
+
 def cmd_feed(args) -> int:
     from interactor.common import settings_from_args
 
@@ -299,6 +307,17 @@ def cmd_feed(args) -> int:
         raise SettingsError("name task files to run, or --job J to serve a running job (not both)")
     if args.job and (args.epochs or args.seed):
         raise SettingsError("--epochs and --seed are for task files; --job serves a job as it was created")
+    # A feed's settings are its job's, in Redis, read by every server of the job and by its
+    # producer. Applied from here they could lose data (a staleness bound or drop policy that
+    # settles groups already produced, a shorter ack timeout that hands a trainer's groups to
+    # another, a filter the trainer never asked for): refused instead, and nothing is touched.
+    if args.job and not settings.redis_url:
+        raise SettingsError(f"--job {args.job} serves a job in a fleet's Redis: set REDIS_URL (or --redis-url)")
+    given = [flag for flag, v in feed_flags(args) if v is not None]
+    if args.job and given:
+        raise SettingsError(f"{', '.join(given)}: a feed's settings are fixed when its job is created (they live "
+                            f"in Redis with the job); --job {args.job} serves the feed as it is. Leave them out, or "
+                            "start a new job with them from task files")
     # A filter off the allow-list (or not importable) stops us before anything starts.
     from interactor.feed import load_filter
 
@@ -364,6 +383,28 @@ class Rollout:
         return service, note
 
 
+def _check_servable(client, settings: Settings, job_id: str) -> None:
+    """``--job J``: a job that is unknown, has no feed or is finished is refused in one line
+    before anything is attached (a producer started for a finished job would do nothing; a
+    trainer would wait on it for ever)."""
+    from broker.keys import Keys
+    from broker.ledger import Ledger
+    from broker.settings import redact_url
+
+    keys = Keys(settings.key_prefix)
+    ledger = Ledger.for_settings(client, settings)
+    if ledger.job_spec(job_id) is None:
+        raise SettingsError(f"--job {job_id}: no such job in Redis at {redact_url(settings.redis_url)} "
+                            "(a finished job is forgotten once its retention passes)")
+    if not feed.has_feed(client, keys, job_id):
+        raise SettingsError(f"--job {job_id}: the job has no feed (only continuous jobs have one: "
+                            "`interactor feed serve tasks.yaml`)")
+    if feed.finished(client, keys, job_id, ledger.counts(job_id), settings.job_retention_s):
+        raise SettingsError(f"--job {job_id}: the job is finished: no episode to run, no group ready or taken, "
+                            "nothing left to produce (or no trainer took anything for the job retention, "
+                            f"{settings.job_retention_s:g} s); start a new job from its task files")
+
+
 def serve(settings: Settings, *, tasks: list[str] | None = None, job_id: str | None = None, epochs: int = 0,
           seed: int = 0, workers: int | None = None, fleet: bool = True, preflight: bool = True,
           ready: Callable[[str], None] | None = None) -> int:
@@ -409,6 +450,8 @@ def serve(settings: Settings, *, tasks: list[str] | None = None, job_id: str | N
         client = connect(settings)
         store = open_store(settings.results_store)
         rollout = Rollout(client, settings, store, stop, preflight)
+        if job_id:
+            _check_servable(client, settings, job_id)
         try:
             service = rollout.new_job(tasks, epochs, seed) if tasks else (rollout.attach(job_id) if job_id else None)
         except feed.FeedError as exc:  # a job without a feed, a filter this server may not import

@@ -22,7 +22,7 @@ def test_bench_quick_produces_the_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
     cmd = [sys.executable, "-m", "interactor.cli", "bench", "--quick", "--levels", "4", "--single-turn-levels", "4",
            "--pools", "threads",
-           "--pool-level", "4", "--steps", "3", "--window", "3", "--warmup", "0.5", "--model-latency-ms", "100",
+           "--pool-level", "4", "--feed-level", "8", "--steps", "3", "--window", "3", "--warmup", "0.5", "--model-latency-ms", "100",
            "--ingest-records", "600", "--enqueue-episodes", "1000",
            "--out", str(out), "--png", str(png), "--work", str(work)]
     proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=240)
@@ -30,7 +30,7 @@ def test_bench_quick_produces_the_table(tmp_path):
 
     text = out.read_text()
     for heading in ("## How to run", "## The machine", "## Targets", "## Load runs", "## Worker pools",
-                    "## Consumer ingest", "## Enqueue", "## Single-turn episodes", "## Token storage"):
+                    "## Consumer ingest", "## Enqueue", "## Single-turn episodes", "## Token storage", "## Rollout feed"):
         assert heading in text, heading
     for row in ("| Efficiency at concurrency 4 |", "| Orchestration CPU per step, concurrency 4 |",
                 "| Worker memory per concurrent episode, concurrency 4 |", "| Consumer ingest (records/s into SQLite, one consumer) |",
@@ -54,6 +54,12 @@ def test_bench_quick_produces_the_table(tmp_path):
     assert single["redis_calls"].get("evalsha", 0) >= 2 * single["episodes"]
     assert res["ingest"]["records"] == 600 and not res["ingest"]["errors"] and res["ingest"]["backend"] == "sqlite"
     assert res["enqueue"]["episodes"] == 1000 and not res["enqueue"]["errors"]
+    fd = res["feed"]
+    assert fd["errors"] == [], fd["errors"]
+    assert fd["spec"]["concurrency"] == 8 and fd["groups"] > 0 and fd["latency_n"] > 0
+    assert 0 < fd["latency_ms"]["p50"] <= fd["latency_ms"]["p99"]
+    assert 0 <= fd["idle_fraction"] <= 1
+    assert fd["stats"]["acked"] >= fd["groups"]  # every group taken in the window was acknowledged
     tok = res["token_storage"]
     assert not tok["errors"] and tok["sampled_tokens"] > 0
     assert tok["token_bytes"] == 4 * (tok["stored_ids"] + tok["sampled_tokens"])  # int32 ids, float32 logprobs

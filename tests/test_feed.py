@@ -18,23 +18,13 @@ from consumer.storage import open_store
 from interactor.feed import FeedService
 from producer.continuous import ContinuousProducer, create_continuous_job
 from tests.conftest import wait_for
+from tests.taskfiles import write_arith_tasks
 
 pytestmark = pytest.mark.integration
 
 
 def write_tasks(tmp_path, env_url: str, *, rows: int = 4, env_num: int = 2, extra: str = "") -> str:
-    data = tmp_path / "arith.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + {i + 3}?", "answer": 2 * i + 3}) + "\n"
-                            for i in range(rows)))
-    path = tmp_path / "tasks.yaml"
-    path.write_text(textwrap.dedent(f"""\
-        environments:
-          - env_name: arithmetic
-            base_url: {env_url}
-            dataset: arith.jsonl
-            env_num: {env_num}
-        """) + extra)
-    return str(path)
+    return write_arith_tasks(tmp_path, env_url, rows=rows, env_num=env_num, extra=extra)
 
 
 class Run:
@@ -509,7 +499,7 @@ def test_a_filter_off_the_allow_list_is_refused(settings, procs, redis_client, t
     for name, allowed, says in [("os:abort", "tests.feed_filters:*", "is not in feed_filters"),
                                 ("tests.feed_filters:reexported", "tests.feed_filters:*", "is not defined in")]:
         env = procs.env(feed_filters=allowed)
-        out = subprocess.run([sys.executable, "-m", "interactor.cli", "feed", "serve", "--job", "nojob",
+        out = subprocess.run([sys.executable, "-m", "interactor.cli", "feed", "serve",
                               "--filter", name, "--port", "0"], env=env, cwd=str(ROOT), capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2, out.stderr
@@ -528,11 +518,11 @@ def tasks_with_a_late_env(tmp_path, url):
         """), "  "))
 
 
-def take_and_ack_until(run, done, timeout=180):
+def take_and_ack_until(run, done, timeout=180, batch_size=1):
     got = []
 
     def more():
-        batch = run.service.take("t", 1, 1.0)
+        batch = run.service.take("t", batch_size, 1.0)
         got.extend(batch)
         if batch:
             run.service.ack("t", [g["group_id"] for g in batch])
@@ -609,16 +599,7 @@ def test_a_worker_killed_mid_run_every_group_delivered_exactly_once(run_factory,
     wait_for(lambda: steps() >= 6, 120, what="episodes under way")
     procs.kill("w1", signal.SIGKILL)  # the episodes it ran go to w2 (and w3) about one lease TTL later
     procs.worker("w3")
-    got = []
-
-    def more():
-        batch = run.service.take("t", 4, 1.0)
-        got.extend(batch)
-        if batch:
-            run.service.ack("t", [g["group_id"] for g in batch])
-        return len(got) >= 8
-
-    wait_for(more, 240, interval=0.01, what="eight groups")
+    got = take_and_ack_until(run, lambda st: st["acked"] >= 8, timeout=240, batch_size=4)
     ids = [g["group_id"] for g in got]
     assert len(ids) == len(set(ids)) == 8
     assert all(g["status"] == feed.FEED_READY and len(g["samples"]) == 2 for g in got)

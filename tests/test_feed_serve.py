@@ -15,7 +15,7 @@ import pytest
 
 from interactor.feed_client import Feed, FeedHTTPError
 from tests.conftest import ROOT, wait_for
-from tests.test_feed import write_tasks
+from tests.test_feed import run_factory, take_and_ack_until, write_tasks  # noqa: F401 - run_factory: fixture
 from tests.test_no_orphans import assert_none_left, clean_env, describe, mark, marked  # noqa: F401 - mark: fixture
 
 pytestmark = pytest.mark.integration
@@ -170,3 +170,38 @@ def test_demo_rl_runs_briefly_and_leaves_no_process(tmp_path, mark):
     assert any(line.startswith("4 steps, version 4: mean reward") for line in lines), out.stdout
     assert any("8 groups acknowledged" in line for line in lines), out.stdout
     assert_none_left(mark, run_dir, 30, "processes of the RL demo")
+
+
+def feed_serve_job(procs, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "interactor.cli", "feed", "serve", "--port", "0", *args],
+                          env=procs.env(), cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+
+
+def test_feed_serve_job_refuses_an_unknown_or_finished_job_and_feed_flags(run_factory, procs, tmp_path):
+    """``--job J`` serves a job as it was created: feed flags with it are refused (exit 2, one
+    line naming them) and the job's feed settings stay as they were, since applying them to a
+    running feed could settle or hand away groups; an unknown job, or one whose feed is
+    finished, is refused in one line too, before anything starts. A running job is served."""
+    out = feed_serve_job(procs, "--job", "no-such-job")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+    assert "--job no-such-job: no such job" in out.stderr and "Traceback" not in out.stderr
+
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=1), feed_max_ahead=2, epochs=1)
+    before = run.r.hgetall(run.keys.feed_config(run.job_id))
+    out = feed_serve_job(procs, "--job", run.job_id, "--max-ahead", "50", "--stale-policy", "drop",
+                         "--ack-timeout", "1")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--max-ahead, --stale-policy, --ack-timeout: a feed's settings are fixed" in out.stderr
+    assert run.r.hgetall(run.keys.feed_config(run.job_id)) == before  # nothing applied
+
+    # Running (nothing produced yet, one epoch to go): served; its producer makes the one group.
+    server = procs.start("feed", "feed", "serve", "--job", run.job_id, "--port", "0")
+    wait_for(lambda: f"feed of job {run.job_id} at http" in procs.log("feed"), 60, what="the feed server up")
+    got = take_and_ack_until(run, lambda st: st["acked"] >= 1, timeout=120)
+    assert len(got) == 1 and run.service.stats()["inflight"] == 0
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(60) == 0, procs.log("feed")
+
+    out = feed_serve_job(procs, "--job", run.job_id)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"--job {run.job_id}: the job is finished" in out.stderr and "Traceback" not in out.stderr

@@ -19,28 +19,13 @@ from consumer.storage import open_store
 from producer.enqueue import submit
 from tests.conftest import ROOT, interruptible, wait_for
 from tests.storecheck import assert_trajectories_sound, db_rows, store_text
+from tests.taskfiles import write_arith_tasks
 
 pytestmark = pytest.mark.integration
 
 
 def write_tasks(tmp_path, env_url: str, *, guess: int = 3, rows: int = 5, arith_num: int = 2) -> str:
-    data = tmp_path / "arith.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + {i + 3}?", "answer": 2 * i + 3}) + "\n"
-                            for i in range(rows)))
-    path = tmp_path / "tasks.yaml"
-    path.write_text(textwrap.dedent(f"""\
-        environments:
-          - env_name: guess_number
-            base_url: {env_url}
-            env_params: {{low: 1, high: 64, max_turns: 10}}
-            env_num: {guess}
-          - env_name: arithmetic
-            base_url: {env_url}
-            env_params: {{}}
-            dataset: arith.jsonl
-            env_num: {arith_num}
-        """))
-    return str(path)
+    return write_arith_tasks(tmp_path, env_url, rows=rows, env_num=arith_num, guess=guess)
 
 
 def wait_job_stored(settings, job_id: str, total: int, timeout: float = 90):
