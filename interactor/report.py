@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from broker.records import PHASES
+
 
 
 def _f(x, nd: int = 3) -> str:
@@ -41,6 +43,7 @@ def print_results(job_id: str, res: dict, db_path: str) -> None:
     print(tokens_line(job))
     if res.get("token_ids"):
         print(token_ids_line(res["token_ids"]))
+    print(phases_line(res.get("phases")))
     g = res["groups"]
     print(f"groups: {g['total']} total, {g['complete']} complete, {g['incomplete']} incomplete "
           f"({g['failed']} with a dead-lettered episode), mean reward std {_f(g['mean_std'])}")
@@ -55,6 +58,15 @@ def tokens_line(job: dict) -> str:
     per_episode, per_s = job.get("tokens_per_episode"), job.get("tokens_per_s")
     return (f"tokens: {prompt + completion} ({prompt} prompt, {completion} completion), "
             f"{_f(per_episode, 1)} per episode, {_f(per_s, 1)} tokens/s")
+
+
+def phases_line(ph: dict | None) -> str:
+    """Where the attempts' time went (records v5): mean seconds per attempt of each phase, over
+    the attempts that timed it (a re-run's queue wait is not timed)."""
+    if not ph:
+        return "phases: not timed (records before v5, or a store written by older code)"
+    parts = [f"{p} {ph['mean_s'][p]:.3f}s" for p in PHASES if ph["mean_s"].get(p) is not None]
+    return f"phases (mean per attempt, {ph['attempts']} attempts): " + ", ".join(parts)
 
 
 def token_ids_line(t: dict) -> str:

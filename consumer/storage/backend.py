@@ -23,6 +23,8 @@ Tables (docs/protocol.md, "What is stored"):
   ended_by, latencies, token counts, created_ts).
 * ``superseded_steps``: step rows that are not an episode's trajectory, with the reason.
 * ``episodes``, ``attempts``, ``groups``, ``jobs``: our bookkeeping.
+* ``step_tokens``, ``attempt_phases``: additive tables of ours (consumer/storage/tokens.py,
+  phases.py), created by a writer that opens a store lacking them; no schema version.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import orjson
 
-from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord
+from broker.records import PHASES, AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord
 from broker.settings import redact_url
+from consumer.storage import phases as attempt_phases_table
 from consumer.storage import tokens as step_tokens_table
 from consumer.storage.plan import (
     EP_COMPLETED,
@@ -125,6 +128,11 @@ class ResultStore:
         raise NotImplementedError
 
     def query_dicts(self, sql: str, args: Sequence[Any] = ()) -> list[dict]:  # pragma: no cover
+        raise NotImplementedError
+
+    def has_table(self, table: str) -> bool:  # pragma: no cover - backend
+        """Whether the store has an additive table (step_tokens, attempt_phases): a store made
+        before one, and not yet opened by a writer of this code, has not."""
         raise NotImplementedError
 
     def lock_episodes(self, episode_ids: Sequence[str]) -> None:
@@ -270,6 +278,10 @@ class ResultStore:
                      float(c.total_reward or 0.0), c.steps, c.ended_by or None, c.prompt_tokens, c.completion_tokens,
                      c.started_at, c.finished_at, c.worker)) for c in closes],
         )
+        # where each attempt's time went (records v5), kept by the same rule (consumer/storage/phases.py)
+        phase_rows = attempt_phases_table.rows(closes)
+        if phase_rows:
+            self.executemany(attempt_phases_table.INSERT, phase_rows)
 
     def _load_states(self, ids: Sequence[str]) -> dict[str, EpisodeState]:
         out: dict[str, EpisodeState] = {}
@@ -469,6 +481,8 @@ class ResultStore:
             "by_env": by_env,
             # token-exact trajectories (jobs run with tokens): None when no step asked
             "token_ids": self.token_summary(job_id),
+            # where the attempts' time went (attempt_phases): None when no attempt was timed
+            "phases": self.phase_summary(job_id),
             "groups": {
                 "total": int(total),
                 "complete": int(complete),
@@ -495,8 +509,35 @@ class ResultStore:
         return self.query_dicts("SELECT * FROM episodes WHERE group_id = ? ORDER BY episode_id", (group_id,))
 
     def attempts(self, episode_id: str) -> list[dict]:
-        return self.query_dicts("SELECT * FROM attempts WHERE episode_id = ? ORDER BY attempt, started_at",
-                                (episode_id,))
+        """The episode's closed attempts, each with its phases' seconds (``<phase>_s``, None where
+        not timed: records before v5, or a store no writer of this code has opened yet)."""
+        if not self.has_table(attempt_phases_table.TABLE):
+            return [d | dict.fromkeys(attempt_phases_table.PHASE_COLUMNS) for d in self.query_dicts(
+                "SELECT * FROM attempts WHERE episode_id = ? ORDER BY attempt, started_at", (episode_id,))]
+        cols = ", ".join(f"p.{c}" for c in attempt_phases_table.PHASE_COLUMNS)
+        return self.query_dicts(
+            f"SELECT a.*, {cols} FROM attempts a LEFT JOIN attempt_phases p ON p.episode_id = a.episode_id "
+            "AND p.attempt_id = a.attempt_id WHERE a.episode_id = ? ORDER BY a.attempt, a.started_at", (episode_id,))
+
+    def phase_summary(self, job_id: str) -> dict | None:
+        """Where the job's attempts' time went (records v5, broker/records.py PHASES): per phase,
+        the mean seconds per attempt over the attempts that timed it, how many did, and the
+        total. None when no attempt of the job was timed (older records or store)."""
+        if not self.has_table(attempt_phases_table.TABLE):
+            return None
+        cols = attempt_phases_table.PHASE_COLUMNS
+        row = self.query(
+            "SELECT COUNT(*), " + ", ".join(f"AVG({c}), COUNT({c}), SUM({c})" for c in cols)
+            + " FROM attempt_phases WHERE job_id = ?", (job_id,))[0]
+        if not row[0]:
+            return None
+        out: dict[str, Any] = {"attempts": int(row[0]), "mean_s": {}, "timed": {}, "total_s": {}}
+        for i, phase in enumerate(PHASES):
+            mean, n, total = row[1 + 3 * i: 4 + 3 * i]
+            out["mean_s"][phase] = None if mean is None else float(mean)
+            out["timed"][phase] = int(n)
+            out["total_s"][phase] = float(total or 0.0)
+        return out
 
     def episode_trajectory(self, episode_id: str) -> list[dict]:
         """The episode's trajectory (its session_steps rows) in step order, JSON decoded."""
@@ -788,9 +829,9 @@ class ResultStore:
             "SELECT group_id FROM groups WHERE job_id = ? AND size > 0 AND completed + failed >= size", (job_id,))]
 
     # ------------------------------------------------------------------ tokens (step_tokens)
-    def has_step_tokens(self) -> bool:  # pragma: no cover - backend
+    def has_step_tokens(self) -> bool:
         """Whether the store has the step_tokens table (a store made before it has not)."""
-        raise NotImplementedError
+        return self.has_table(step_tokens_table.TABLE)
 
     def episode_tokens(self, episode_id: str, step_id: int | None = None) -> list[dict]:
         """The token rows of the episode's trajectory (the attempt its session_steps rows are

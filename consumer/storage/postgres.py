@@ -28,6 +28,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from consumer.storage import phases as attempt_phases_table
 from consumer.storage import tokens as step_tokens_table
 from consumer.storage.backend import BROWSE_INDEXES, SCHEMA_VERSION, ResultStore, StoreError, _chunks, _marks
 
@@ -246,10 +247,12 @@ class PostgresStore(ResultStore):
         self._sql_cache: dict[str, str] = {}
         self._in_tx = False
         self._connect()
-        self._step_tokens: bool | None = None
+        self._tables: set[str] = set()
         if not readonly:
             self._ensure_schema()
-            self._ensure_step_tokens()
+            for table, ddl in ((step_tokens_table.TABLE, step_tokens_table.POSTGRES_DDL),
+                               (attempt_phases_table.TABLE, attempt_phases_table.POSTGRES_DDL)):
+                self._ensure_table(table, ddl)
         else:
             self._check_version()
 
@@ -296,23 +299,24 @@ class PostgresStore(ResultStore):
                     if name not in have:
                         conn.execute(ddl)
 
-    def _ensure_step_tokens(self) -> None:
-        """The additive "tokens" schema step (consumer/storage/tokens.py): looked up first
-        (CREATE ... IF NOT EXISTS would take locks even when the table is there), created under
-        the schema lock once."""
+    def _ensure_table(self, table: str, ddl: str) -> None:
+        """An additive schema step (a table of its own: step_tokens, attempt_phases; see their
+        modules): looked up first (CREATE ... IF NOT EXISTS would take locks even when the
+        table is there), created under the schema lock once."""
         conn = self._live()
-        if conn.execute("SELECT to_regclass('step_tokens')").fetchone()[0] is not None:
+        if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is not None:
             return
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            for stmt in step_tokens_table.POSTGRES_DDL.split(";"):
+            for stmt in ddl.split(";"):
                 if stmt.strip():
                     conn.execute(stmt)
 
-    def has_step_tokens(self) -> bool:
-        if not self._step_tokens:
-            self._step_tokens = self._live().execute("SELECT to_regclass('step_tokens')").fetchone()[0] is not None
-        return self._step_tokens
+    def has_table(self, table: str) -> bool:
+        if table not in self._tables:  # a missing one is looked up again: a writer may create it meanwhile
+            if self._live().execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is not None:
+                self._tables.add(table)
+        return table in self._tables
 
     def _check_version(self) -> None:
         try:

@@ -20,6 +20,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from consumer.storage import phases as attempt_phases_table
 from consumer.storage import tokens as step_tokens_table
 from consumer.storage.backend import BROWSE_INDEXES, SCHEMA_VERSION, ResultStore, StoreError
 
@@ -265,9 +266,11 @@ class SQLiteStore(ResultStore):
         c.execute("PRAGMA wal_autocheckpoint = 8192")  # pages: ~64 MiB of WAL between checkpoints
         c.execute("PRAGMA journal_size_limit = 67108864")
         self._ensure_schema(readonly)
-        self._step_tokens: bool | None = None
+        self._tables: set[str] = set()
         if not readonly:
-            self._ensure_step_tokens()
+            for table, ddl in ((step_tokens_table.TABLE, step_tokens_table.SQLITE_DDL),
+                               (attempt_phases_table.TABLE, attempt_phases_table.SQLITE_DDL)):
+                self._ensure_table(table, ddl)
 
     def _ensure_schema(self, readonly: bool) -> None:
         c = self._conn
@@ -316,24 +319,25 @@ class SQLiteStore(ResultStore):
                 c.execute("ROLLBACK")
                 raise
 
-    def _ensure_step_tokens(self) -> None:
-        """The additive "tokens" schema step (consumer/storage/tokens.py): the table, once."""
+    def _ensure_table(self, table: str, ddl: str) -> None:
+        """An additive schema step (a table of its own: step_tokens, attempt_phases; see their
+        modules): created once, by the first writer that opens a store lacking it."""
         c = self._conn
-        if c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'step_tokens'").fetchone():
+        if c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone():
             return
         c.execute("BEGIN IMMEDIATE")
         try:
-            _script(c, step_tokens_table.SQLITE_DDL)  # IF NOT EXISTS: another writer may have been first
+            _script(c, ddl)  # IF NOT EXISTS: another writer may have been first
             c.execute("COMMIT")
         except BaseException:
             c.execute("ROLLBACK")
             raise
 
-    def has_step_tokens(self) -> bool:
-        if not self._step_tokens:  # a False is looked up again: a writer may create it meanwhile
-            self._step_tokens = bool(self.query(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'step_tokens'"))
-        return self._step_tokens
+    def has_table(self, table: str) -> bool:
+        if table not in self._tables:  # a missing one is looked up again: a writer may create it meanwhile
+            if self.query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)):
+                self._tables.add(table)
+        return table in self._tables
 
     # --- primitives -----------------------------------------------------------------------
     @contextmanager

@@ -33,6 +33,7 @@ from urllib.parse import urlencode
 
 from flask import Flask, abort, jsonify, redirect, render_template, request, url_for
 
+from broker.records import PHASES
 from interactor.ui import plots, transcript
 from interactor.ui.source import AGGREGATE_TTL_S, MAX_JOBS, Source
 
@@ -200,8 +201,11 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
             s["steps"].append(row)
         task = source.read("job_environment", episode_id)
         letter = source.dead_letter(episode_id, ep["job_id"]) if ep["status"] == "failed" else None
+        attempts = source.read("attempts", episode_id)
+        for a in attempts:  # where each attempt's time went, in PHASES order (records v5)
+            a["phases"] = [(p, a[f"{p}_s"]) for p in PHASES if a.get(f"{p}_s") is not None]
         return render_template(
-            "episode.html", ep=ep, chat=transcript.chat(steps), attempts=source.read("attempts", episode_id),
+            "episode.html", ep=ep, chat=transcript.chat(steps), attempts=attempts,
             g=g, members=members, superseded=superseded, task=task, letter=letter, job_id=ep["job_id"],
             params=_pretty_json(task.get("env_params")) if task else "",
             tokens_by_step=source.read("episode_token_index", episode_id))

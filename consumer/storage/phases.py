@@ -1,0 +1,57 @@
+"""The ``attempt_phases`` table: where each closed attempt's time went (records v5, broker/records.py
+``PHASES``), one row per ``attempts`` row, so that ``interactor results`` and the results browser
+can say whether the env, the model or the queue held a job's episodes up.
+
+A table of its own rather than columns of ``attempts``: adding columns would be a schema
+version, and a store of a newer version is refused by older code (a fleet upgraded one
+consumer at a time would stop); a new table is an additive step like ``step_tokens``
+(consumer/storage/tokens.py): a writer opening a store that lacks it creates it, nothing else
+changes, the schema version is not touched, older code keeps reading and writing the store
+(it simply does not fill the table) and a reader of a store without it sees no timings.
+
+Keyed like ``attempts`` (episode_id, attempt_id), and kept by the same rule: a ``completed``
+close wins over any other close of the attempt, otherwise the first one stored stays
+(``status`` is kept here so that the rule can be applied without reading ``attempts``).
+A phase the attempt did not time (records before v5, the queue wait of a re-run) is NULL,
+never 0, so that means are taken over the attempts that timed it.
+"""
+
+from __future__ import annotations
+
+from broker.records import PHASES, AttemptRecord
+
+TABLE = "attempt_phases"
+
+#: Column of each phase (broker/records.py PHASES): ``<phase>_s``, as AttemptRecord names it.
+PHASE_COLUMNS = tuple(f"{p}_s" for p in PHASES)
+COLUMNS = ("episode_id", "attempt_id", "job_id", "status") + PHASE_COLUMNS
+
+_DDL = f"""
+CREATE TABLE IF NOT EXISTS attempt_phases (
+    episode_id TEXT NOT NULL,
+    attempt_id TEXT NOT NULL,
+    job_id TEXT,
+    status TEXT NOT NULL,
+    {", ".join(f"{c} {{real}}" for c in PHASE_COLUMNS)},
+    PRIMARY KEY (episode_id, attempt_id)
+);
+CREATE INDEX IF NOT EXISTS attempt_phases_job ON attempt_phases (job_id)
+"""
+SQLITE_DDL = _DDL.format(real="REAL")
+POSTGRES_DDL = _DDL.format(real="DOUBLE PRECISION")
+
+INSERT = (f"INSERT INTO attempt_phases ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)}) "
+          f"ON CONFLICT (episode_id, attempt_id) DO UPDATE SET "
+          + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[2:])
+          + " WHERE excluded.status = 'completed' AND attempt_phases.status <> 'completed'")
+
+
+def rows(closes: list[AttemptRecord]) -> list[tuple]:
+    """The attempt_phases rows of the closes that timed at least one phase (v5 records)."""
+    out = []
+    for c in closes:
+        values = tuple(getattr(c, col) for col in PHASE_COLUMNS)
+        if any(v is not None for v in values):
+            out.append((c.episode_id, c.attempt_id, c.job_id, c.status)
+                       + tuple(None if v is None else float(v) for v in values))
+    return out
