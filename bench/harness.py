@@ -43,6 +43,7 @@ from typing import Any
 import psutil
 import redis
 
+from broker.caps import MAX_CONCURRENCY, Limits
 from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
 from broker.ledger import Ledger
@@ -67,6 +68,17 @@ class LoadSpec:
     warmup_s: float = 3.0
     episodes_factor: float = 0.0  # episodes submitted = factor * concurrency; 0: enough for the window
     label: str = ""
+    # Fleet-wide caps on the model endpoint and the env server at caps_factor * concurrency
+    # (the task file's ``limits:``, README "Fleet-wide limits"); 0: none. Above 1 they never
+    # bind, so a run measures only what holding them costs (the "caps" part of bench/run.py).
+    caps_factor: float = 0.0
+
+    def limits(self, env_url: str) -> dict[str, Any]:
+        """The task file's ``limits:`` of this load (empty without caps)."""
+        if self.caps_factor <= 0:
+            return {}
+        n = max(1, math.ceil(self.caps_factor * self.concurrency))
+        return Limits(model=n, env_servers={env_url: {MAX_CONCURRENCY: n}}).to_dict()
 
     @property
     def step_latency_s(self) -> float:
@@ -329,7 +341,8 @@ class Cluster:
         return backlog
 
 
-def _write_countdown_tasks(folder: Path, env_url: str, episodes: int, steps: int, group: int = 4) -> str:
+def _write_countdown_tasks(folder: Path, env_url: str, episodes: int, steps: int, group: int = 4,
+                           limits: dict[str, Any] | None = None) -> str:
     rows = max(1, episodes // group)
     data = folder / "countdown.jsonl"
     data.write_text("".join(json.dumps({"steps": steps, "task": i}) + "\n" for i in range(rows)))
@@ -341,6 +354,7 @@ def _write_countdown_tasks(folder: Path, env_url: str, episodes: int, steps: int
         "    env_params: {system_bytes: 1500, turn_bytes: 300, keep_turns: 3}\n"
         f"    dataset: {data.name}\n"
         f"    env_num: {group}\n"
+        + (f"limits: {json.dumps(limits)}\n" if limits else "")  # JSON is YAML's flow style
     )
     return str(path)
 
@@ -391,6 +405,7 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
     res = LoadResult(spec)
     cluster = Cluster(folder, spec, src=src, base=base)
     log(f"load run: concurrency {spec.concurrency}, pool {spec.pool}, {spec.workers} worker processes"
+        + (f", model and env-server caps at {spec.caps_factor:g}x concurrency" if spec.caps_factor > 0 else "")
         + (f", code from {src}" if src else ""))
     try:
         settings = cluster.start()
@@ -405,9 +420,12 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
         factor = spec.episodes_factor or 1.5 * (1 + (ramp_limit + spec.window_s + spec.warmup_s + 15)
                                                / (spec.steps * spec.step_latency_s))
         episodes = max(spec.concurrency, int(spec.concurrency * factor))
-        tasks = _write_countdown_tasks(folder, cluster.env_url, episodes, spec.steps)
+        tasks = _write_countdown_tasks(folder, cluster.env_url, episodes, spec.steps,
+                                       limits=spec.limits(cluster.env_url))
         sub = submit_plan(client, settings, plan(settings, [tasks], f"bench-{uuid.uuid4().hex[:6]}"))
         job_id = sub.job.job_id
+        if spec.caps_factor > 0 and not sub.job.limits:
+            raise RuntimeError("the job was submitted without the caps its task file sets")
         ledger = Ledger(client, keys, settings.lease_ttl_s)
 
         # Ramp: until every slot runs an episode (or the machine shows it cannot: then the window
@@ -487,6 +505,23 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
         f"{res.latency_ms.get('p99', float('nan')):.0f} ms; worker memory {res.mem_mb_per_episode:.3f} MB/episode"
         + (f"; problems: {res.errors}" if res.errors else ""))
     return res
+
+
+def redis_calls_per_step(r: dict) -> float:
+    """Redis commands per step of a load run's window (``to_json`` form; NaN without steps)."""
+    return sum((r.get("redis_calls") or {}).values()) / r["steps"] if r.get("steps") else float("nan")
+
+
+def caps_cost(uncapped: dict, capped: dict) -> dict[str, float]:
+    """What caps that never bind cost per step (issue 25: "the cost of the caps per step (Redis
+    round trips)"), from two load runs of the same shape, without and with caps (``to_json``
+    form): orchestration CPU per step both ways and their ratio, Redis commands per step both
+    ways and their difference (the round trips the caps add)."""
+    cpu0, cpu1 = uncapped["orch_cpu_ms_per_step"], capped["orch_cpu_ms_per_step"]
+    r0, r1 = redis_calls_per_step(uncapped), redis_calls_per_step(capped)
+    return {"cpu_ms_per_step_uncapped": cpu0, "cpu_ms_per_step_capped": cpu1,
+            "cpu_ratio": cpu1 / cpu0 if cpu0 else float("nan"),
+            "redis_per_step_uncapped": r0, "redis_per_step_capped": r1, "redis_extra_per_step": r1 - r0}
 
 
 # --------------------------------------------------------------------------- the rollout feed

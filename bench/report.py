@@ -260,6 +260,34 @@ def feed_section(fd: dict) -> list[str]:
     return out
 
 
+def caps_section(cp: dict) -> list[str]:
+    """The caps' cost per step (bench/run.py ``run_caps``, harness ``caps_cost``): the same load
+    with and without fleet-wide caps that never bind."""
+    u, c = cp["uncapped"], cp["capped"]
+    s = c["spec"]
+    n = math.ceil(cp["factor"] * cp["level"])
+    target = TARGETS["cpu_ms_per_step"]
+    within = "yes" if cp["cpu_ms_per_step_capped"] <= target else "**no**"
+    return ["## Cost of the fleet-wide caps\n",
+            f"The load at concurrency {cp['level']} ({s['steps']}-step `countdown` episodes, the load runs' "
+            f"latencies) run again with a model cap and an env-server cap (`max_concurrency` {n:,}, "
+            f"{cp['factor']:g}x C: they never bind), against the uncapped run of the same level in this run. "
+            "What is left is what holding the caps costs: slots taken and given back in Redis around every model "
+            "and env call.\n",
+            _table(["C", "caps", "steps/s", "efficiency", "orchestration CPU per step", "Redis commands per step",
+                    "problems"],
+                   [(cp["level"], "none", _f(u["rate"], 1), _f(u["efficiency"], 3),
+                     _f(cp["cpu_ms_per_step_uncapped"], 3) + " ms", _f(cp["redis_per_step_uncapped"], 2),
+                     "; ".join(u.get("errors") or [])),
+                    (cp["level"], f"{n:,}", _f(c["rate"], 1), _f(c["efficiency"], 3),
+                     _f(cp["cpu_ms_per_step_capped"], 3) + " ms", _f(cp["redis_per_step_capped"], 2),
+                     "; ".join(c.get("errors") or []))]) + "\n",
+            f"**Caps' cost per step:** orchestration CPU x{_f(cp['cpu_ratio'], 2)} "
+            f"({_f(cp['cpu_ms_per_step_capped'] - cp['cpu_ms_per_step_uncapped'], 3)} ms), "
+            f"{_f(cp['redis_extra_per_step'], 2)} Redis commands more; with the caps, within the per-step CPU "
+            f"target (<= {target:g} ms): {within}.\n"]
+
+
 def render(res: dict, png_name: str | None) -> str:
     m = res["machine"]
     cfg = res["config"]
@@ -375,6 +403,9 @@ def render(res: dict, png_name: str | None) -> str:
     fd = res.get("feed")
     if fd:
         out += feed_section(fd)
+
+    if res.get("caps"):
+        out += caps_section(res["caps"])
 
     runs = res.get("ingest_runs") or []
     if runs:

@@ -42,7 +42,11 @@ class BenchConfig:
     # batch, acknowledges it and trains for feed_train_s (bench/harness.py run_feed); 0: none
     feed_level: int = 1000
     feed_train_s: float = 1.0
-    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, feed, ingest, tokens, enqueue
+    # the caps' cost: the load of this level again with a model cap and an env-server cap at
+    # caps_factor x C (never binding), against the uncapped level of the same run; 0: none
+    caps_level: int = 256
+    caps_factor: float = 10.0
+    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, feed, caps, ingest, tokens, enqueue
     out: str = str(ROOT / "docs" / "benchmarks.md")
     png: str = str(ROOT / "docs" / "benchmarks.png")
     work: str = str(ROOT / "runs" / "bench")
@@ -53,17 +57,24 @@ class BenchConfig:
         base = dict(levels=[16], single_turn_levels=[16], pools=[], pool_level=16, process_counts=[],
                     model_latency_ms=200.0, steps=5,
                     window_s=5.0, warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000, token_episodes=20,
-                    feed_level=16,
+                    feed_level=16, caps_level=16,
                     ingest_runs=[("sqlite", 1)],
                     out=str(ROOT / "runs" / "bench" / "benchmarks.md"), png=str(ROOT / "runs" / "bench" / "benchmarks.png"))
         base.update(kw)
         return cls(**base)
 
-    def spec(self, concurrency: int, pool: str, workers: int | None = None, steps: int | None = None
-             ) -> harness.LoadSpec:
+    def check(self) -> None:
+        """Refuse settings that would measure something else, before any run starts."""
+        if "caps" not in self.skip and self.caps_level and self.caps_factor <= 1:
+            raise ValueError(f"caps factor {self.caps_factor:g} would let the caps bind (they must not: the run "
+                             "measures what holding them costs); give one above 1")
+
+    def spec(self, concurrency: int, pool: str, workers: int | None = None, steps: int | None = None,
+             caps_factor: float = 0.0) -> harness.LoadSpec:
         return harness.LoadSpec(concurrency=concurrency, pool=pool, workers=workers or self.workers,
                                 model_latency_ms=self.model_latency_ms, env_latency_ms=self.env_latency_ms,
-                                steps=steps or self.steps, window_s=self.window_s, warmup_s=self.warmup_s)
+                                steps=steps or self.steps, window_s=self.window_s, warmup_s=self.warmup_s,
+                                caps_factor=caps_factor)
 
 
 def _commit() -> str:
@@ -78,6 +89,7 @@ def _commit() -> str:
 
 
 def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
+    cfg.check()
     base = base or Settings.from_env({})
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -91,7 +103,8 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
                    "warmup_s": cfg.warmup_s, "levels": cfg.levels, "pool": cfg.pool, "pools": cfg.pools,
                    "pool_level": cfg.pool_level, "process_counts": cfg.process_counts, "src": cfg.src,
                    "single_turn_levels": cfg.single_turn_levels, "feed_level": cfg.feed_level,
-                   "feed_train_s": cfg.feed_train_s},
+                   "feed_train_s": cfg.feed_train_s, "caps_level": cfg.caps_level,
+                   "caps_factor": cfg.caps_factor},
         "load": [], "single_turn": [], "pools": [], "processes": [], "ingest_runs": [],
     }
     load_by_c: dict[int, dict] = {}
@@ -121,6 +134,8 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
     if "feed" not in cfg.skip and cfg.feed_level:
         res["feed"] = harness.to_json(harness.run_feed(cfg.spec(cfg.feed_level, cfg.pool), work,
                                                        train_s=cfg.feed_train_s, src=cfg.src, base=base))
+    if "caps" not in cfg.skip and cfg.caps_level:
+        res["caps"] = run_caps(cfg, load_by_c, base)
     if "ingest" not in cfg.skip:
         for backend, consumers in cfg.ingest_runs:
             r = harness.to_json(harness.run_fleet_ingest(cfg.ingest_records, work, backend=backend,
@@ -136,6 +151,24 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
     res["finished"] = report.now_text()
     res["duration_s"] = time.monotonic() - t0
     return res
+
+
+def run_caps(cfg: BenchConfig, load_by_c: dict[int, dict], base: Settings) -> dict:
+    """The caps' cost per step: the load at ``caps_level`` with caps that never bind, against the
+    same load uncapped in this run (the load level when it was measured, else measured here)."""
+    work = Path(cfg.work)
+    uncapped = load_by_c.get(cfg.caps_level)
+    if uncapped is None:
+        uncapped = harness.to_json(harness.run_load(cfg.spec(cfg.caps_level, cfg.pool), work, src=cfg.src,
+                                                    base=base))
+    capped = harness.to_json(harness.run_load(cfg.spec(cfg.caps_level, cfg.pool, caps_factor=cfg.caps_factor),
+                                              work, src=cfg.src, base=base))
+    cost = harness.caps_cost(uncapped, capped)
+    harness.log(f"  caps at {cfg.caps_factor:g}x C={cfg.caps_level}: orchestration CPU "
+                f"{cost['cpu_ms_per_step_uncapped']:.3f} -> {cost['cpu_ms_per_step_capped']:.3f} ms/step "
+                f"(x{cost['cpu_ratio']:.2f}); Redis {cost['redis_per_step_uncapped']:.2f} -> "
+                f"{cost['redis_per_step_capped']:.2f} commands/step ({cost['redis_extra_per_step']:+.2f})")
+    return {"level": cfg.caps_level, "factor": cfg.caps_factor, "uncapped": uncapped, "capped": capped} | cost
 
 
 def write(res: dict, cfg: BenchConfig) -> None:

@@ -22,7 +22,7 @@ def test_bench_quick_produces_the_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
     cmd = [sys.executable, "-m", "interactor.cli", "bench", "--quick", "--levels", "4", "--single-turn-levels", "4",
            "--pools", "threads",
-           "--pool-level", "4", "--feed-level", "8", "--steps", "3", "--window", "3", "--warmup", "0.5", "--model-latency-ms", "100",
+           "--pool-level", "4", "--feed-level", "8", "--caps-level", "4", "--steps", "3", "--window", "3", "--warmup", "0.5", "--model-latency-ms", "100",
            "--ingest-records", "600", "--enqueue-episodes", "1000",
            "--out", str(out), "--png", str(png), "--work", str(work)]
     proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=240)
@@ -30,7 +30,8 @@ def test_bench_quick_produces_the_table(tmp_path):
 
     text = out.read_text()
     for heading in ("## How to run", "## The machine", "## Targets", "## Load runs", "## Worker pools",
-                    "## Consumer ingest", "## Enqueue", "## Single-turn episodes", "## Token storage", "## Rollout feed"):
+                    "## Consumer ingest", "## Enqueue", "## Single-turn episodes", "## Token storage", "## Rollout feed",
+                    "## Cost of the fleet-wide caps"):
         assert heading in text, heading
     for row in ("| Efficiency at concurrency 4 |", "| Orchestration CPU per step, concurrency 4 |",
                 "| Worker memory per concurrent episode, concurrency 4 |", "| Consumer ingest (records/s into SQLite, one consumer) |",
@@ -39,6 +40,7 @@ def test_bench_quick_produces_the_table(tmp_path):
                 "| Orchestration CPU per episode beyond its steps, concurrency 4 |"):
         assert row in text, row
     assert "**Chosen default: `threads`**" in text
+    assert "**Caps' cost per step:** orchestration CPU x" in text and "Redis commands more" in text
     assert png.exists() and png.stat().st_size > 1000
 
     res = json.loads((work / "results.json").read_text())
@@ -60,7 +62,30 @@ def test_bench_quick_produces_the_table(tmp_path):
     assert 0 < fd["latency_ms"]["p50"] <= fd["latency_ms"]["p99"]
     assert 0 <= fd["idle_fraction"] <= 1
     assert fd["stats"]["acked"] >= fd["groups"]  # every group taken in the window was acknowledged
+    # the caps' cost: the same load as the C=4 level, with caps at 10x C (40) that never bind
+    cp = res["caps"]
+    assert cp["level"] == 4 and cp["factor"] == 10 and cp["uncapped"] == run  # the level of this run, not re-run
+    capped = cp["capped"]
+    assert capped["errors"] == [], capped["errors"]
+    assert capped["spec"]["caps_factor"] == 10 and capped["spec"]["steps"] == run["spec"]["steps"]
+    assert capped["steps"] > 0 and capped["running_reached"] == 4  # the caps never bound
+    for k in ("cpu_ms_per_step_uncapped", "cpu_ms_per_step_capped", "redis_per_step_uncapped", "redis_per_step_capped"):
+        assert 0 < cp[k] < 1000, (k, cp[k])
+    assert cp["cpu_ratio"] == pytest.approx(cp["cpu_ms_per_step_capped"] / cp["cpu_ms_per_step_uncapped"])
+    assert 0.1 < cp["cpu_ratio"] < 10
+    # holding a slot is Redis work around every model and env call: the capped run does more per step
+    assert cp["redis_extra_per_step"] == pytest.approx(cp["redis_per_step_capped"] - cp["redis_per_step_uncapped"])
+    assert cp["redis_extra_per_step"] > 0
     tok = res["token_storage"]
     assert not tok["errors"] and tok["sampled_tokens"] > 0
     assert tok["token_bytes"] == 4 * (tok["stored_ids"] + tok["sampled_tokens"])  # int32 ids, float32 logprobs
     assert tok["file_growth_bytes"] > 0 and tok["json_bytes"] > tok["token_bytes"]
+
+
+def test_bench_refuses_caps_that_could_bind_before_running_anything(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    proc = subprocess.run([sys.executable, "-m", "interactor.cli", "bench", "--quick", "--caps-factor", "0.5",
+                           "--work", str(tmp_path / "work")], cwd=str(ROOT), env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "caps factor 0.5 would let the caps bind" in proc.stderr
+    assert not (tmp_path / "work").exists()
