@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from broker import errors, feed
+from broker import closing, errors, feed
 from broker.duty import Duty
 from broker.keys import Keys, env_instance_id, member, split_member
 from broker.ledger import Ledger
@@ -33,7 +33,6 @@ from broker.records import (
     RETRYING,
     RUNNING,
     AttemptRecord,
-    DeadLetter,
     OrphanInstance,
 )
 from broker.settings import Settings
@@ -127,16 +126,17 @@ class Sweeper:
             attempt, attempt_id = self.ledger.latest_attempt(job_id, episode_id)
             attempt = attempt or self.ledger.attempts(job_id, episode_id)
             limit = self.ledger.attempt_limit(job_id, episode_id, job.max_attempts)
-            exhausted = attempt >= limit
+            lost = errors.EpisodeError(errors.WORKER_LOST, "worker lost (lease expired)", transient=True)
+            # outage_seen=False: a lease that expired says nothing about a server's outage (a Redis
+            # outage holds reclaims instead, see tick).
+            close = closing.decide(lost, attempt, limit, False, max_attempts=job.max_attempts)
             base = dict(job_id=job_id, episode_id=episode_id, attempt=attempt, group_id=spec.group_id,
                         group_size=spec.group_size, env_name=spec.env_name, llm_model=job.model,
                         reason=errors.WORKER_LOST, error_class="LeaseExpired", attempt_id=attempt_id)
-            if exhausted:
+            if close.action == closing.FAIL:
                 message = f"worker lost (lease expired) on attempt {attempt} of {limit}"
                 record = AttemptRecord(**base, status=ATTEMPT_FAILED, error=message)
-                letter = DeadLetter(job_id=job_id, episode_id=episode_id, group_id=spec.group_id,
-                                    env_name=spec.env_name, reason=errors.WORKER_LOST, error_class="LeaseExpired",
-                                    error=message, attempts=attempt, spec=spec.shown())
+                letter = closing.dead_letter(record, spec)
                 if self.ledger.reclaim(job_id, episode_id, FAILED, record, letter, outage=self.outage):
                     report.dead.append(m)
                     self._orphaned(spec, attempt, attempt_id)
