@@ -168,8 +168,8 @@ class Sweeper:
             log.warning("episode %s: received by a worker that died before starting it; sent again", episode_id)
 
     def _reconcile_jobs(self, report: SweepReport, max_queue: int = 10_000, big_every: int = 10) -> None:
-        """Reconcile every job with queued or retrying episodes (review L2: not only the most
-        recent ones). A job whose queues hold more than ``max_queue`` messages costs a scan of
+        """Reconcile every job with queued or retrying episodes, not only the most recent ones
+        (an older job's lost episodes would otherwise wait forever). A job whose queues hold more than ``max_queue`` messages costs a scan of
         them, so it is reconciled every ``big_every``-th round only, never postponed forever."""
         now = time.monotonic()
         if now - self._last_reconcile < self.settings.reconcile_interval_s:
@@ -186,7 +186,7 @@ class Sweeper:
             report.reconciled.extend(reconcile(self.r, self.settings, job_id))
 
     def _housekeeping(self) -> None:
-        """Retention (review L1): a finished job's keys expire ``job_retention_s`` after it
+        """Retention, so that Redis memory does not grow with every job ever run: a finished job's keys expire ``job_retention_s`` after it
         finished (a re-drive makes it active again and takes the expiry back); the jobs index
         and the dead-letter queue forget jobs whose keys are gone; the poison stream is capped.
 

@@ -787,7 +787,7 @@ class Trickler:
 @pytest.mark.parametrize("phase", ["headers", "body"])
 def test_a_trickling_server_cannot_hold_a_call_past_the_budget(phase):
     """Each byte arrives within the read timeout, so only the attempt's deadline can end the
-    call (review M8): the call ends at the deadline, as the budget being spent."""
+    call: the call ends at the deadline, as the budget being spent."""
     srv = Trickler(phase)
     try:
         started = time.monotonic()

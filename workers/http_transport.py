@@ -135,7 +135,7 @@ class Watchdog:
     """Cuts the connection of a call still waiting for its answer at its deadline.
 
     Socket timeouts bound each receive, not a call: a server that sends a byte now and then
-    keeps every receive short and the call going forever (review M8). One thread per process
+    keeps every receive short and the call going forever. One thread per process
     holds a heap of (deadline, socket) for the calls in flight and shuts down the socket of any
     that passes its deadline; the blocked read then ends, and the call reports the budget as
     spent. Arming and disarming cost a heap push and a flag; disarmed entries are dropped

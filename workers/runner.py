@@ -306,7 +306,8 @@ class WorkerRuntime:
         return ""
 
     def _api_key_for(self, job: JobSpec) -> str:
-        """The API key, only for a model endpoint this worker trusts with it (review M2)."""
+        """The API key, only for a model endpoint this worker trusts with it (a job may name any
+        endpoint; the key must not go to one that would collect it)."""
         key = self.settings.llm_api_key.reveal()
         if key and origin_of(job.llm_base_url) not in self.key_origins:
             if job.job_id not in self._untrusted_warned:
@@ -395,7 +396,8 @@ class WorkerRuntime:
         # Queued for the process's publisher (workers/publisher.py), which fences each record
         # by its lease; a refused one flags the lease lost and the next check stops the loop.
         # Backpressure: when the consumer falls behind, steps wait there instead of the stream
-        # growing without bound in Redis memory; the wait pauses the budget (review M4).
+        # growing without bound in Redis memory; the wait pauses the budget (the consumer's
+        # delay is not the episode's doing).
         self.publisher.publish(lease, record.pack(), check=lambda: self._check(lease, budget), waited=budget.pause)
 
     def _finish(self, lease: Lease, record: AttemptRecord, new_state: str, **kw) -> bool:
@@ -497,7 +499,8 @@ class WorkerRuntime:
 
 def _encodable(record: AttemptRecord) -> AttemptRecord:
     """The record, or a copy whose ``last_info`` was replaced if it cannot be packed (an env
-    that put an unencodable value there must not throw out of the close path, review M5)."""
+    that put an unencodable value there must not throw out of the close path, which would
+    leave the attempt unrecorded)."""
     try:
         record.pack()
         return record
