@@ -82,7 +82,7 @@ faults: $(STAMP)
 	$(PY) -m pytest -q -m fault -s
 
 bench: $(STAMP)  ## the benchmark harness (~10 min): rewrites docs/benchmarks.md and docs/benchmarks.png
-	$(VENV)/bin/interactor bench
+	$(VENV)/bin/python -m bench
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,1 +1,1 @@
-"""The benchmark harness: ``make bench`` / ``interactor bench`` (see docs/benchmarks.md)."""
+"""The benchmark harness: ``make bench`` / ``python -m bench`` / ``interactor bench`` (see docs/benchmarks.md)."""

@@ -13,7 +13,7 @@ Why each setting (see the README's delivery guarantee):
   episodes that are halfway; their leases and records survive in Redis.
 * worker_consumer: Celery's consumer with capped broker waits, so that under the gevent pool a
   slot freed by a finished episode takes the next one at once (workers/celery_consumer.py).
-  Named by path: broker/ imports nothing above it.
+  The worker names it (workers/tasks.py passes it to ``make_app``): broker/ names nothing above it.
 * broker_transport: kombu's Redis transport, keeping one client per channel
   (broker/kombu_redis.py).
 * per-task log lines ("received", "succeeded") are off (workers/tasks.py): at a thousand
@@ -31,7 +31,9 @@ from broker.settings import Settings
 EPISODE_TASK = "interactor.run_episode"
 
 
-def make_app(settings: Settings, *, main: str = "interactor") -> Celery:
+def make_app(settings: Settings, *, main: str = "interactor", worker_consumer: str | None = None) -> Celery:
+    """The Celery app. ``worker_consumer``: the consumer class a worker runs (``module:Class``),
+    named by the worker that runs it (workers/tasks.py); Celery's own when None."""
     app = Celery(main, broker=settings.redis_url, set_as_current=False)
     app.conf.update(
         task_serializer="msgpack",
@@ -59,9 +61,10 @@ def make_app(settings: Settings, *, main: str = "interactor") -> Celery:
         task_default_queue=settings.queue,
         task_create_missing_queues=True,
         task_routes={EPISODE_TASK: {"queue": settings.queue}},
-        worker_consumer="workers.celery_consumer:EpisodeConsumer",
         # Time limits do nothing in the threads pool; the step loop enforces the budget itself.
         task_time_limit=None,
         task_soft_time_limit=None,
     )
+    if worker_consumer is not None:
+        app.conf.worker_consumer = worker_consumer
     return app

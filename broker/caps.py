@@ -32,7 +32,6 @@ CAP_MODEL = "model"
 CAP_ENV = "env"
 CAP_ENV_NAME = "env_name"
 CAP_ENV_INSTANCES = "env_instances"
-CAP_KINDS = (CAP_MODEL, CAP_ENV, CAP_ENV_NAME, CAP_ENV_INSTANCES)
 
 # The task file's spelling (top-level ``limits:``), docs/protocol.md#task-files.
 LIMIT_MODEL, LIMIT_ENV_SERVERS, LIMIT_ENV_NAMES = "model", "env_servers", "env_names"

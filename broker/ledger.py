@@ -72,7 +72,7 @@ SUBMIT_MARKER_TTL_S = 600.0  # a submit writing one chunk longer than this is ta
 
 # Time in the scripts is Redis' own clock (TIME), never a worker's: a worker whose clock runs
 # behind cannot make a live lease look expired to the sweeper, or a dead one look alive
-# (review L11). Effects replication keeps TIME usable before writes on Redis 6.
+# (workers' clocks drift apart). Effects replication keeps TIME usable before writes on Redis 6.
 _NOW = """
 redis.replicate_commands()
 local _t = redis.call('TIME')
@@ -414,7 +414,7 @@ class Ledger:
         job_packed = job.pack()
         # The id is claimed before anything else is written: a second submit of the same id
         # (the natural retry after a producer crash) must not reset finished episodes and run
-        # them again (review M7). Resuming a job is its own command.
+        # them again. Resuming a job is its own command.
         marker, marker_ms = k.job_submitting(job.job_id), int(marker_ttl_s * 1000)
         if not self._claim(keys=[k.jobs, k.job_spec(job.job_id), marker], args=[job.job_id, job.created_at, marker_ms]):
             raise JobExists(job.job_id)

@@ -82,7 +82,6 @@ class RecordError(ValueError):
 # Ledger states of an episode (see broker/ledger.py).
 QUEUED, RUNNING, RETRYING, DONE, FAILED = "queued", "running", "retrying", "done", "failed"
 LEDGER_STATES = (QUEUED, RUNNING, RETRYING, DONE, FAILED)
-TERMINAL_STATES = (DONE, FAILED)
 
 # Outcomes of one attempt (AttemptRecord.status).
 COMPLETED = "completed"  # the episode ended normally; its trajectory is this attempt's

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from broker import errors, feed
+from broker import closing, errors, feed
 from broker.duty import Duty
 from broker.keys import Keys, env_instance_id, member, split_member
 from broker.ledger import Ledger
@@ -33,7 +33,6 @@ from broker.records import (
     RETRYING,
     RUNNING,
     AttemptRecord,
-    DeadLetter,
     OrphanInstance,
 )
 from broker.settings import Settings
@@ -127,16 +126,17 @@ class Sweeper:
             attempt, attempt_id = self.ledger.latest_attempt(job_id, episode_id)
             attempt = attempt or self.ledger.attempts(job_id, episode_id)
             limit = self.ledger.attempt_limit(job_id, episode_id, job.max_attempts)
-            exhausted = attempt >= limit
+            lost = errors.EpisodeError(errors.WORKER_LOST, "worker lost (lease expired)", transient=True)
+            # outage_seen=False: a lease that expired says nothing about a server's outage (a Redis
+            # outage holds reclaims instead, see tick).
+            close = closing.decide(lost, attempt, limit, False, max_attempts=job.max_attempts)
             base = dict(job_id=job_id, episode_id=episode_id, attempt=attempt, group_id=spec.group_id,
                         group_size=spec.group_size, env_name=spec.env_name, llm_model=job.model,
                         reason=errors.WORKER_LOST, error_class="LeaseExpired", attempt_id=attempt_id)
-            if exhausted:
+            if close.action == closing.FAIL:
                 message = f"worker lost (lease expired) on attempt {attempt} of {limit}"
                 record = AttemptRecord(**base, status=ATTEMPT_FAILED, error=message)
-                letter = DeadLetter(job_id=job_id, episode_id=episode_id, group_id=spec.group_id,
-                                    env_name=spec.env_name, reason=errors.WORKER_LOST, error_class="LeaseExpired",
-                                    error=message, attempts=attempt, spec=spec.shown())
+                letter = closing.dead_letter(record, spec)
                 if self.ledger.reclaim(job_id, episode_id, FAILED, record, letter, outage=self.outage):
                     report.dead.append(m)
                     self._orphaned(spec, attempt, attempt_id)
@@ -168,8 +168,8 @@ class Sweeper:
             log.warning("episode %s: received by a worker that died before starting it; sent again", episode_id)
 
     def _reconcile_jobs(self, report: SweepReport, max_queue: int = 10_000, big_every: int = 10) -> None:
-        """Reconcile every job with queued or retrying episodes (review L2: not only the most
-        recent ones). A job whose queues hold more than ``max_queue`` messages costs a scan of
+        """Reconcile every job with queued or retrying episodes, not only the most recent ones
+        (an older job's lost episodes would otherwise wait forever). A job whose queues hold more than ``max_queue`` messages costs a scan of
         them, so it is reconciled every ``big_every``-th round only, never postponed forever."""
         now = time.monotonic()
         if now - self._last_reconcile < self.settings.reconcile_interval_s:
@@ -186,7 +186,7 @@ class Sweeper:
             report.reconciled.extend(reconcile(self.r, self.settings, job_id))
 
     def _housekeeping(self) -> None:
-        """Retention (review L1): a finished job's keys expire ``job_retention_s`` after it
+        """Retention, so that Redis memory does not grow with every job ever run: a finished job's keys expire ``job_retention_s`` after it
         finished (a re-drive makes it active again and takes the expiry back); the jobs index
         and the dead-letter queue forget jobs whose keys are gone; the poison stream is capped.
 

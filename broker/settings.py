@@ -379,7 +379,8 @@ class Settings:
         return int(self.episode_budget_s + self.shutdown_grace_s + 300)
 
     def __repr__(self) -> str:
-        """Secrets hidden: the API key left out, passwords in URLs starred (review L5)."""
+        """Secrets hidden (a repr ends up in logs and tracebacks): the API key left out, passwords
+        in URLs starred."""
         shown = {k: (redact_url(v) if k in _URL_FIELDS else v) for k, v in self.as_dict().items()
                  if k not in ("llm_api_key", "feed_token")}
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"

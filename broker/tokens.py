@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import struct
 from array import array
-from typing import Iterable, Sequence
+from typing import Sequence
 
 # The job's ``tokens`` setting: which server's way of answering to ask for. "" = off;
 # "auto" = ask in the way vLLM, SGLang and llama.cpp all accept and tell the server from the
@@ -96,8 +96,3 @@ def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int | No
     return n  # pragma: no cover - unreachable
 
 
-def concat(parts: Iterable[Sequence[int]]) -> list[int]:
-    out: list[int] = []
-    for p in parts:
-        out.extend(p)
-    return out

@@ -380,14 +380,6 @@ def _write_parquet_rows(rows: Iterable[dict], path: str, schema, row_group_size:
 
 
 # --------------------------------------------------------------------------- token streams
-STREAM_COLUMNS = (
-    "job_id", "episode_id", "group_id", "env_name", "episode_status", "episode_reward", "group_size",
-    "group_reward_mean", "group_reward_std", "advantage", "segment", "segments", "first_step", "last_step",
-    "starts_because", "drift_at", "token_drift", "steps_without_ids", "weight_versions", "token_ids", "loss_mask",
-    "logprobs",
-)
-
-
 def stream_schema():
     import pyarrow as pa
 

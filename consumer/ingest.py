@@ -219,7 +219,7 @@ class Ingestor:
 
     def _completed_after_all(self, fixes: list[tuple[str, str]]) -> None:
         """Episodes the ledger dead-lettered although the database holds a completion of theirs
-        (Redis lost the completing FINISH and a re-run failed, review H2): the database's
+        (Redis lost the completing FINISH and a re-run failed): the database's
         completion stands, so the ledger is moved to done and the dead letter withdrawn; a
         re-drive would only run a completed episode again."""
         for job_id, episode_id in fixes:
@@ -312,7 +312,7 @@ class Ingestor:
 
         Another group (a trainer tapping the stream) counts while it is alive; one whose
         consumers have all been idle for ``STALE_GROUP_S`` (or that has none) no longer holds
-        the floor (review L3): a forgotten tap must not grow the stream until backpressure
+        the floor: a forgotten tap must not grow the stream until backpressure
         stops every worker."""
         try:
             groups = self.r.xinfo_groups(self.stream)

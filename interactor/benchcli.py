@@ -1,30 +1,27 @@
-"""``interactor bench``: the benchmark harness (bench/, docs/benchmarks.md).
+"""``interactor bench``: runs the benchmark harness, ``python -m bench`` (bench/cli.py,
+docs/benchmarks.md), with the same arguments.
 
 The harness lives in the repository's ``bench/`` folder (a development tool, not part of the
-installed package), so this command works from a checkout.
+installed package), so this command works from a checkout. ``bench`` sits above ``interactor``
+(it imports the command's pieces), so the command runs it as a program and imports none of it.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 from pathlib import Path
 
+from interactor.children import exec_program
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
-
-
-def _words(text: str) -> list[str]:
-    return [x for x in text.replace(" ", "").split(",") if x]
 
 
 def cmd_bench(args) -> int:
     if not (ROOT / "bench" / "harness.py").exists():
         print("interactor bench: needs a checkout of the repository (bench/ is not installed)", file=sys.stderr)
         return 2
+<<<<<<< HEAD
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from bench.run import BenchConfig, run, write
@@ -92,3 +89,17 @@ def register(sub, add) -> None:
     sp.add_argument("--work", help="scratch folder (runs/bench)")
     sp.add_argument("--src", help="run workers, consumer and stand-ins from another checkout of the code")
     sp.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the report from a results.json")
+=======
+    exec_program("bench", (["--verbose"] if args.verbose else []) + args.rest)
+    return 0  # pragma: no cover - exec_program does not return
+
+
+def register(sub, add) -> None:
+    if "bench" in sub.choices:  # run by python -m bench, which registers the command itself
+        return
+    # Every argument goes to the harness's own parser (prefix_chars: REMAINDER alone drops flags).
+    sp = sub.add_parser("bench", help="run the benchmark harness; writes docs/benchmarks.md and docs/benchmarks.png",
+                        add_help=False, prefix_chars="\0")
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(fn=cmd_bench)
+>>>>>>> house

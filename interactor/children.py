@@ -63,6 +63,18 @@ def _load_prctl():
 _prctl = _load_prctl()
 
 
+def exec_program(module: str, argv: list[str]) -> None:
+    """Become ``python -m module argv`` (this process, its pid and its signals), with the folder
+    that holds ``interactor`` first on PYTHONPATH: a program of the packages above this one
+    (``bench``, ``examples``) is found where ``interactor`` was, and run without importing it."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+
+
 def role_command(role: str, name: str = "", *extra: str) -> list[str]:
     """``python -m interactor.cli <role> --name ...``: a worker's name gets ``@%h`` (Celery's
     host suffix) unless it has one."""

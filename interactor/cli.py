@@ -26,7 +26,7 @@ import sys
 import threading
 
 from broker.settings import SettingsError, redact_url
-from interactor.children import catch, exit_code, spawn, stop_event, watch_parent
+from interactor.children import catch, exec_program, exit_code, spawn, stop_event, watch_parent
 from interactor.common import SETTING_FLAGS, ArgumentParser, add_setting_flags, redis_for, settings_from_args
 
 log = logging.getLogger("interactor")
@@ -201,7 +201,7 @@ def _add_preflight_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _add_ui_flags(p: argparse.ArgumentParser) -> None:
-    from interactor.ui.command import DEFAULT_PORT
+    from interactor.ui import DEFAULT_PORT
 
     p.add_argument("--ui", action="store_true",
                    help="serve the results browser while the job runs, and after it until Ctrl-C (read-only)")
@@ -325,9 +325,9 @@ def cmd_reconcile(args) -> int:
 
 def cmd_serve(module: str):
     def run(args) -> int:
-        import importlib
-
-        return importlib.import_module(module).main(args.rest) or 0
+        # examples/ sits above interactor: its program is run, not imported.
+        exec_program(module, args.rest)
+        return 0  # pragma: no cover - exec_program does not return
 
     return run
 
@@ -338,7 +338,9 @@ EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.benchcli", "interactor.en
                          "interactor.feedserve"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands=()) -> argparse.ArgumentParser:
+    """The command's parser; ``commands``: ``register(sub, add)`` functions of commands that a
+    program above this package adds (``python -m bench``: bench/cli.py)."""
     p = ArgumentParser(prog="interactor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -419,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     # settings flags.
     import importlib
 
+    for register in commands:
+        register(sub, add)
     for module in EXTRA_COMMAND_MODULES:
         try:
             importlib.import_module(module).register(sub, add)
@@ -434,8 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, *, commands=()) -> int:
+    args = build_parser(commands).parse_args(argv)
     if getattr(args, "argv", "") is None:  # the worker supervisor re-runs the same command line
         args.argv = list(argv) if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

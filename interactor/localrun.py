@@ -343,10 +343,11 @@ def _persistent_password(run_dir: Path) -> str:
 
 
 def run_demo(settings: Settings, *, workers: int | None = None, ui: tuple[str, int] | None = None) -> int:
-    """Start the bundled env server and model stand-in, then run examples/tasks.yaml."""
-    import examples
+    """Start the bundled env server and model stand-in, then run examples/tasks.yaml.
 
-    folder = Path(examples.__file__).parent
+    ``examples`` sits above ``interactor`` (its programs use the command's pieces): the demo
+    runs its servers as programs and reads its task file, and imports none of it."""
+    folder = Path(__file__).resolve().parent.parent / "examples"
     servers = []
     with interrupt_on_signals():
         guard = start_guard(settings, Path(settings.run_dir) / "logs")

@@ -26,7 +26,8 @@ from broker.errors import (
     EpisodeError,
 )
 from broker.settings import Secret, Settings
-from workers.envclient import EnvClient, StepResult
+from workers.envclient import EnvClient
+from workers.envport import StepResult
 from workers.modelclient import Completion, ModelClient, context_overflow
 
 ENV, EID = "demo", "ep-1"
@@ -702,7 +703,7 @@ def test_environment_proxy_still_applies_with_trust_env_off(monkeypatch):
     import json as _json
     import threading as _threading
 
-    from workers import http as ec
+    from workers import http_transport as ec
 
     seen = []
 
@@ -786,7 +787,7 @@ class Trickler:
 @pytest.mark.parametrize("phase", ["headers", "body"])
 def test_a_trickling_server_cannot_hold_a_call_past_the_budget(phase):
     """Each byte arrives within the read timeout, so only the attempt's deadline can end the
-    call (review M8): the call ends at the deadline, as the budget being spent."""
+    call: the call ends at the deadline, as the budget being spent."""
     srv = Trickler(phase)
     try:
         started = time.monotonic()
@@ -807,7 +808,7 @@ def test_a_trickling_proxy_cannot_hold_a_call_past_the_budget(phase, monkeypatch
     """Calls through HTTP_PROXY take requests' path, not the urllib3 shortcut: the watchdog
     must cut them at the deadline all the same (a proxy that trickles, or relays a server that
     does)."""
-    from workers import http as ec
+    from workers import http_transport as ec
 
     srv = Trickler(phase)  # it answers whatever it is sent, the proxy's absolute-URL request too
     try:

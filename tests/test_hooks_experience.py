@@ -12,7 +12,7 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.records import EpisodeSpec, JobSpec, StepRecord, unpack
 from workers import hooks
-from workers.envclient import StepResult
+from workers.envport import StepResult
 from workers.experience import HEADER, TemplateExperienceHook, inject
 from workers.loop import LoopConfig, run_episode
 from workers.modelclient import Completion

@@ -339,7 +339,8 @@ def test_inproc_failures_are_retried_or_dead_lettered_like_http(settings, redis_
 def test_env_classes_off_the_allow_list_are_never_imported(settings, redis_client, model_server, tmp_path,
                                                           monkeypatch):
     """A task naming ``os:abort`` (or any module) as its env class is dead-lettered as bad_task
-    without the worker importing anything (review M3): the worker and its other episodes live."""
+    without the worker importing anything (a job must not choose the code a worker runs): the
+    worker and its other episodes live."""
     import sys
 
     _, model_url = model_server

@@ -1,13 +1,18 @@
 """Packages depend one way (docs/architecture.md): ``broker`` at the bottom; ``producer``,
-``workers``, ``consumer`` and ``envs`` above it; the ``interactor`` command line on top.
+``workers``, ``consumer`` and ``envs`` above it; the ``interactor`` command line above those;
+``bench`` and ``examples`` on top, side by side (they use ``interactor``, it uses neither);
+nothing imports ``tests``.
 
-Two checks: every import statement in a lower package's source names only packages it may use
-(static, so an import inside a function counts too), and importing the lower packages loads
-no module of ``interactor`` (what a worker container actually runs)."""
+The checks: every import statement in a package's source names only packages it may use
+(static, so an import inside a function counts too); no ``module:Name`` string (how Celery and
+the hooks name a class to load) names a package above; importing the lower packages loads no
+module of ``interactor`` (what a worker container actually runs), and importing ``interactor``
+loads nothing of ``bench``, ``examples`` or ``tests``."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +22,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 OURS = {"broker", "producer", "workers", "consumer", "envs", "interactor", "examples", "bench", "tests"}
+LOWER = {"broker", "producer", "workers", "consumer", "envs"}
 ALLOWED = {
     "broker": {"broker"},
     "envs": {"envs", "broker"},
     "producer": {"producer", "broker", "envs"},
     "workers": {"workers", "broker", "envs"},
     "consumer": {"consumer", "broker"},
+    "interactor": LOWER | {"interactor"},
+    "bench": LOWER | {"interactor", "bench"},
+    "examples": LOWER | {"interactor", "examples"},
 }
+_LOADS = re.compile(r"^([a-z_]+)(?:\.[A-Za-z_]\w*)*:[A-Za-z_][\w.]*$")  # "module:Name"
 
 
 def imported_packages(path: Path) -> set[tuple[str, int]]:
@@ -38,14 +48,36 @@ def imported_packages(path: Path) -> set[tuple[str, int]]:
     return {(name, line) for name, line in found if name in OURS}
 
 
+def loaded_by_name(path: Path) -> set[tuple[str, int]]:
+    """Our packages named by a ``module:Name`` string (a class loaded by name: an import the
+    import statements do not show)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            m = _LOADS.match(node.value)
+            if m and m[1] in OURS:
+                found.add((m[1], node.lineno))
+    return found
+
+
 @pytest.mark.parametrize("package", sorted(ALLOWED))
-def test_lower_packages_import_only_what_they_may(package):
+def test_packages_import_only_what_they_may(package):
     crossings = []
     for path in sorted((ROOT / package).rglob("*.py")):
         for name, line in imported_packages(path):
             if name not in ALLOWED[package]:
                 crossings.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert crossings == [], f"{package} may import only {sorted(ALLOWED[package])}:\n" + "\n".join(crossings)
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_no_class_is_loaded_by_name_from_a_package_above(package):
+    crossings = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name, line in loaded_by_name(path):
+            if name not in ALLOWED[package]:
+                crossings.append(f"{path.relative_to(ROOT)}:{line} names {name}")
+    assert crossings == [], f"{package} may load only from {sorted(ALLOWED[package])}:\n" + "\n".join(crossings)
 
 
 def test_importing_the_lower_packages_loads_nothing_of_interactor():
@@ -66,3 +98,23 @@ def test_the_checker_sees_a_crossing(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from interactor.cli import main\n    return main\n")
     assert imported_packages(bad) == {("interactor", 2)}
+
+
+def test_importing_interactor_loads_nothing_of_bench_examples_or_tests():
+    code = ("import sys, importlib, pkgutil\n"
+            "import interactor\n"
+            "for info in pkgutil.walk_packages(interactor.__path__, 'interactor.'):\n"
+            "    importlib.import_module(info.name)\n"
+            "import interactor.cli\n"
+            "interactor.cli.build_parser()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('bench', 'examples', 'tests')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_checker_sees_a_class_named_from_above(tmp_path):
+    """The string check is not vacuous: Celery's consumer named by path in broker/ is found."""
+    bad = tmp_path / "bad.py"
+    bad.write_text('conf = dict(worker_consumer="workers.celery_consumer:EpisodeConsumer")\n')
+    assert loaded_by_name(bad) == {("workers", 1)}

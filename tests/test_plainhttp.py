@@ -13,7 +13,8 @@ import pytest
 import requests
 
 from broker.settings import Settings
-from workers import http
+from workers import http_transport as http
+from workers.http_errors import describe, is_timeout, never_reached_server
 from workers.plainhttp import PlainPool
 
 CANNED: dict[str, bytes] = {
@@ -124,7 +125,7 @@ def _outcome(pool, url, **kw):
     try:
         r = _call(pool, url, **kw)
     except requests.exceptions.RequestException as e:
-        return ("error", type(e).__name__, http.describe(e), http.never_reached_server(e), http.is_timeout(e))
+        return ("error", type(e).__name__, describe(e), never_reached_server(e), is_timeout(e))
     except http.TooLarge:
         return ("too large",)
     return ("reply", r.status, r.body, r.headers.get("retry-after"), r.headers.get("Content-Type"))

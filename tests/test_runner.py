@@ -274,7 +274,8 @@ def test_secrets_never_reach_redis_or_records(settings, redis_client, env_server
 
 def test_api_key_goes_only_to_trusted_model_hosts(settings, redis_client, env_server, model_server):
     """A job naming a model endpoint of its own choosing gets answers from it, but the worker's
-    API key is not sent there (review M2); an origin added to llm_trusted_origins gets it."""
+    API key is not sent there (a job must not be able to collect it); an origin added to
+    llm_trusted_origins gets it."""
     from examples.model_standin import start_in_thread as start_model
 
     _, env_url = env_server

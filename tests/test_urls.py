@@ -33,7 +33,7 @@ from tests.test_runner import make_job
 from workers.allowlist import HostAllowlist
 from workers.breakers import BreakerBoard
 from workers.envclient import EnvClient
-from workers.http import HttpPool, make_session
+from workers.http_transport import HttpPool, make_session
 from workers.orphans import OrphanCloser
 from workers.runner import WorkerRuntime
 
@@ -132,7 +132,7 @@ def test_settings_refuse_urls_the_check_refuses():
 
 
 # Where requests, the worker's own plain-http client (workers/plainhttp.py) and its urllib3
-# shortcut (workers/http.py, for https and with the plain client off) would connect.
+# shortcut (workers/http_transport.py, for https and with the plain client off) would connect.
 _SESSION = make_session(Settings())
 _POOLS = {"plain": HttpPool(_SESSION), "shortcut": HttpPool(_SESSION, plain=False)}
 

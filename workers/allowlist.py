@@ -2,7 +2,7 @@
 
 A job is data written by whoever can submit one (or write one Redis key). Workers hold the
 fleet's API key and run in the fleet's network, so the job gets no say in which code they
-import or which hosts they call beyond what the worker's own settings allow (review M3, L9):
+import or which hosts they call beyond what the worker's own settings allow:
 
 * ``env_classes`` / ``episode_hooks``: ``module:Attr`` paths a worker may import, as patterns:
   ``module:Attr`` exactly, ``module:*`` (anything that module defines) or ``package.*``

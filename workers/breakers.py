@@ -46,7 +46,7 @@ from broker.settings import redact_url
 from broker.urls import url_problem
 from workers.allowlist import HostAllowlist
 from workers.budget import Budget
-from workers.http import proxies_for
+from workers.http_transport import proxies_for
 
 log = logging.getLogger("interactor.breakers")
 

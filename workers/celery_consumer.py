@@ -6,7 +6,7 @@ BRPOP outstanding (QoS allows no more messages), so when an episode ends and fre
 nothing arrives to end that wait: the slot idled for up to 2 s before the next BRPOP went out.
 With 20-second episodes that cost a tenth of the throughput (docs/benchmarks.md, "Notes").
 
-``EpisodeConsumer`` (set as ``worker_consumer`` in broker/app.py) runs the same loop with each
+``EpisodeConsumer`` (set as ``worker_consumer`` by workers/tasks.py) runs the same loop with each
 wait capped at :data:`DRAIN_S`. An idle worker pays one cheap poll round per ``DRAIN_S``;
 the threads pool's event loop (asynloop) is left as Celery made it.
 """

@@ -30,16 +30,16 @@ Errors (reason codes from :mod:`broker.errors`)
 * a body that is not JSON, has the wrong shape, or is larger than
   ``settings.max_response_bytes``: ``ENV_MALFORMED`` (permanent).
 
-The HTTP plumbing (pools, the urllib3 shortcut of the per-step calls, retries) is
-:mod:`workers.http`.
+The HTTP plumbing: connections, the urllib3 shortcut of the per-step calls and the watchdog in
+:mod:`workers.http_transport`, error texts and classification in :mod:`workers.http_errors`,
+retries in :mod:`workers.retries`; the answer types and their checks beside the env port
+(:mod:`workers.envport`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -55,109 +55,26 @@ from broker.errors import (
     EpisodeError,
 )
 from broker.settings import redact_url
-from workers.http import (
-    ERROR_TEXT_CHARS,
-    PooledClient,
-    Reply,
-    Retryable,
-    TooLarge,
-    deadline_passed,
-    describe,
-    dumps,
-    error_text,
-    is_timeout,
-    never_reached_server,
-    parse_json,
-    remaining,
-    run_with_retries,
-    send,
-    timeouts,
-    with_cause,
+from workers.deadlines import deadline_passed, timeouts
+from workers.envport import (
+    CLOSE_BUDGET_S,
+    CLOSE_MIN_BUDGET_S,
+    StepResult,
+    check_prompt_answer,
+    check_reset_answer,
+    check_step_answer,
 )
+from workers.http_errors import describe, error_text, is_timeout, never_reached_server
+from workers.http_transport import PooledClient, Reply, TooLarge, dumps, parse_json, send
+from workers.retries import Retryable, run_with_retries, with_cause
 
 log = logging.getLogger(__name__)
 
-CLOSE_BUDGET_S = 10.0  # close's own overall budget
-CLOSE_MIN_BUDGET_S = 2.0  # close still gets this long when the episode's deadline has passed
 READY_TIMEOUT_S = 5.0
-
-__all__ = ["EnvClient", "StepResult", "check_reset_answer", "check_prompt_answer", "check_step_answer",
-           "CLOSE_BUDGET_S", "CLOSE_MIN_BUDGET_S", "ERROR_TEXT_CHARS", "deadline_passed", "remaining",
-           "with_cause"]
-
 
 # --------------------------------------------------------------------------------------------
 # The environment client
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StepResult:
-    reward: float
-    terminated: bool
-    truncated: bool
-    info: dict | None
-
-
-def _bool_like(value: Any) -> bool | None:
-    """True/False for bool, 0/1, "true"/"false" (and null/absent -> False); None if not bool-like."""
-    if value is None:
-        return False
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "0", "1"):
-        return value.strip().lower() in ("true", "1")
-    return None
-
-
-# Validation of decoded answers, shared by the HTTP client and the inproc transport
-# (workers/inproc.py), so that a malformed answer fails with the same reason either way.
-
-
-def check_reset_answer(obj: Any, what: str) -> dict:
-    if not isinstance(obj, dict):
-        raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not an object")
-    return obj
-
-
-def check_prompt_answer(obj: Any, what: str) -> list:
-    if not isinstance(obj, list):
-        raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not a list of messages")
-    for i, msg in enumerate(obj):
-        if not isinstance(msg, dict):
-            raise EpisodeError(ENV_MALFORMED, f"{what}: message {i} is a {type(msg).__name__}, not an object")
-        if not isinstance(msg.get("role"), str) or "content" not in msg:
-            raise EpisodeError(ENV_MALFORMED, f"{what}: message {i} lacks a string 'role' or a 'content'")
-        if not isinstance(msg["content"], (str, list, type(None))):
-            raise EpisodeError(
-                ENV_MALFORMED, f"{what}: message {i} content is a {type(msg['content']).__name__}, not a string or list"
-            )
-    return obj
-
-
-def check_step_answer(obj: Any, what: str) -> StepResult:
-    if not isinstance(obj, dict):
-        raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not an object")
-    reward = obj.get("reward")
-    if reward is None:
-        reward = 0.0
-    elif isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise EpisodeError(ENV_MALFORMED, f"{what}: reward is not a finite number or null ({type(reward).__name__})")
-    flags = {}
-    for name in ("terminated", "truncated"):
-        flag = _bool_like(obj.get(name))
-        if flag is None:
-            raise EpisodeError(ENV_MALFORMED, f"{what}: {name} is not a boolean ({type(obj.get(name)).__name__})")
-        flags[name] = flag
-    info = obj.get("info")
-    return StepResult(
-        reward=float(reward),
-        terminated=flags["terminated"],
-        truncated=flags["truncated"],
-        info=info if isinstance(info, dict) else None,
-    )
 
 
 class EnvClient(PooledClient):

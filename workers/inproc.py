@@ -2,7 +2,7 @@
 
 A task entry with ``transport: inproc`` and ``env_class: module:Class`` (contract in
 :mod:`envs.base`) is driven through :class:`InprocEnv`, the loop's env port, with
-the same rules as the HTTP transport (:mod:`workers.envclient`):
+the same rules as the HTTP transport (:mod:`workers.envclient`; the answers are checked by :mod:`workers.envport`):
 
 * Timeouts: every call runs on the instance's own daemon thread and is waited for at most
   ``min(settings.env_read_timeout_s, time left in the attempt)``. No answer in time:
@@ -52,20 +52,19 @@ from broker.errors import (
 from broker.records import EpisodeSpec
 from broker.settings import Settings
 from envs.base import construct, import_object, normalize_answer
-from workers.envclient import (
+from workers.budget import Budget
+from workers.deadlines import deadline_passed, remaining
+from workers.envport import (
     CLOSE_BUDGET_S,
     CLOSE_MIN_BUDGET_S,
-    ERROR_TEXT_CHARS,
     StepResult,
     check_prompt_answer,
     check_reset_answer,
     check_step_answer,
-    deadline_passed,
-    remaining,
-    with_cause,
 )
-from workers.budget import Budget
-from workers.http import parse_json
+from workers.http_errors import ERROR_TEXT_CHARS
+from workers.http_transport import parse_json
+from workers.retries import with_cause
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import requests
 
 from broker.errors import EPISODE_TIMEOUT, EpisodeError
 from broker.settings import Settings
-from workers.http import make_session
+from workers.http_transport import make_session
 
 __all__ = ["ModelGate", "shared_gate", "LimitedPolicy", "model_session", "FirstWaveJitter"]
 

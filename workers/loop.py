@@ -37,19 +37,11 @@ from broker.records import (
     StepRecord,
 )
 from broker.tokens import TOKENS_INVALID, TOKENS_MISSING, TOKENS_OK, first_difference
+from workers.envport import EnvPort
 from workers.hooks import EpisodeHook
 from workers.tokens import warn_once
 
 log = logging.getLogger("interactor.loop")
-
-
-class EnvPort(Protocol):
-    """One environment instance, already bound to its base_url, env_name and env_id."""
-
-    def reset(self) -> Any: ...
-    def get_task_prompt(self) -> Any: ...
-    def step(self, action: str) -> Any: ...  # -> object with reward, terminated, truncated, info
-    def close(self) -> None: ...
 
 
 class PolicyPort(Protocol):

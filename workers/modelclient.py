@@ -42,20 +42,10 @@ from broker.errors import (
 from broker.settings import Secret, redact_url
 from broker.tokens import TOK_PROMPT_IDS
 from workers.tokens import TokenAnswer, read_tokens, request_fields, set_prompt_ids
-from workers.http import (
-    PooledClient,
-    Reply,
-    Retryable,
-    TooLarge,
-    deadline_passed,
-    describe,
-    error_text,
-    parse_json,
-    retry_after_s,
-    run_with_retries,
-    send,
-    timeouts,
-)
+from workers.deadlines import deadline_passed, timeouts
+from workers.http_errors import describe, error_text, retry_after_s
+from workers.http_transport import PooledClient, Reply, TooLarge, parse_json, send
+from workers.retries import Retryable, run_with_retries
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +125,7 @@ class ModelClient(PooledClient):
                 # (belt and braces: nothing of the request can leak through a traceback).
                 raise Retryable(EpisodeError(MODEL_UNAVAILABLE, f"{what}: {describe(exc)}", outage=True)) from None
             except EpisodeError:
-                raise  # the budget ran out mid-answer (workers/http.py's watchdog)
+                raise  # the budget ran out mid-answer (workers/http_transport.py's watchdog)
             except Exception as exc:  # e.g. InvalidHeader/InvalidURL, whose text may quote values
                 raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request could not be sent ({type(exc).__name__})") from None
             if pacer is not None:

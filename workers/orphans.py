@@ -1,4 +1,5 @@
-"""Closing env instances that no attempt will close (review L7).
+"""Closing env instances that no attempt will close (each holds the env server's memory, and
+sometimes a sandbox, until it is closed).
 
 An attempt closes its own instance when it ends, and the next attempt of an episode closes its
 predecessor's before its own reset. What neither covers: an attempt whose worker was killed

@@ -23,7 +23,7 @@ import redis
 
 from broker.ratelimit import RateLimits, parse_reset
 from workers.budget import Budget
-from workers.http import retry_after_s
+from workers.http_errors import retry_after_s
 
 log = logging.getLogger("interactor.pacing")
 

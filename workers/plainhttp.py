@@ -7,7 +7,7 @@ stand-in). A step makes three such calls and an episode two more (reset, close):
 single-turn episodes that was the largest cost an episode had. Env servers and inference
 servers inside a cluster are plain HTTP, so that is the path worth owning; ``https://`` and
 proxied origins keep urllib3 (TLS, proxy tunnels and their error reporting are not worth
-repeating), through :mod:`workers.http`.
+repeating), through :mod:`workers.http_transport`.
 
 What it speaks: requests with a ``Content-Length`` body (or none); answers with
 ``Content-Length``, ``Transfer-Encoding: chunked``, or a body up to EOF (then the connection
@@ -17,9 +17,9 @@ Where it connects: the host and port :func:`broker.urls.check_url` approved, tak
 
 Failures are raised as the exceptions ``requests`` raises for the same failure (a refused
 connect as ``ConnectionError(NewConnectionError)``, a silent server as ``ReadTimeout``, a cut
-body as ``ChunkedEncodingError``...), so :func:`workers.http.never_reached_server`,
-:func:`~workers.http.is_timeout`, :func:`~workers.http.describe` and the retry rules judge both
-paths alike (``tests/test_plainhttp.py`` holds the two paths to the same answers).
+body as ``ChunkedEncodingError``...), so the rules of :mod:`workers.http_errors`
+(``never_reached_server``, ``is_timeout``, ``describe``) and the retry rules judge both paths
+alike (``tests/test_plainhttp.py`` holds the two paths to the same answers).
 """
 
 from __future__ import annotations

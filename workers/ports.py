@@ -4,8 +4,9 @@ endpoint, the attempt's budget, and the servers' circuit breakers.
 Each attempt drives an env instance of its own (``broker.keys.env_instance_id``)
 (records and the model's session id stay the episode id). An attempt that was given up on
 (a stalled worker whose lease passed to another attempt) can then neither step nor close the
-instance its successor is using (review H1); the successor closes its predecessor's instance
-before its own reset, so a killed attempt leaves nothing behind for long.
+instance its successor is using (two attempts driving one instance would corrupt both
+episodes); the successor closes its predecessor's instance before its own reset, so a killed
+attempt leaves nothing behind for long.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ What an attempt can end as (broker/records.py):
 * lease lost -> nothing: whoever holds the lease now owns the episode.
 
 An attempt that ends because a server went down under it (workers/breakers.py) is retried
-without counting against ``max_attempts``: an outage is not the episode's fault.
+without counting against ``max_attempts``: an outage is not the episode's fault. The rule that
+decides among these is broker/closing.py's ``decide``, shared with the sweeper.
 
 Fencing by local time: an attempt calls nothing once its lease may have lapsed by its own
 clock (no renewal landed within the TTL less a margin; ``Lease.valid``). It waits for the
@@ -33,7 +34,7 @@ from typing import Any, Callable
 
 import redis
 
-from broker import errors
+from broker import closing, errors
 from broker.caps import FleetSlots, Limits, server_name
 from broker.keys import Keys, env_instance_id, member
 from broker.ledger import Lease, Ledger
@@ -48,7 +49,6 @@ from broker.records import (
     QUEUED,
     RETRYING,
     AttemptRecord,
-    DeadLetter,
     EpisodeSpec,
     JobSpec,
     StepRecord,
@@ -80,9 +80,6 @@ from workers.renewer import LeaseRenewer
 
 log = logging.getLogger("interactor.worker")
 
-# Attempts ended by an outage are not counted, up to this many beyond max_attempts (a server
-# that flaps forever must still let its episodes end).
-OUTAGE_EXTRA_ATTEMPTS = 20
 _FENCE_SLICE_S = 0.05
 
 
@@ -213,12 +210,12 @@ class WorkerRuntime:
                     started_at=t_start, worker=self.name, attempt_id=lease.attempt_id)
         if job is None or spec is None:
             err = errors.EpisodeError(errors.BAD_TASK, "job or episode spec missing from the ledger")
-            return self._close_failed(lease, base, spec, err, "", limit=lease.attempt)
+            return self._close_failed(lease, base, spec, err, "")
         refused = self._refused(job, spec)
         if refused:
             err = errors.EpisodeError(errors.BAD_TASK, refused, transient=False)
             self.pause_watch.failed(job, err.reason, refused)
-            return self._close_failed(lease, base, spec, err, "", limit=lease.attempt)
+            return self._close_failed(lease, base, spec, err, "")
 
         budget = Budget(job.episode_budget_s)
         cfg = LoopConfig(job_id=job.job_id, episode_id=spec.episode_id, env_name=spec.env_name,
@@ -309,7 +306,8 @@ class WorkerRuntime:
         return ""
 
     def _api_key_for(self, job: JobSpec) -> str:
-        """The API key, only for a model endpoint this worker trusts with it (review M2)."""
+        """The API key, only for a model endpoint this worker trusts with it (a job may name any
+        endpoint; the key must not go to one that would collect it)."""
         key = self.settings.llm_api_key.reveal()
         if key and origin_of(job.llm_base_url) not in self.key_origins:
             if job.job_id not in self._untrusted_warned:
@@ -398,7 +396,8 @@ class WorkerRuntime:
         # Queued for the process's publisher (workers/publisher.py), which fences each record
         # by its lease; a refused one flags the lease lost and the next check stops the loop.
         # Backpressure: when the consumer falls behind, steps wait there instead of the stream
-        # growing without bound in Redis memory; the wait pauses the budget (review M4).
+        # growing without bound in Redis memory; the wait pauses the budget (the consumer's
+        # delay is not the episode's doing).
         self.publisher.publish(lease, record.pack(), check=lambda: self._check(lease, budget), waited=budget.pause)
 
     def _finish(self, lease: Lease, record: AttemptRecord, new_state: str, **kw) -> bool:
@@ -449,50 +448,42 @@ class WorkerRuntime:
 
     # --- closing an attempt that did not complete ------------------------------------
     def _close_error(self, lease, base, spec, job, exc: errors.EpisodeError, tb: str, *, outage_seen: bool = False) -> str:
+        """Close an attempt that did not complete as the close policy (broker/closing.py) says."""
         message = self._redact(str(exc.args[0]) if exc.args else "")
         self.pause_watch.failed(job, exc.reason, message)  # counts towards pausing the job (broker/pause.py)
-        if exc.reason == errors.LEASE_LOST:
+        limit = 0
+        if closing.limit_matters(exc):
+            limit = self._through_outage(lease, "reading its attempt limit", lambda: self.ledger.attempt_limit(
+                lease.job_id, lease.episode_id, job.max_attempts))
+        close = closing.decide(exc, lease.attempt, limit, outage_seen, max_attempts=job.max_attempts)
+        if close.action == closing.ABANDON:
             log.warning("episode %s attempt %d abandoned: %s", lease.episode_id, lease.attempt, message)
             return errors.LEASE_LOST
         error_class = type(exc.__cause__ or exc).__name__
-        if exc.reason == errors.WORKER_SHUTDOWN:
+        if close.uncounted:  # ended by a server going down (or by what its restart lost), or handed back
+            self._through_outage(lease, "granting an uncounted attempt", lambda: self.ledger.grant_extra_attempt(
+                lease.job_id, lease.episode_id, job.max_attempts))
+        if close.action == closing.HAND_BACK:
             record = AttemptRecord(**base, status=ABANDONED, reason=exc.reason, error_class=error_class, error=message)
-            self._grant_extra_attempt(lease, job)
             if self._finish(lease, record, QUEUED):
                 send_episodes(self.redis, [(lease.job_id, lease.episode_id, self.settings.queue_for(spec))])
             return errors.WORKER_SHUTDOWN
-        # Redis away is our own outage, however the attempt noticed it (a call's RedisError, or
-        # its lease not renewed past the outage budget): never counted against the episode.
-        outage_seen = outage_seen or exc.reason == errors.BROKER_OUTAGE
-        if exc.transient and outage_seen and lease.attempt < job.max_attempts + OUTAGE_EXTRA_ATTEMPTS:
-            # Ended by a server going down (or by what its restart lost): not counted.
-            self._grant_extra_attempt(lease, job)
-            message = f"{message} [after an outage; this attempt is not counted]"
-        limit = self._through_outage(lease, "reading its attempt limit", lambda: self.ledger.attempt_limit(
-            lease.job_id, lease.episode_id, job.max_attempts))
-        if exc.transient and lease.attempt < limit:
+        message = close.message(exc, message, lease.attempt)
+        if close.action == closing.RETRY:
             record = AttemptRecord(**base, status=ATTEMPT_RETRYING, reason=exc.reason, error_class=error_class,
                                    error=message)
             retry_at = time.time() + retry_delay(self.settings, lease.attempt)
             self._finish(lease, record, RETRYING, retry_at=retry_at)
-            log.warning("episode %s attempt %d/%d failed (%s); retrying", lease.episode_id, lease.attempt, limit, exc)
+            log.warning("episode %s attempt %d/%d failed (%s); retrying", lease.episode_id, lease.attempt,
+                        close.limit, exc)
             return ATTEMPT_RETRYING
-        if exc.transient:
-            message = f"{message} (after {lease.attempt} attempts)"
-        return self._close_failed(lease, base, spec, exc, tb, limit=limit, message=message, error_class=error_class)
+        return self._close_failed(lease, base, spec, exc, tb, message=message, error_class=error_class)
 
-    def _grant_extra_attempt(self, lease: Lease, job: JobSpec) -> None:
-        self._through_outage(lease, "granting an uncounted attempt", lambda: self.ledger.grant_extra_attempt(
-            lease.job_id, lease.episode_id, job.max_attempts))
-
-    def _close_failed(self, lease, base, spec, exc, tb, *, limit, message=None, error_class=None) -> str:
+    def _close_failed(self, lease, base, spec, exc, tb, *, message=None, error_class=None) -> str:
         message = self._redact(message if message is not None else str(exc.args[0]))
         error_class = error_class or type(exc).__name__
         record = AttemptRecord(**base, status=ATTEMPT_FAILED, reason=exc.reason, error_class=error_class, error=message)
-        letter = DeadLetter(job_id=lease.job_id, episode_id=lease.episode_id, group_id=base["group_id"],
-                            env_name=base["env_name"], reason=exc.reason, error_class=error_class, error=message,
-                            traceback=self._redact(tb), attempts=lease.attempt,
-                            spec=spec.shown() if spec else {}, first_attempt_at=base["started_at"])
+        letter = closing.dead_letter(record, spec, traceback=self._redact(tb))
         self._finish(lease, record, FAILED, dead_letter=letter)
         log.error("episode %s attempt %d dead-lettered: %s: %s", lease.episode_id, lease.attempt, exc.reason, message)
         return ATTEMPT_FAILED
@@ -508,7 +499,8 @@ class WorkerRuntime:
 
 def _encodable(record: AttemptRecord) -> AttemptRecord:
     """The record, or a copy whose ``last_info`` was replaced if it cannot be packed (an env
-    that put an unencodable value there must not throw out of the close path, review M5)."""
+    that put an unencodable value there must not throw out of the close path, which would
+    leave the attempt unrecorded)."""
     try:
         record.pack()
         return record

@@ -25,7 +25,7 @@ from workers.runner import WorkerRuntime
 log = logging.getLogger("interactor.worker")
 
 settings = Settings.from_env()
-app = make_app(settings)
+app = make_app(settings, worker_consumer="workers.celery_consumer:EpisodeConsumer")
 
 _runtime: WorkerRuntime | None = None
 _runtime_lock = threading.Lock()

@@ -12,3 +12,5 @@ the live state of the fleet.
 Nothing here is imported by the other packages, and importing this package does not import
 Flask: the command line builds its parser without it.
 """
+
+DEFAULT_PORT = 8050  # the results browser's port (interactor ui, interactor run --ui)

@@ -3,7 +3,7 @@ Flask is imported only when the command runs."""
 
 from __future__ import annotations
 
-DEFAULT_PORT = 8050
+from interactor.ui import DEFAULT_PORT
 
 
 def register(sub, add) -> None:

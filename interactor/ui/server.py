@@ -9,7 +9,7 @@ import secrets
 import threading
 
 from broker.settings import Settings, SettingsError
-from interactor.ui.command import DEFAULT_PORT
+from interactor.ui import DEFAULT_PORT
 from interactor.ui.source import LiveState, Source
 
 

@@ -1,4 +1,5 @@
-"""HTTP plumbing shared by the env client and the model client.
+"""HTTP connections shared by the env client and the model client: pools, the urllib3 shortcut,
+the watchdog, and one exchange (:func:`send`).
 
 Both clients speak through one :class:`HttpPool` per worker process: a ``requests.Session``
 (the project's HTTP library, whose exceptions and proxy rules are the clients' contract) and a
@@ -8,8 +9,9 @@ pool about 0.15 ms (docs/benchmarks.md): with three calls a step (``get_task_pro
 chat completion, ``step``) and two an episode (``reset``, ``close``), requests was the largest
 single cost of a step. The shortcut raises exactly what ``requests`` would raise for the same
 failure (``send`` maps urllib3's errors the way ``HTTPAdapter.send`` and ``iter_content`` do),
-so :func:`never_reached_server`, :func:`is_timeout` and the retry rules cannot tell the two
-paths apart. An origin reached through a proxy takes the ``requests`` path.
+so the error rules (:mod:`workers.http_errors`: ``never_reached_server``, ``is_timeout``) and the
+retry rules (:mod:`workers.retries`) cannot tell the two paths apart. An origin reached through
+a proxy takes the ``requests`` path.
 
 Every call takes ``deadline``, an absolute ``time.monotonic()``: no request starts without time
 left, a body is read one receive at a time with the socket's timeout cut to the time left, and a
@@ -19,23 +21,18 @@ that trickles bytes (headers or body) cannot hold a call past the attempt's budg
 
 from __future__ import annotations
 
-import email.utils
 import heapq
-import logging
-import math
 import os
-import re
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Mapping
 
 import orjson
 import requests
 import urllib3
 from requests.adapters import HTTPAdapter
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_random_exponential
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.exceptions import (
     ClosedPoolError,
@@ -50,49 +47,16 @@ from urllib3.exceptions import (
     SSLError as _SSLError,
 )
 
-try:  # urllib3 >= 2 (a subclass of NewConnectionError there; listed for clarity)
-    from urllib3.exceptions import NameResolutionError
-except ImportError:  # pragma: no cover
-    NameResolutionError = NewConnectionError  # type: ignore[misc,assignment]
-
 from broker.errors import EPISODE_TIMEOUT, EpisodeError
 from broker.ospoll import ReadyCheck
 from broker.settings import Settings
 from broker.urls import UrlError, check_url
+from workers.deadlines import DEADLINE_SLACK_S, deadline_passed, remaining
 from workers.plainhttp import PlainPool
 
-log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-ERROR_TEXT_CHARS = 600  # server error text quoted in messages, at most: its head and its tail
-_ERROR_HEAD_CHARS = 200  # ... of which the head; the rest is the tail, where a traceback says why
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")  # terminal colour and cursor codes
 ERROR_BODY_READ_BYTES = 64 * 1024  # read at most this much of a non-2xx body
 READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a bigger chunk costs mmap + mremap + munmap per read
-_DEADLINE_SLACK_S = 0.005
 USER_AGENT = "interactor"
-
-
-# --------------------------------------------------------------------------------------------
-# Deadlines
-# --------------------------------------------------------------------------------------------
-
-
-def remaining(deadline: float) -> float:
-    return deadline - time.monotonic()
-
-
-def timeouts(deadline: float, connect_s: float, read_s: float, *, what: str) -> tuple[float, float]:
-    """``(connect, read)`` timeouts for one request, or EPISODE_TIMEOUT when no time is left."""
-    left = remaining(deadline)
-    if left <= 0:
-        raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out")
-    return (min(connect_s, left), min(read_s, left))
-
-
-def deadline_passed(deadline: float) -> bool:
-    return remaining(deadline) <= _DEADLINE_SLACK_S
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +135,7 @@ class Watchdog:
     """Cuts the connection of a call still waiting for its answer at its deadline.
 
     Socket timeouts bound each receive, not a call: a server that sends a byte now and then
-    keeps every receive short and the call going forever (review M8). One thread per process
+    keeps every receive short and the call going forever. One thread per process
     holds a heap of (deadline, socket) for the calls in flight and shuts down the socket of any
     that passes its deadline; the blocked read then ends, and the call reports the budget as
     spent. Arming and disarming cost a heap push and a flag; disarmed entries are dropped
@@ -509,7 +473,7 @@ def _read_body(resp, *, deadline: float, read_s: float, cap: int, ok: bool, what
     size = 0
     while True:
         left = remaining(deadline)
-        if left <= _DEADLINE_SLACK_S:
+        if left <= DEADLINE_SLACK_S:
             raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while reading the answer")
         conn = resp.connection
         sock = getattr(conn, "sock", None) if conn is not None else None
@@ -569,7 +533,7 @@ def _send_requests(session: requests.Session, method: str, url: str, *, deadline
 
 
 # --------------------------------------------------------------------------------------------
-# Answers and errors
+# The JSON of the wire
 # --------------------------------------------------------------------------------------------
 
 
@@ -589,193 +553,9 @@ def dumps(obj: Any) -> bytes:
     return orjson.dumps(obj)
 
 
-def error_text(reply: Reply, *, scrub: str = "") -> str:
-    """The server's error message, readable: JSON ``error``/``detail``/``message`` or the raw
-    text, terminal colour codes stripped, whitespace folded, and when long its head and its
-    tail (the cause of a Python traceback is at its end)."""
-    text = reply.body.decode("utf-8", "replace")
-    try:
-        obj = orjson.loads(text)
-    except (ValueError, RecursionError):
-        obj = None
-    if isinstance(obj, dict):
-        for key in ("error", "detail", "message"):
-            if key in obj:
-                val = obj[key]
-                if isinstance(val, dict) and "message" in val:
-                    val = val["message"]
-                text = val if isinstance(val, str) else orjson.dumps(val, default=str).decode()
-                break
-    text = " ".join(_ANSI.sub("", text).split())
-    if scrub:
-        text = text.replace(scrub, "***")
-    return shorten(text) or "<empty body>"
-
-
-def shorten(text: str, limit: int = ERROR_TEXT_CHARS) -> str:
-    """``text`` if short enough, else its head and tail around `` ... ``."""
-    if len(text) <= limit:
-        return text
-    tail = limit - _ERROR_HEAD_CHARS
-    return f"{text[:_ERROR_HEAD_CHARS]} ... {text[-tail:]}"
-
-
-def never_reached_server(exc: BaseException) -> bool:
-    """True only when the connection could not be established, so the request was not sent."""
-    if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return True
-    if isinstance(exc, requests.exceptions.ConnectionError) and not isinstance(
-        exc, (requests.exceptions.ProxyError, requests.exceptions.SSLError)
-    ):
-        cause: Any = exc.args[0] if exc.args else None
-        if isinstance(cause, MaxRetryError):
-            cause = cause.reason
-        return isinstance(cause, (NewConnectionError, NameResolutionError))
-    return False
-
-
-def is_timeout(exc: BaseException) -> bool:
-    if isinstance(exc, requests.exceptions.Timeout):
-        return True
-    # A read timeout while streaming the body surfaces as ConnectionError(ReadTimeoutError).
-    cause = exc.args[0] if isinstance(exc, requests.exceptions.ConnectionError) and exc.args else None
-    return isinstance(cause, ReadTimeoutError)
-
-
-def describe(exc: BaseException) -> str:
-    """A short, key-free description of a transport error."""
-    if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return "connect timeout"
-    if is_timeout(exc):
-        return "read timeout"
-    if never_reached_server(exc):
-        cause: Any = exc.args[0] if exc.args else None
-        if isinstance(cause, MaxRetryError):
-            cause = cause.reason
-        if isinstance(cause, NameResolutionError) and NameResolutionError is not NewConnectionError:
-            return "name resolution failed"
-        return "connection refused or unreachable"
-    if isinstance(exc, requests.exceptions.ChunkedEncodingError):
-        return "connection dropped while reading the answer"
-    if isinstance(exc, requests.exceptions.ConnectionError):
-        return "connection dropped or reset"
-    return type(exc).__name__
-
-
-def retry_after_s(headers: Mapping[str, str], cap: float) -> float | None:
-    """``Retry-After`` in seconds (delta-seconds or HTTP date), capped; None if absent/bad."""
-    raw = headers.get("Retry-After") if headers is not None else None
-    if not raw:
-        return None
-    raw = raw.strip()
-    try:
-        value = float(raw)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(raw)
-        except (TypeError, ValueError):
-            return None
-        if when is None:
-            return None
-        value = when.timestamp() - time.time()
-    if math.isnan(value):
-        return None
-    return max(0.0, min(value, cap))
-
-
 # --------------------------------------------------------------------------------------------
-# Retries
+# The clients' base
 # --------------------------------------------------------------------------------------------
-
-
-class Retryable(Exception):
-    """Raised inside an attempt: ``error`` is what the caller gets if no retry is left."""
-
-    def __init__(self, error: EpisodeError, *, retry_after: float | None = None):
-        super().__init__(str(error))
-        self.error = error
-        self.retry_after = retry_after
-
-
-def with_cause(error: EpisodeError, cause: BaseException | None) -> EpisodeError:
-    error.__cause__ = cause
-    return error
-
-
-def run_with_retries(
-    attempt: Callable[[], T],
-    *,
-    attempts: int,
-    backoff_initial_s: float,
-    backoff_max_s: float,
-    deadline: float,
-    what: str,
-    log_target: str,
-    logger: logging.Logger = log,
-) -> T:
-    """Run ``attempt`` until it returns, raises an EpisodeError (final) or runs out of tries.
-
-    ``attempt`` raises :class:`Retryable` for what may be retried. Attempts are capped at
-    ``attempts``; a back-off that would pass ``deadline`` ends the call with EPISODE_TIMEOUT.
-    """
-    attempts = max(1, attempts)
-
-    # Most calls succeed on the first try: make it without building the retry machinery (a
-    # Retrying per call cost about a tenth of a request's CPU, docs/benchmarks.md). A first
-    # failure is handed to Retrying as its attempt 1, so waits, logs and give-up are unchanged.
-    try:
-        return attempt()
-    except Retryable as exc:
-        failed = [exc]
-
-    backoff = wait_random_exponential(multiplier=backoff_initial_s, max=backoff_max_s)
-
-    def wait(state: RetryCallState) -> float:
-        exc = state.outcome.exception() if state.outcome else None
-        hint = getattr(exc, "retry_after", None)
-        if hint is not None:
-            return min(hint, backoff_max_s)
-        return backoff(state)
-
-    def stop(state: RetryCallState) -> bool:
-        if state.attempt_number >= attempts:
-            return True
-        return time.monotonic() + state.upcoming_sleep >= deadline
-
-    def give_up(state: RetryCallState) -> T:
-        exc = state.outcome.exception()
-        assert isinstance(exc, Retryable)
-        if state.attempt_number < attempts:
-            raise with_cause(
-                EpisodeError(
-                    EPISODE_TIMEOUT,
-                    f"{what}: no time left in the attempt's budget to retry "
-                    f"(after {state.attempt_number} tries; last: {exc.error})",
-                ),
-                exc.error,
-            )
-        raise exc.error
-
-    def before_sleep(state: RetryCallState) -> None:
-        exc = state.outcome.exception()
-        logger.warning(
-            "%s: try %d/%d failed (%s); retrying %s in %.2fs",
-            what, state.attempt_number, attempts, exc, log_target, state.upcoming_sleep,
-        )
-
-    def replay() -> T:
-        if failed:
-            raise failed.pop()
-        return attempt()
-
-    retrying = Retrying(
-        stop=stop,
-        wait=wait,
-        retry=retry_if_exception_type(Retryable),
-        before_sleep=before_sleep,
-        retry_error_callback=give_up,
-    )
-    return retrying(replay)
 
 
 class PooledClient:

@@ -1,0 +1,83 @@
+"""How an attempt that did not complete is closed: one pure rule, shared by the worker that ran
+it (workers/runner.py) and the sweeper that reclaims it from a lost worker (broker/recovery.py),
+and the dead letter a failed episode leaves, built in one place.
+
+:func:`decide` reads no Redis: it takes the error, the attempt number, the attempt limit as the
+ledger holds it and whether the attempt lived through an outage, and says what to do. The caller
+does it (records the attempt, grants the uncounted attempt, enqueues again), so the rule is
+tested without Redis (tests/test_close_policy.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker import errors
+from broker.records import AttemptRecord, DeadLetter, EpisodeSpec
+
+# Attempts ended by an outage are not counted, up to this many beyond max_attempts (a server
+# that flaps forever must still let its episodes end).
+OUTAGE_EXTRA_ATTEMPTS = 20
+
+ABANDON = "abandon"  # the lease is lost: whoever holds it now owns the episode; record nothing
+HAND_BACK = "hand_back"  # the worker is shutting down: queued again at once, the attempt not counted
+RETRY = "retry"  # another attempt (the runner after a back-off, the sweeper at once)
+FAIL = "fail"  # failed for good: the attempt failed, the episode dead-lettered
+
+OUTAGE_NOTE = " [after an outage; this attempt is not counted]"
+
+
+@dataclass(frozen=True)
+class Close:
+    """What :func:`decide` says: ``action``; ``uncounted``: grant one attempt beyond the limit
+    first (the attempt is not the episode's fault); ``limit``: the limit that then applies."""
+
+    action: str
+    uncounted: bool = False
+    limit: int = 0
+
+    def message(self, exc: errors.EpisodeError, message: str, attempt: int) -> str:
+        """The error message recorded for the attempt: said in it, that it was not counted, and
+        after how many attempts a transient error failed the episode for good."""
+        if self.uncounted and self.action in (RETRY, FAIL):
+            message += OUTAGE_NOTE
+        if self.action == FAIL and exc.transient:
+            message = f"{message} (after {attempt} attempts)"
+        return message
+
+
+def limit_matters(exc: errors.EpisodeError) -> bool:
+    """Whether :func:`decide` needs the attempt limit for ``exc`` (a lost lease and a shutdown
+    are closed without it: the caller need not read it)."""
+    return exc.reason not in (errors.LEASE_LOST, errors.WORKER_SHUTDOWN)
+
+
+def decide(exc: errors.EpisodeError, attempt: int, limit: int, outage_seen: bool, *, max_attempts: int) -> Close:
+    """How to close attempt ``attempt`` that ended with ``exc``.
+
+    ``limit``: the last attempt number the ledger allows (``Ledger.attempt_limit``, before this
+    close); ``outage_seen``: the attempt lived through a server's outage (workers/ports.py's
+    ``Guard``). Redis away (``BROKER_OUTAGE``) is our own outage however the attempt noticed it,
+    and is never counted against the episode either; an outage is not counted up to
+    ``OUTAGE_EXTRA_ATTEMPTS`` beyond ``max_attempts``. A transient error retries while attempts
+    are left; a permanent one, or a transient one past the limit, fails the episode.
+    """
+    if exc.reason == errors.LEASE_LOST:
+        return Close(ABANDON, limit=limit)
+    if exc.reason == errors.WORKER_SHUTDOWN:
+        return Close(HAND_BACK, uncounted=True, limit=limit)
+    outage_seen = outage_seen or exc.reason == errors.BROKER_OUTAGE
+    uncounted = bool(exc.transient and outage_seen and attempt < max_attempts + OUTAGE_EXTRA_ATTEMPTS)
+    if uncounted:
+        limit += 1
+    if exc.transient and attempt < limit:
+        return Close(RETRY, uncounted=uncounted, limit=limit)
+    return Close(FAIL, uncounted=uncounted, limit=limit)
+
+
+def dead_letter(record: AttemptRecord, spec: EpisodeSpec | None, *, traceback: str = "") -> DeadLetter:
+    """The dead letter of an episode whose attempt ``record`` failed it for good."""
+    return DeadLetter(job_id=record.job_id, episode_id=record.episode_id, group_id=record.group_id,
+                      env_name=record.env_name, reason=record.reason, error_class=record.error_class,
+                      error=record.error, traceback=traceback, attempts=record.attempt,
+                      spec=spec.shown() if spec else {}, first_attempt_at=record.started_at)
