@@ -9,6 +9,7 @@ command; ``interactor`` imports nothing of ``bench``.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 
@@ -26,7 +27,7 @@ def cmd_bench(args) -> int:
 
     base = settings_from_args(args)
     kw = {}
-    for name in ("pool_level", "feed_level", "workers", "model_latency_ms", "env_latency_ms", "steps", "ingest_records",
+    for name in ("pool_level", "feed_level", "caps_level", "caps_factor", "workers", "model_latency_ms", "env_latency_ms", "steps", "ingest_records",
                  "enqueue_episodes", "out", "png", "work", "src"):
         v = getattr(args, name)
         if v is not None:
@@ -47,6 +48,11 @@ def cmd_bench(args) -> int:
         kw["skip"] = _words(args.skip)
     kw["pool"] = base.pool
     cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
+    try:
+        cfg.check()
+    except ValueError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
     if args.render:
         res = json.loads(Path(args.render).read_text())
     else:
@@ -63,6 +69,9 @@ def register(sub, add) -> None:
     sp.add_argument("--pools", help="pools to compare, e.g. gevent,threads,prefork ('' for none)")
     sp.add_argument("--pool-level", type=int, help="concurrency of the pool and process comparisons (1000)")
     sp.add_argument("--feed-level", type=int, help="concurrency of the rollout feed run (1000; 0 for none)")
+    sp.add_argument("--caps-level", type=int,
+                    help="concurrency of the caps' cost run: that load with never-binding caps (256; 0 for none)")
+    sp.add_argument("--caps-factor", type=float, help="the caps of that run, times its concurrency (10; above 1)")
     sp.add_argument("--workers", type=int, help="worker processes sharing the concurrency (2)")
     sp.add_argument("--model-latency-ms", type=float)
     sp.add_argument("--env-latency-ms", type=float)
@@ -71,7 +80,7 @@ def register(sub, add) -> None:
     sp.add_argument("--warmup", type=float, help="seconds between all slots busy and the window (3)")
     sp.add_argument("--ingest-records", type=int)
     sp.add_argument("--enqueue-episodes", type=int)
-    sp.add_argument("--skip", help="parts to skip: load,single,processes,pools,feed,ingest,tokens,enqueue")
+    sp.add_argument("--skip", help="parts to skip: load,single,processes,pools,feed,caps,ingest,tokens,enqueue")
     sp.add_argument("--process-counts", help="worker process counts compared at --pool-level, e.g. 2,4 ('' for none)")
     sp.add_argument("--out", help="the Markdown report (docs/benchmarks.md)")
     sp.add_argument("--png", help="the plot (docs/benchmarks.png); '' for none")
