@@ -78,6 +78,13 @@ METRIC_NAMES = {
     "interactor_feed_versions_behind_mean": "gauge",
     "interactor_feed_trainer_wait_seconds": "counter",
     "interactor_feed_takes": "counter",
+    # fleet-wide limits (broker/caps.py, broker/ratelimit.py, broker/pause.py)
+    "interactor_job_paused": "gauge",
+    "interactor_fleet_cap_limit": "gauge",
+    "interactor_fleet_cap_in_use": "gauge",
+    "interactor_rate_limit": "gauge",
+    "interactor_rate_bucket": "gauge",
+    "interactor_rate_hold_seconds": "gauge",
     # folded from committed records
     "interactor_steps": "counter",
     "interactor_episodes_finished": "counter",
@@ -87,6 +94,7 @@ METRIC_NAMES = {
     "interactor_completion_tokens": "counter",
     "interactor_step_latency_seconds": "histogram",
     "interactor_episode_duration_seconds": "histogram",
+    "interactor_phase_seconds": "histogram",
 }
 
 

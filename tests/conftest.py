@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -77,16 +79,23 @@ def settings(redis_server, tmp_path) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def pg_server(tmp_path_factory):
-    """A real PostgreSQL (pgserver's binaries, else the machine's) on a free port."""
+def pg_server():
+    """A real PostgreSQL (pgserver's binaries, else the machine's) on a free port.
+
+    Its folder is outside pytest's base temp: run as root, the server runs as another user,
+    and every pytest session that starts re-closes ``/tmp/pytest-of-<user>`` to its owner, so a
+    second session on the machine (another suite, a make target) locked a running server out
+    of its own data directory mid-run."""
     from broker.embedded_postgres import EmbeddedPostgres, binaries
 
     if binaries() is None:
         pytest.skip("no PostgreSQL server binaries here (pip install pgserver, or the postgresql package)")
-    server = EmbeddedPostgres(tmp_path_factory.mktemp("postgres"))
+    folder = Path(tempfile.mkdtemp(prefix="interactor-test-pg-"))
+    server = EmbeddedPostgres(folder)
     server.start()
     yield server
     server.stop()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -59,12 +59,17 @@ def log(msg: str) -> None:
 
 
 def run(cmd: list[str], *, env: dict | None = None, check: bool = True, timeout: float = 1800,
-        capture: bool = True, **kw) -> subprocess.CompletedProcess:
+        capture: bool = True, stderr_apart: bool = False, **kw) -> subprocess.CompletedProcess:
+    """``stderr_apart``: stdout holds only what the command printed there (a container's own
+    output), not the docker CLI's warnings, which go to stderr (on a host with IPv4 forwarding
+    off, every ``docker run`` warns that networking will not work)."""
+    err = subprocess.PIPE if stderr_apart else subprocess.STDOUT
     r = subprocess.run(cmd, env=env, timeout=timeout, text=True,
                        stdout=subprocess.PIPE if capture else None,
-                       stderr=subprocess.STDOUT if capture else None, **kw)
+                       stderr=err if capture else None, **kw)
     if check and r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}:\n{(r.stdout or '')[-4000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}:\n{(r.stdout or '')[-4000:]}"
+                           + (f"\n{(r.stderr or '')[-2000:]}" if stderr_apart else ""))
     return r
 
 

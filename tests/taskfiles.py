@@ -11,21 +11,21 @@ import textwrap
 def write_arith_tasks(folder, env_url: str, *, rows: int, env_num: int, guess: int = 0, extra: str = "") -> str:
     """Writes ``arith.jsonl`` and ``tasks.yaml`` into ``folder``; returns the task file's path.
     ``guess``: that many ``guess_number`` episodes first (none when 0); ``extra``: YAML appended
-    (more environments, indented by the caller)."""
+    (more environments, each entry indented by two spaces, as these are)."""
     (folder / "arith.jsonl").write_text("".join(
         json.dumps({"question": f"What is {i} + {i + 3}?", "answer": 2 * i + 3}) + "\n" for i in range(rows)))
-    guess_env = textwrap.dedent(f"""\
+    guess_env = textwrap.indent(textwrap.dedent(f"""\
           - env_name: guess_number
             base_url: {env_url}
             env_params: {{low: 1, high: 64, max_turns: 10}}
             env_num: {guess}
-        """) if guess else ""
+        """), "  ") if guess else ""
     path = folder / "tasks.yaml"
-    path.write_text("environments:\n" + guess_env + textwrap.dedent(f"""\
+    path.write_text("environments:\n" + guess_env + textwrap.indent(textwrap.dedent(f"""\
           - env_name: arithmetic
             base_url: {env_url}
             env_params: {{}}
             dataset: arith.jsonl
             env_num: {env_num}
-        """) + extra)
+        """), "  ") + extra)
     return str(path)

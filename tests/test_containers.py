@@ -20,7 +20,6 @@ import re
 import secrets
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -225,9 +224,9 @@ def test_image_runs_non_root_without_a_compiler(engine):
     out = engine.docker("run", "--rm", dockerhost.IMAGE, "interactor", "--help").stdout
     start_s = time.monotonic() - t0
     assert "worker" in out and "submit" in out
-    assert engine.docker("run", "--rm", dockerhost.IMAGE, "id", "-u").stdout.strip() == "10001"
+    assert engine.docker("run", "--rm", dockerhost.IMAGE, "id", "-u", stderr_apart=True).stdout.strip() == "10001"
     found = engine.docker("run", "--rm", dockerhost.IMAGE, "sh", "-c",
-                          "command -v gcc cc g++ c++ make || true").stdout.strip()
+                          "command -v gcc cc g++ c++ make || true", stderr_apart=True).stdout.strip()
     assert found == "", f"a compiler in the final stage: {found}"
     size = int(engine.docker("image", "inspect", "-f", "{{.Size}}", dockerhost.IMAGE).stdout)
     log(f"image {dockerhost.IMAGE}: {size / 1e6:.0f} MB; `interactor --help` in a new container: {start_s:.1f} s")

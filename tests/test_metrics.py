@@ -180,6 +180,8 @@ def test_job_metrics_and_status_over_http(settings, procs, env_server, model_ser
     fams = wait_for(settled, 30, what="metrics to show the whole job")
     missing = set(METRIC_NAMES) - set(fams)
     assert not missing, missing
+    unlisted = {f for f in fams if f.startswith("interactor_")} - set(METRIC_NAMES)
+    assert not unlisted, f"exported but not in METRIC_NAMES (the docs and dashboards' list): {sorted(unlisted)}"
     assert sample(fams, "interactor_steps", "interactor_steps_total") == n_steps
     lat = "interactor_step_latency_seconds"
     assert sample(fams, lat, lat + "_count", part="model") == n_steps
