@@ -203,7 +203,7 @@ class FeedService:
         adv = group_stats(rewards)[2] if rewards else []
         samples = []
         for i, ep in enumerate(group.members):
-            steps = [_step(row) for row in self.store.feed_steps(ep)]
+            steps = _with_tokens([_step(row) for row in self.store.feed_steps(ep)], self.store.episode_tokens(ep))
             samples.append({"episode_id": ep, "reward": rewards[i] if i < len(rewards) else None,
                             "advantage": adv[i] if i < len(adv) else None, "steps": steps})
         item["samples"] = samples
@@ -304,7 +304,7 @@ class FeedService:
                         versions.append(v)
                     reward = s["reward"] if s["reward"] is not None else 0.0
                     rewards.append(reward)
-                    items.append({
+                    item = {
                         "uid": f"{st['session_id']}:{st['step_id']}",
                         "instance_id": g["group_id"],
                         "messages": list(st["messages"] or []) + [{"role": "assistant", "content": st["response"]}],
@@ -313,7 +313,10 @@ class FeedService:
                                        "finish_reason": st["finish_reason"], "session_id": st["session_id"],
                                        "env_id": st["session_id"], "group_id": g["group_id"],
                                        "weight_version": wv, "truncated": st["is_truncated"]},
-                    })
+                    }
+                    # Same item, more fields, where the step has the ids the model sampled.
+                    item.update({k: st[k] for k in TOKEN_FIELDS if k in st})
+                    items.append(item)
         self.ack(COMPAT_TRAINER, [g["group_id"] for g in groups])
         return {"success": True, "message": f"{len(groups)} groups, {len(items)} samples",
                 "data": {"data": items, "meta_info": {
@@ -339,6 +342,22 @@ def _redo(group: FeedGroup, why: str, refills: int = 0) -> bytes:
 _STEP_KEYS = ("job_id", "session_id", "group_id", "env_name", "step_id", "attempt", "messages", "response",
               "step_reward", "weight_version", "is_trainable", "is_terminal", "is_truncated", "prompt_tokens",
               "completion_tokens", "ended_by", "finish_reason", "created_at")
+
+
+# A step's token fields as a trainer gets them (consumer/storage/tokens.py): present only on
+# steps that asked the model for tokens; ids as lists of ints, logprobs as floats.
+TOKEN_FIELDS = ("token_status", "prompt_ids", "completion_ids", "completion_logprobs")
+
+
+def _with_tokens(steps: list[dict], token_rows: list[dict]) -> list[dict]:
+    """The steps, each with its token fields where its trajectory stored some (the token rows
+    are of the attempt the steps' rows are of: ``episode_tokens`` joins on it)."""
+    by_step = {t["step_id"]: t for t in token_rows}
+    for st in steps:
+        t = by_step.get(st["step_id"])
+        if t is not None:
+            st.update({k: t.get(k) for k in TOKEN_FIELDS})
+    return steps
 
 
 def _step(row: tuple) -> dict:

@@ -801,3 +801,26 @@ def test_trim_drops_only_settled_groups_and_an_idle_endless_feed_is_let_go(setti
     assert not feed.holds(redis_client, keys, job, retention, now=time.time() + retention + 5)
     svc.take("t", 1, 0)  # a trainer asks: the clock starts again
     assert feed.holds(redis_client, keys, job, retention, now=time.time() + retention - 5)
+
+
+def test_groups_carry_the_token_ids_and_logprobs_the_model_sampled(run_factory, tmp_path):
+    """With tokens asked for, every step a trainer gets (the feed's samples and the original
+    route's items) carries the prompt ids, completion ids and logprobs the store holds for it."""
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=2), feed_max_ahead=2, tokens="auto")
+    run.start_producer()
+    got = take_all(run, "t", 1, timeout=120)
+    steps = [st for s in got[0]["samples"] for st in s["steps"]]
+    assert steps
+    for st in steps:
+        stored = {t["step_id"]: t for t in run.store.episode_tokens(st["session_id"])}[st["step_id"]]
+        assert st["token_status"] == stored["token_status"] == "ok", st.get("token_status")
+        assert st["prompt_ids"] == stored["prompt_ids"] and st["completion_ids"] == stored["completion_ids"]
+        assert st["prompt_ids"] and all(isinstance(i, int) for i in st["prompt_ids"])
+        assert len(st["completion_logprobs"]) == len(st["completion_ids"]) > 0
+    run.service.ack("t", [got[0]["group_id"]])
+    body = {}
+    wait_for(lambda: body.update(run.service.rollout_data(1, 1.0)) or body["data"]["meta_info"]["finished_groups"] == 1,
+             120, what="a group by get_rollout_data")
+    for item in body["data"]["data"]:
+        assert item["completion_ids"] and len(item["completion_logprobs"]) == len(item["completion_ids"])
+        assert item["prompt_ids"] and item["token_status"] == "ok"
