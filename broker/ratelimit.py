@@ -13,9 +13,12 @@ buckets per endpoint in Redis (``<prefix>:rate:<server>``) and one "wait until" 
 * a 429's ``Retry-After``, or ``x-ratelimit-remaining-requests``/``-tokens`` at 0 with their
   ``x-ratelimit-reset-*``, set the mark: every worker waits, not only the one told.
 
-The RPM bucket holds half a second's worth of requests (at least one): a burst the size of a
-server's one-second allowance could arrive closer together than it was sent and be refused.
-Time is Redis' clock. Buckets expire when unused for two minutes.
+The RPM bucket holds one request, and the fleet paces at ``RPM_PACE`` (97%) of the limit. A
+server's own bucket, fed at exactly the rate the fleet sends, stays near empty, and a request
+that arrives a few milliseconds early (scheduling, a busy machine) is refused: seen as a 429
+now and then after the first, with the fleet at 100% of the limit and a half-second burst.
+The headroom lets the server's bucket fill between requests instead. Time is Redis' clock.
+Buckets expire when unused for two minutes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import redis
 
 from broker.keys import Keys
 
-RPM_BURST_S = 0.5
+RPM_BURST_S = 0.0  # the bucket's depth in seconds of requests beyond one: none
+RPM_PACE = 0.97  # the share of a requests-per-minute limit the fleet sends at
 
 _NOW = """
 redis.replicate_commands()
@@ -127,7 +131,7 @@ class RateLimits:
 
     def take(self, server: str, rpm: int, tpm: int) -> float:
         """0.0: go; else seconds to wait before asking again."""
-        ms = self._take(keys=[self.k.rate(server), self.k.rate_hold(server)], args=[rpm, tpm, RPM_BURST_S])
+        ms = self._take(keys=[self.k.rate(server), self.k.rate_hold(server)], args=[rpm * RPM_PACE, tpm, RPM_BURST_S])
         return int(ms) / 1000.0
 
     def charge(self, server: str, tpm: int, tokens: int) -> None:
@@ -141,5 +145,6 @@ class RateLimits:
 
     def levels(self, server: str, rpm: int, tpm: int) -> tuple[float, float, float]:
         """(requests left, tokens left, seconds still held); -1 for a limit that is off."""
-        r, t, hold = self._levels(keys=[self.k.rate(server), self.k.rate_hold(server)], args=[rpm, tpm, RPM_BURST_S])
+        r, t, hold = self._levels(keys=[self.k.rate(server), self.k.rate_hold(server)],
+                                  args=[rpm * RPM_PACE, tpm, RPM_BURST_S])
         return float(r), float(t), int(hold) / 1000.0

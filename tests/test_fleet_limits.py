@@ -380,6 +380,7 @@ class _RpmLimiter:
         self.refused = 0
         self.served: list[float] = []
         self.answers: list[int] = []  # statuses, in order
+        self.refused_at: list[float] = []  # when each 429 was answered (monotonic)
         limiter = self
         base = server.RequestHandlerClass
 
@@ -397,6 +398,7 @@ class _RpmLimiter:
                         limiter.served.append(now)
                     else:
                         limiter.refused += 1
+                        limiter.refused_at.append(now)
                         wait = (1 - limiter.tokens) / limiter.rate
                 if not ok:
                     return self.send_json(429, {"error": {"message": "Rate limit reached for requests",
@@ -412,7 +414,8 @@ class _RpmLimiter:
 def test_fleet_stays_under_the_model_rpm_limit(settings, procs, env_server, model_server, tmp_path):
     """A model server allowing 240 requests a minute, 2 worker processes x 20 single-turn
     episodes, the job's requests_per_minute at 240: after the first 429 (the server's bucket
-    starts empty) the fleet stays under the limit (at most a couple more), no attempt fails,
+    starts empty) the fleet stays under the limit (429s only for what was already on its way),
+    no attempt fails,
     and the server serves at least 90% of its limit."""
     _, env_url = env_server
     model_srv, model_url = model_server
@@ -437,10 +440,13 @@ def test_fleet_stays_under_the_model_rpm_limit(settings, procs, env_server, mode
     achieved = (len(served) - 1) / (served[-1] - served[0]) * 60
     print(f"\n[rpm] limit {rpm}/min, achieved {achieved:.0f}/min over {len(served)} requests, "
           f"429s {limiter.refused}")
-    # the first (the bucket started empty) and those sent with it; none once the fleet knew
-    assert 1 <= limiter.refused <= 3, limiter.refused
-    last_429 = max(i for i, status in enumerate(limiter.answers) if status == 429)
-    assert last_429 < 8, limiter.answers[:20]
+    # The first (the bucket started empty) and those already on their way with it; none once
+    # the fleet knew. "On their way" is what the fleet's own bucket let through before the
+    # first 429 came back: at most about a second's worth, arriving within a second of it
+    # (more on a loaded machine, where an answer takes longer to be read).
+    assert 1 <= limiter.refused <= 1 + 2 * rpm // 60, (limiter.refused, limiter.answers[:20])
+    first = limiter.refused_at[0]
+    assert all(t - first <= 1.5 for t in limiter.refused_at), [round(t - first, 3) for t in limiter.refused_at]
     assert ledger.counts(job.job_id)["failed"] == 0
     attempts = [ledger.attempts(job.job_id, e) for e in ledger.states(job.job_id)]
     assert max(attempts) == 1, "an attempt failed"
