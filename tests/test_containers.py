@@ -329,7 +329,7 @@ def test_5_autoscaler_follows_queue_depth(fleet):
         if code != "0":
             tail = fleet.engine.docker("logs", "--tail", "60", cid, check=False)
             pytest.fail(f"idle worker {cid[:12]} exited {code}: its warm shutdown did not end in 120 s\n"
-                        f"{tail.stdout[-4000:]}{tail.stderr[-4000:]}")
+                        f"{(tail.stdout or '')[-4000:]}{(tail.stderr or '')[-4000:]}")
     fleet.up("worker", scale={"worker": 0})
     assert not fleet.containers("worker")
     fleet.up("autoscaler")
