@@ -2,10 +2,19 @@
 
 Per-process limits (``llm_max_concurrency``) multiply with the fleet: 20 workers at 64 slots
 put 1,280 requests on a model endpoint that serves 200. A cap here holds whatever the number
-of workers, because its slots live in Redis: one sorted set per cap
-(``<prefix>:cap:<kind>:<name>``), a member per slot holder, scored by its lease's expiry (ms,
-Redis' clock). Holders renew their slots (workers/fleetcaps.py); a SIGKILLed or frozen
-worker's slots lapse within the lease TTL and are swept by the next acquire of anyone.
+of workers, because its slots are counted in Redis. Per cap (``<kind>``, ``<name>``):
+
+* ``<prefix>:cap-held:<kind>:<name>``: hash holder -> how many slots it holds;
+* ``<prefix>:cap:<kind>:<name>``: zset holder -> its lease's expiry (ms, Redis' clock);
+* ``<prefix>:cap-wanted:<kind>:<name>``: zset holder -> until when (ms) it waits for slots
+  the cap did not have.
+
+A holder is one worker process's pool for one set of caps (workers/fleetcaps.py). It takes
+slots in *blocks* and lends them to its own calls without asking Redis again, so that a call
+costs no round trip while the process keeps enough slots; it gives back what it has not
+needed for a while, and its share when another holder waits. It renews its lease; a
+SIGKILLed or frozen process's slots lapse within the lease TTL and are swept by the next
+take of anyone. The sum of every live holder's count never exceeds the cap.
 
 Kinds of cap (what a job's ``limits`` name, resolved at submit into :class:`Limits`):
 
@@ -15,8 +24,8 @@ Kinds of cap (what a job's ``limits`` name, resolved at submit into :class:`Limi
 * ``env_instances``: live env instances on one env server, held from reset to close, so that
   a sandbox-backed server is never asked for more than it holds.
 
-A call may need several caps at once (an env call: its server's and its env_name's); the
-acquire script takes them all or none, so waiting for one never holds another.
+A call may need several caps at once (an env call: its server's and its env_name's); a take
+gets the same number of slots of each or none, so waiting for one never holds another.
 """
 
 from __future__ import annotations
@@ -47,38 +56,111 @@ local _t = redis.call('TIME')
 local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
 """
 
-# KEYS: cap zsets   ARGV: holder, ttl_ms, limit per key
-# All or none: sweeps lapsed holders, then takes a slot in every cap if each has room.
-# Returns 0 (taken), or the 1-based index of the first cap that is full.
-_ACQUIRE = _NOW + """
-for i = 1, #KEYS do
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
-  if redis.call('ZCARD', KEYS[i]) >= tonumber(ARGV[2 + i]) then return i end
+# Every script takes a cap's keys as a triple: lease zset, held hash, wanted zset.
+# Lapsed holders of cap i swept (lease expired: count and lease gone), then its slots in use.
+_SWEEP = """
+local function sweep(z, h)
+  local lapsed = redis.call('ZRANGEBYSCORE', z, '-inf', now)
+  for _, m in ipairs(lapsed) do redis.call('HDEL', h, m) end
+  if #lapsed > 0 then redis.call('ZREMRANGEBYSCORE', z, '-inf', now) end
+  local used = 0
+  for _, v in ipairs(redis.call('HVALS', h)) do used = used + tonumber(v) end
+  return used
 end
-for i = 1, #KEYS do
-  redis.call('ZADD', KEYS[i], now + tonumber(ARGV[2]), ARGV[1])
+"""
+
+# KEYS: triples per cap   ARGV: holder, ttl_ms, want, wanted_ttl_ms, limit per cap
+# Grants up to ``want`` slots of every cap (the same number of each: what the fullest has
+# room for), extends the holder's lease, and notes it as waiting when it got fewer than it
+# wanted. Returns {granted, held before} (held before: the holder's count of the first cap
+# as Redis had it, so that a holder learns its slots lapsed).
+_TAKE = _NOW + _SWEEP + """
+local holder, ttl, want = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local n = #KEYS / 3
+local grant = want
+for i = 1, n do
+  local room = tonumber(ARGV[4 + i]) - sweep(KEYS[3 * i - 2], KEYS[3 * i - 1])
+  if room < grant then grant = room end
+end
+if grant < 0 then grant = 0 end
+local before = tonumber(redis.call('HGET', KEYS[2], holder) or '0')
+for i = 1, n do
+  local z, h, w = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  if grant > 0 then
+    redis.call('HINCRBY', h, holder, grant)
+    redis.call('ZADD', z, now + ttl, holder)
+  end
+  if grant < want then
+    redis.call('ZADD', w, now + tonumber(ARGV[4]), holder)
+  else
+    redis.call('ZREM', w, holder)
+  end
+end
+return {grant, before}
+"""
+
+# KEYS: triples per cap   ARGV: holder, count   Gives ``count`` slots back (all: the holder is gone).
+_GIVE = """
+for i = 1, #KEYS / 3 do
+  local z, h = KEYS[3 * i - 2], KEYS[3 * i - 1]
+  if redis.call('HINCRBY', h, ARGV[1], -tonumber(ARGV[2])) <= 0 then
+    redis.call('HDEL', h, ARGV[1])
+    redis.call('ZREM', z, ARGV[1])
+  end
 end
 return 0
 """
 
-# KEYS: cap zsets, one per holder   ARGV: ttl_ms, holder per key
-# Extends the slots still held; returns the 1-based indexes of those gone (they lapsed).
+# KEYS: triples, per holder its caps' in turn   ARGV: ttl_ms, then per holder: name, number of
+# caps, limit per cap.
+# Per holder: when its lease lapsed in any of its caps, whatever is left of it is removed and
+# {-1, 0, 0} returned (its slots are gone); else its lease is extended and {held, contended,
+# share} returned: contended 1 when another holder waits for one of its caps, share the
+# fewest slots a cap's limit gives each of those taking part in it (holders and waiters).
 _RENEW = _NOW + """
-local gone = {}
-for i = 1, #KEYS do
-  if redis.call('ZADD', KEYS[i], 'XX', 'CH', now + tonumber(ARGV[1]), ARGV[1 + i]) == 0
-     and not redis.call('ZSCORE', KEYS[i], ARGV[1 + i]) then
-    table.insert(gone, i)
+local ttl = tonumber(ARGV[1])
+local out = {}
+local k, a = 0, 2
+while a <= #ARGV do
+  local holder, n = ARGV[a], tonumber(ARGV[a + 1])
+  local gone = false
+  for i = 1, n do
+    local s = redis.call('ZSCORE', KEYS[3 * (k + i) - 2], holder)
+    if not s or tonumber(s) <= now or not redis.call('HGET', KEYS[3 * (k + i) - 1], holder) then gone = true end
   end
+  if gone then
+    for i = 1, n do
+      redis.call('ZREM', KEYS[3 * (k + i) - 2], holder)
+      redis.call('HDEL', KEYS[3 * (k + i) - 1], holder)
+    end
+    table.insert(out, {-1, 0, 0})
+  else
+    local contended, share = 0, nil
+    for i = 1, n do
+      local z, h, w = KEYS[3 * (k + i) - 2], KEYS[3 * (k + i) - 1], KEYS[3 * (k + i)]
+      redis.call('ZADD', z, now + ttl, holder)
+      local parts = redis.call('ZCOUNT', z, now, '+inf')
+      for _, m in ipairs(redis.call('ZRANGEBYSCORE', w, now, '+inf')) do
+        if m ~= holder then contended = 1 end
+        local ms = redis.call('ZSCORE', z, m)
+        if not ms or tonumber(ms) <= now then parts = parts + 1 end
+      end
+      local sh = math.floor(tonumber(ARGV[a + 1 + i]) / math.max(1, parts))
+      if share == nil or sh < share then share = sh end
+    end
+    table.insert(out, {tonumber(redis.call('HGET', KEYS[2 + 3 * k], holder)), contended, math.max(1, share)})
+  end
+  k = k + n
+  a = a + 2 + n
 end
-return gone
+return out
 """
 
-# KEYS: cap zsets   Lapsed holders swept, then the live count of each (for status and metrics).
-_USE = _NOW + """
+# KEYS: triples per cap   Lapsed holders swept, then the slots held of each (status, metrics).
+_USE = _NOW + _SWEEP + """
 local out = {}
-for i = 1, #KEYS do
-  out[i] = redis.call('ZCOUNT', KEYS[i], now, '+inf')
+for i = 1, #KEYS / 3 do
+  out[i] = sweep(KEYS[3 * i - 2], KEYS[3 * i - 1])
 end
 return out
 """
@@ -91,10 +173,20 @@ def server_name(url: str) -> str:
 
 @dataclass(frozen=True)
 class Cap:
-    """One cap a call needs: the key of its slots and how many there are."""
+    """One cap a call needs: its keys (module docstring) and how many slots there are."""
 
-    key: str
+    key: str  # the holders' leases; also the cap's name in ``<prefix>:caps``
+    held: str
+    wanted: str
     limit: int
+
+    @classmethod
+    def of(cls, keys: Keys, kind: str, name: str, limit: int) -> "Cap":
+        return cls(keys.cap(kind, name), keys.cap_held(kind, name), keys.cap_wanted(kind, name), int(limit))
+
+    @property
+    def triple(self) -> list[str]:
+        return [self.key, self.held, self.wanted]
 
 
 @dataclass
@@ -134,30 +226,30 @@ class Limits:
 
     # --- the caps one call needs (empty: none, and no Redis round trip) ---------------
     def model_caps(self, keys: Keys, llm_base_url: str) -> list[Cap]:
-        return [Cap(keys.cap(CAP_MODEL, server_name(llm_base_url)), self.model)] if self.model > 0 else []
+        return [Cap.of(keys, CAP_MODEL, server_name(llm_base_url), self.model)] if self.model > 0 else []
 
     def env_call_caps(self, keys: Keys, base_url: str, env_name: str) -> list[Cap]:
         out = []
         n = self.env_servers.get(server_name(base_url), {}).get(MAX_CONCURRENCY, 0)
         if n > 0:
-            out.append(Cap(keys.cap(CAP_ENV, server_name(base_url)), n))
+            out.append(Cap.of(keys, CAP_ENV, server_name(base_url), n))
         n = self.env_names.get(env_name, 0)
         if n > 0:
-            out.append(Cap(keys.cap(CAP_ENV_NAME, env_name), n))
+            out.append(Cap.of(keys, CAP_ENV_NAME, env_name, n))
         return out
 
     def env_instance_caps(self, keys: Keys, base_url: str) -> list[Cap]:
         n = self.env_servers.get(server_name(base_url), {}).get(MAX_INSTANCES, 0)
-        return [Cap(keys.cap(CAP_ENV_INSTANCES, server_name(base_url)), n)] if n > 0 else []
+        return [Cap.of(keys, CAP_ENV_INSTANCES, server_name(base_url), n)] if n > 0 else []
 
     def all_caps(self, keys: Keys, llm_base_url: str) -> list[Cap]:
         out = self.model_caps(keys, llm_base_url)
         for url, v in self.env_servers.items():
             if v.get(MAX_CONCURRENCY, 0) > 0:
-                out.append(Cap(keys.cap(CAP_ENV, url), v[MAX_CONCURRENCY]))
+                out.append(Cap.of(keys, CAP_ENV, url, v[MAX_CONCURRENCY]))
             if v.get(MAX_INSTANCES, 0) > 0:
-                out.append(Cap(keys.cap(CAP_ENV_INSTANCES, url), v[MAX_INSTANCES]))
-        out += [Cap(keys.cap(CAP_ENV_NAME, n), v) for n, v in self.env_names.items() if v > 0]
+                out.append(Cap.of(keys, CAP_ENV_INSTANCES, url, v[MAX_INSTANCES]))
+        out += [Cap.of(keys, CAP_ENV_NAME, n, v) for n, v in self.env_names.items() if v > 0]
         return out
 
 
@@ -186,34 +278,55 @@ def check_limits(raw: Any) -> str:
     return ""
 
 
-class FleetSlots:
-    """The Redis side of the caps: acquire, release, renew, and the use of each (status)."""
+@dataclass(frozen=True)
+class Renewal:
+    """What a renewal tells a holder: the slots Redis counts for it (-1: its lease lapsed and
+    they are gone), whether another holder waits for one of its caps, and its fair share."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_ms: int):
+    held: int
+    contended: bool = False
+    share: int = 0
+
+
+class FleetSlots:
+    """The Redis side of the caps: take and give back slots in blocks, renew the holders'
+    leases, and the use of each cap (status). One round trip each."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, ttl_ms: int, wanted_ttl_ms: int = 2000):
         self.r = client
         self.k = keys
         self.ttl_ms = int(ttl_ms)
-        self._acquire = client.register_script(_ACQUIRE)
+        self.wanted_ttl_ms = int(wanted_ttl_ms)  # a waiter that stopped asking is forgotten this soon
+        self._take = client.register_script(_TAKE)
+        self._give = client.register_script(_GIVE)
         self._renew = client.register_script(_RENEW)
         self._use = client.register_script(_USE)
 
-    def try_acquire(self, caps: Sequence[Cap], holder: str) -> int:
-        """One round trip: 0 when a slot of every cap was taken, else the index (1-based) of
-        the first cap that is full."""
-        return int(self._acquire(keys=[c.key for c in caps], args=[holder, self.ttl_ms, *(c.limit for c in caps)]))
+    @staticmethod
+    def _keys(caps: Sequence[Cap]) -> list[str]:
+        return [k for c in caps for k in c.triple]
 
-    def release(self, caps: Sequence[Cap], holder: str) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        for c in caps:
-            pipe.zrem(c.key, holder)
-        pipe.execute()
+    def take(self, caps: Sequence[Cap], holder: str, want: int = 1) -> tuple[int, int]:
+        """Up to ``want`` slots of every cap in ``caps`` (the same number of each) for
+        ``holder``: (granted, what Redis counted for the holder before)."""
+        granted, before = self._take(keys=self._keys(caps),
+                                     args=[holder, self.ttl_ms, int(want), self.wanted_ttl_ms, *(c.limit for c in caps)])
+        return int(granted), int(before)
 
-    def renew(self, held: Sequence[tuple[str, str]]) -> list[int]:
-        """Extend ``(key, holder)`` slots; returns the indexes (0-based) of those that lapsed."""
-        if not held:
+    def give(self, caps: Sequence[Cap], holder: str, count: int) -> None:
+        if count > 0:
+            self._give(keys=self._keys(caps), args=[holder, int(count)])
+
+    def renew(self, holders: Sequence[tuple[str, Sequence[Cap]]]) -> list[Renewal]:
+        """Extend each holder's lease on its caps; what each is told (:class:`Renewal`)."""
+        if not holders:
             return []
-        gone = self._renew(keys=[k for k, _ in held], args=[self.ttl_ms, *(h for _, h in held)])
-        return [int(i) - 1 for i in gone]
+        keys: list[str] = []
+        args: list[Any] = [self.ttl_ms]
+        for holder, caps in holders:
+            keys += self._keys(caps)
+            args += [holder, len(caps), *(c.limit for c in caps)]
+        return [Renewal(int(h), bool(c), int(s)) for h, c, s in self._renew(keys=keys, args=args)]
 
     def register(self, caps: Iterable[Cap]) -> None:
         """Note the caps a job set (``<prefix>:caps``), for status and metrics."""
@@ -222,15 +335,16 @@ class FleetSlots:
             self.r.hset(self.k.caps, mapping=mapping)
 
     def use(self) -> list[dict[str, Any]]:
-        """Every registered cap with its live holders: [{kind, name, limit, in_use}]."""
+        """Every registered cap with the slots held of it now: [{kind, name, limit, in_use}].
+        Held counts what workers took, lent to a call or kept for the next one a moment."""
         raw = self.r.hgetall(self.k.caps)
         if not raw:
             return []
-        keys = sorted(k.decode() for k in raw)
-        counts = self._use(keys=keys)
         head = f"{self.k.prefix}:cap:"
-        out = []
-        for key, n in zip(keys, counts):
+        caps = []
+        for key in sorted(k.decode() for k in raw):
             kind, _, name = key[len(head):].partition(":") if key.startswith(head) else ("?", "", key)
-            out.append({"kind": kind, "name": name, "limit": int(raw[key.encode()]), "in_use": int(n)})
-        return out
+            caps.append((kind, name, Cap.of(self.k, kind, name, int(raw[key.encode()]))))
+        counts = self._use(keys=self._keys([c for _, _, c in caps]))
+        return [{"kind": kind, "name": name, "limit": cap.limit, "in_use": int(n)}
+                for (kind, name, cap), n in zip(caps, counts)]

@@ -163,8 +163,14 @@ class Keys:
     def job_parked(self, job_id: str) -> str:  # set of episode ids handed back (still queued) while paused
         return f"{self.prefix}:job:{job_id}:parked"
 
-    def cap(self, kind: str, name: str) -> str:  # zset slot holder -> lease expiry (ms): calls in flight
+    def cap(self, kind: str, name: str) -> str:  # zset holder -> lease expiry (ms): who holds slots of a cap
         return f"{self.prefix}:cap:{kind}:{name}"
+
+    def cap_held(self, kind: str, name: str) -> str:  # hash holder -> slots it holds (broker/caps.py)
+        return f"{self.prefix}:cap-held:{kind}:{name}"
+
+    def cap_wanted(self, kind: str, name: str) -> str:  # zset holder -> until (ms): holders waiting for slots
+        return f"{self.prefix}:cap-wanted:{kind}:{name}"
 
     @property
     def caps(self) -> str:  # hash cap key -> limit: every cap a job set, for status and metrics

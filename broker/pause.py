@@ -1,10 +1,12 @@
 """Jobs that stop burning: a job whose attempts keep failing the same way pauses itself.
 
 One broken env server or a wrong model name would otherwise empty a whole dataset into the
-dead-letter queue, attempt after attempt. So every attempt that ends in failure counts towards
-its job's *streak* (``<prefix>:job:<job>:streak``: the reason and how many in a row); an
-attempt that completes, or fails for another reason, starts it over. When the streak reaches
-the job's ``pause_after_failures`` (JobSpec, default 20, 0 = never) the job is *paused*
+dead-letter queue, attempt after attempt. So every attempt that ends in failure counts its
+episode towards its job's *streak* (``<prefix>:job:<job>:streak``: the reason, how many
+episodes in a row, and which): an episode counts once however many of its attempts failed, so
+that a job pauses after N *episodes* failed alike, not after N/3 episodes' three retries. An
+attempt that completes, or fails for another reason, starts the streak over. When the streak
+reaches the job's ``pause_after_failures`` (JobSpec, default 20, 0 = never) the job is *paused*
 (``<prefix>:job:<job>:pause``: why, since when, the last error):
 
 * no new attempt starts: a worker that receives an episode of a paused job parks it
@@ -39,7 +41,8 @@ from broker.records import QUEUED
 NOT_COUNTED = frozenset({errors.WORKER_SHUTDOWN, errors.WORKER_LOST, errors.LEASE_LOST, errors.BROKER_OUTAGE})
 PARKED = "parked"  # what a delivery of a paused job's episode came to (the runtime's answer)
 
-# KEYS: streak, pause   ARGV: reason ('' = a success), threshold, now_s, detail
+# KEYS: streak, pause   ARGV: reason ('' = a success), threshold, now_s, detail, episode
+# The streak hash: reason, count, and a field ``e:<episode>`` per episode counted.
 # Returns {count, paused_now}: the streak after this attempt, and 1 when this attempt paused the job.
 _RECORD = """
 if ARGV[1] == '' then
@@ -48,9 +51,14 @@ if ARGV[1] == '' then
 end
 local count
 if redis.call('HGET', KEYS[1], 'reason') == ARGV[1] then
-  count = redis.call('HINCRBY', KEYS[1], 'count', 1)
+  if redis.call('HSETNX', KEYS[1], 'e:' .. ARGV[5], 1) == 1 then
+    count = redis.call('HINCRBY', KEYS[1], 'count', 1)
+  else
+    count = tonumber(redis.call('HGET', KEYS[1], 'count'))
+  end
 else
-  redis.call('HSET', KEYS[1], 'reason', ARGV[1], 'count', 1)
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'reason', ARGV[1], 'count', 1, 'e:' .. ARGV[5], 1)
   count = 1
 end
 local threshold = tonumber(ARGV[2])
@@ -82,7 +90,7 @@ return parked
 
 @dataclass(frozen=True)
 class PauseState:
-    """Why a job is paused: ``streak`` attempts in a row failed with ``reason``."""
+    """Why a job is paused: ``streak`` episodes in a row failed with ``reason``."""
 
     reason: str
     streak: int
@@ -90,7 +98,7 @@ class PauseState:
     detail: str = ""
 
     def describe(self) -> str:
-        return (f"paused: {self.streak} attempts in a row failed with {self.reason}"
+        return (f"paused: {self.streak} episodes in a row failed with {self.reason}"
                 + (f" (last: {self.detail})" if self.detail else ""))
 
 
@@ -105,12 +113,13 @@ class JobPause:
         self._park = client.register_script(_PARK)
         self._resume = client.register_script(_RESUME)
 
-    def record(self, job_id: str, reason: str, threshold: int, detail: str = "") -> bool:
-        """Count an attempt that ended (``reason`` "" = completed). True when it paused the job."""
+    def record(self, job_id: str, reason: str, threshold: int, detail: str = "", episode_id: str = "") -> bool:
+        """Count an attempt of ``episode_id`` that ended (``reason`` "" = completed). True when
+        it paused the job."""
         if reason in NOT_COUNTED:
             return False
         count, paused_now = self._record(keys=[self.k.job_streak(job_id), self.k.job_pause(job_id)],
-                                         args=[reason, int(threshold), time.time(), detail[:300]])
+                                         args=[reason, int(threshold), time.time(), detail[:300], episode_id])
         return bool(paused_now)
 
     def park(self, job_id: str, episode_id: str) -> bool:

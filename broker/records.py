@@ -54,7 +54,7 @@ model or the queue holds episodes up:
 Added within version 3, optional (a reader that does not know them ignores them, and a record
 without them reads as the defaults, so no version bump was needed):
 
-* ``JobSpec.pause_after_failures``: the job pauses after this many attempts in a row failed
+* ``JobSpec.pause_after_failures``: the job pauses after this many episodes in a row failed
   with one reason (broker/pause.py; 0 = never).
 * ``JobSpec.limits``: the job's fleet-wide caps, resolved at submit (broker/caps.py ``Limits``).
 """

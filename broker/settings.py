@@ -163,7 +163,7 @@ class Settings:
     env_hosts: str = ""
 
     # --- fleet-wide limits (broker/caps.py, broker/pause.py); a task file's own win ----------
-    # A job pauses once this many of its attempts in a row failed with the same reason (0 = never).
+    # A job pauses once this many of its episodes in a row failed with the same reason (0 = never).
     pause_after_failures: int = 20
     # Calls in flight across every worker process (0 = no cap): to the job's model endpoint, to
     # each env server it uses; live env instances (reset, not yet closed) per env server.

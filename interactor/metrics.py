@@ -454,7 +454,7 @@ class FleetCollector:
         yield jt
         yield jp
         yield from self._feeds([j for j in snap["jobs"] if j.get("feed")])
-        jpa = GaugeMetricFamily("interactor_job_paused", "1 while a job is paused: attempts in a row failed with "
+        jpa = GaugeMetricFamily("interactor_job_paused", "1 while a job is paused: episodes in a row failed with "
                                 "this reason (interactor resume JOB continues it)", labels=["job_id", "reason"])
         for job in snap["jobs"]:
             if job.get("paused"):

@@ -202,7 +202,7 @@ def render_status(snap: dict) -> str:
     for j in snap["jobs"]:
         if j.get("paused"):
             p = j["paused"]
-            lines.append(f"PAUSED     job {j['job_id']}: {p['streak']} attempts in a row failed with {p['reason']}"
+            lines.append(f"PAUSED     job {j['job_id']}: {p['streak']} episodes in a row failed with {p['reason']}"
                          + (f" (last: {p['detail'][:160]})" if p["detail"] else "")
                          + f"; no new episode starts. Fix the cause, then: interactor resume {j['job_id']}")
     lat = _latency_line(st)

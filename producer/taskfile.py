@@ -57,7 +57,7 @@ TRANSPORTS = ("http", "inproc")
 # TOKEN_MODES; true = "auto"); the job's setting, unless the command line set one.
 # "limits" (optional): fleet-wide caps (broker/caps.py check_limits), their names checked
 # against the entries; "pause_after_failures" (optional): the job pauses after that many
-# attempts in a row failed alike (broker/pause.py; 0 = never).
+# episodes in a row failed alike (broker/pause.py; 0 = never).
 TOP_KEYS = ("environments", "tokens", "limits", "pause_after_failures")
 
 # plan_job builds EpisodeSpec positionally for speed; fail loudly if the schema's order moves.

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from broker.caps import CAP_ENV, CAP_ENV_INSTANCES, CAP_MODEL, Cap, FleetSlots, Limits
+from broker.caps import CAP_ENV, CAP_ENV_INSTANCES, CAP_MODEL, Limits
 from broker.dlq import DeadLetterQueue
 from broker.keys import Keys
 from broker.ledger import Ledger
@@ -54,8 +54,8 @@ def cli(settings, *args: str) -> subprocess.CompletedProcess:
 # --- jobs that stop burning ----------------------------------------------------------------------
 def test_job_pauses_when_every_attempt_fails_alike_and_resumes_once_fixed(settings, procs, env_server,
                                                                           model_server, tmp_path):
-    """An env server that answers every reset 500: the job pauses after 5 failed attempts in a
-    row, most of its episodes untouched (queued, not dead-lettered); status says why. With the
+    """An env server that answers every reset 500: the job pauses after 5 episodes in a row
+    failed, most of its episodes untouched (queued, not dead-lettered); status says why. With the
     server fixed, `interactor resume` and a re-drive of the dead letters finish every episode."""
     env_srv, env_url = env_server
     _, model_url = model_server
@@ -128,18 +128,22 @@ def test_resume_of_unknown_job_is_a_clear_error(settings):
 
 def test_success_ends_a_streak_and_only_the_same_reason_counts(settings, redis_client):
     pause = JobPause(connect(settings), Keys(settings.key_prefix))
-    for _ in range(4):
-        assert not pause.record("j", "env_server_error", 5)
+    for i in range(4):
+        assert not pause.record("j", "env_server_error", 5, episode_id=f"e{i}")
     pause.record("j", "", 5)  # a success: the streak starts over
-    for _ in range(4):
-        assert not pause.record("j", "env_server_error", 5)
-    assert not pause.record("j", "model_bad_request", 5)  # another reason: starts over too
-    for _ in range(3):
-        assert not pause.record("j", "model_bad_request", 5)
-    assert pause.record("j", "model_bad_request", 5)  # the fifth alike pauses
-    assert not pause.record("j", "model_bad_request", 5)  # once
-    assert not pause.record("j", "worker_shutdown", 5)  # not the job's doing: not counted
+    for i in range(4):
+        assert not pause.record("j", "env_server_error", 5, episode_id=f"e{i}")
+    assert not pause.record("j", "model_bad_request", 5, episode_id="e9")  # another reason: starts over too
+    for i in range(3):
+        assert not pause.record("j", "model_bad_request", 5, episode_id=f"e{i}")
+    # an episode counts once, however many of its attempts failed
+    for _ in range(5):
+        assert not pause.record("j", "model_bad_request", 5, episode_id="e0")
+    assert pause.record("j", "model_bad_request", 5, episode_id="e5")  # the fifth episode alike pauses
+    assert not pause.record("j", "model_bad_request", 5, episode_id="e6")  # once
+    assert not pause.record("j", "worker_shutdown", 5, episode_id="e7")  # not the job's doing: not counted
     assert pause.state("j").streak == 5
+    assert "5 episodes in a row failed with model_bad_request" in pause.state("j").describe()
 
 
 # --- task files and settings: caps checked at submit ----------------------------------------------
@@ -186,24 +190,6 @@ def test_limits_in_task_file_are_checked_at_submit(settings, tmp_path):
     assert out.returncode == 2 and "max_concurrency must be an integer >= 1" in out.stderr, out.stderr
     out = cli(settings.replace(), "submit", "--no-preflight", "--llm-fleet-max-concurrency", "-1", path)
     assert out.returncode == 2 and "llm_fleet_max_concurrency must be >= 0" in out.stderr, out.stderr
-
-
-# --- the slots themselves ---------------------------------------------------------------------------
-def test_slots_are_all_or_none_and_lapse_without_renewal(settings):
-    client = connect(settings)
-    keys = Keys(settings.key_prefix)
-    slots = FleetSlots(client, keys, ttl_ms=1000)
-    a, b = Cap(keys.cap(CAP_MODEL, "m"), 2), Cap(keys.cap(CAP_ENV, "e"), 1)
-    assert slots.try_acquire([a, b], "h1") == 0
-    assert slots.try_acquire([a, b], "h2") == 2  # b is full: nothing taken of a either
-    assert client.zcard(a.key) == 1
-    assert slots.try_acquire([a], "h3") == 0
-    assert slots.try_acquire([a], "h4") == 1
-    slots.release([a, b], "h1")
-    assert slots.try_acquire([a, b], "h2") == 0
-    assert slots.renew([(a.key, "h2"), (a.key, "gone")]) == [1]
-    time.sleep(1.3)  # nobody renews: every slot lapses
-    assert slots.try_acquire([a, b], "h5") == 0
 
 
 # --- caps across worker processes -------------------------------------------------------------------

@@ -1,23 +1,32 @@
-"""A worker process's side of the fleet-wide caps (broker/caps.py): wait for slots, hold them
-around calls, renew them while held.
+"""A worker process's side of the fleet-wide caps (broker/caps.py): slots taken from Redis in
+blocks, lent to this process's calls, given back when not needed.
 
-* :class:`FleetGate`: one per process. ``acquire`` costs one Redis round trip when the caps
-  have room. When they are full, the process's waiters for the same caps queue locally and
-  only the one at the head asks Redis, with a growing pause between asks (10 ms to 200 ms,
-  jittered), woken early when this process releases one of those slots: a process with 200
-  episodes waiting costs Redis a few calls a second, not 200 busy loops. Waiting pauses the
-  attempt's budget (a full cap is not the episode's doing) and runs ``check`` between slices
-  (lease lost, shutdown).
-* :class:`CappedPolicy`, :class:`CappedEnv`: the loop's ports with a slot held around each
-  call; ``CappedEnv`` also holds an env-instance slot from reset to close.
-* :class:`SlotRenewer`: renews every held slot every third of the TTL (one round trip for
-  all of them), started with the first slot taken; a process that dies or freezes stops
-  renewing and its slots lapse within the TTL.
+Taking a slot from Redis for every call and giving it back after cost two round trips a
+call: at 20-step episodes that doubled the orchestration CPU per step (docs/benchmarks.md,
+"Cost of the fleet-wide caps"). So a process keeps, per set of caps, a :class:`_Pool` of
+slots it holds in Redis, and lends them to its calls locally:
 
-What it costs Redis: a capped call whose caps have room, one round trip to take its slots
-(every cap the call needs, in one script) and one to give them back; a process, one round
-trip per third of the TTL to renew all the slots it holds. A job without caps gets none of
-this: the runtime wraps no port, and no call costs a round trip.
+* **borrow** (``acquire``): a free slot of the pool, no round trip. When there is none, one
+  waiter of the pool at a time asks Redis for a block: as many as are waiting, or as many
+  as the pool holds already (doubling while the load ramps up), at most :data:`BLOCK_MAX`.
+  A cap that has no room grants fewer or none; the waiter asks again after a growing pause
+  (10 ms to 200 ms, jittered), woken early when this process frees a slot of the pool.
+  Waiting pauses the attempt's budget (a full cap is not the episode's doing) and runs
+  ``check`` between slices (lease lost, shutdown).
+* **return** (``release``): back to the pool, and to a waiter of it if there is one.
+* **keeper** (:class:`SlotKeeper`, every :data:`KEEP_S`): one round trip renews every pool's
+  lease and learns whether another process waits for its caps; slots a pool did not need
+  for a whole tick go back to Redis. When another process waits, a pool keeps no more than
+  its fair share (the cap over the processes taking part): what it frees above that goes
+  back at once, so a busy process cannot starve the others.
+
+A process that dies or freezes stops renewing and its slots lapse within the lease TTL. One
+that learns its slots lapsed (a renewal or a take says so) holds none from then: calls
+already running finish, and new ones wait until what is in use fits what it takes anew.
+
+What it costs Redis in the steady state: one round trip per process per :data:`KEEP_S`,
+and one when the load grows or shrinks a block, instead of two a call. A job without caps
+gets none of this: the runtime wraps no port, and no call costs a round trip.
 """
 
 from __future__ import annotations
@@ -37,123 +46,212 @@ from workers.budget import Budget
 
 log = logging.getLogger("interactor.fleetcaps")
 
+KEEP_S = 0.2  # the keeper's tick: renewals, and how long a slot may sit unneeded in a pool
+BLOCK_MAX = 64  # the most slots one take asks for
 _SLICE_S = 0.25  # waits are cut into slices so that `check` runs between them
 _POLL_MIN_S, _POLL_MAX_S = 0.01, 0.2
 _CLOSE_WAIT_S = 10.0  # a close waits this long at most for a call slot, then goes without one
 
 
-class _Line:
-    """The process's waiters for one set of caps: one asks Redis at a time."""
+class _Pool:
+    """This process's slots of one set of caps: ``held`` in Redis, ``lent`` to calls now."""
 
-    def __init__(self, keys: frozenset[str]):
-        self.keys = keys
-        self.head = threading.Lock()
-        self.freed = threading.Event()
+    def __init__(self, caps: Sequence[Cap], holder: str, lock: threading.Lock):
+        self.caps = list(caps)
+        self.holder = holder
+        self.held = 0
+        self.lent = 0
+        self.waiting = 0
+        self.asking = False  # a waiter is asking Redis for a block
+        self.freed = threading.Condition(lock)
+        self.idle_low = 0  # the fewest free slots since the keeper's last tick
+        self.contended = False  # another process waits for one of these caps
+        self.share = 0  # and then this pool keeps at most this many
+
+    @property
+    def free(self) -> int:
+        return self.held - self.lent
 
 
-class SlotRenewer(Duty):
-    name = "fleet-slot-renewer"
+class SlotKeeper(Duty):
+    name = "fleet-slot-keeper"
 
     def __init__(self, gate: "FleetGate", interval_s: float):
         super().__init__(interval_s)
         self.gate = gate
 
     def tick(self) -> None:
-        held = self.gate.held()
-        lapsed = self.gate.slots.renew(held)
-        for i in lapsed:
-            key, holder = held[i]
-            log.warning("fleet slot %s of %s lapsed before it was renewed (this process stalled, or Redis was "
-                        "away); the cap may be exceeded by this call until it ends", holder, key)
+        self.gate.keep()
 
 
 class FleetGate:
-    def __init__(self, slots: FleetSlots, name: str, ttl_s: float):
+    """One per process: its pools, and the one lock its talks with Redis about them go under
+    (so that what a pool holds is what Redis counts for it, one change at a time)."""
+
+    def __init__(self, slots: FleetSlots, name: str, ttl_s: float, keep_s: float = KEEP_S):
         self.slots = slots
         self.name = name
         self.ttl_s = ttl_s
+        self.keep_s = min(keep_s, ttl_s / 3)
         self._seq = itertools.count(1)
-        self._lock = threading.Lock()
-        self._held: dict[str, list[str]] = {}  # holder -> cap keys
-        self._lines: dict[frozenset[str], _Line] = {}
-        self._renewer: SlotRenewer | None = None
-        self.waits = 0  # acquisitions that found a cap full
+        self._lock = threading.Lock()  # the pools' counts; never held across a round trip
+        self._io = threading.Lock()  # takes, gives and renewals, one at a time
+        self._pools: dict[tuple[str, ...], _Pool] = {}
+        self._keeper: SlotKeeper | None = None
+        self.waits = 0  # borrows that found no free slot
+        self.round_trips = 0  # takes and gives (the keeper's renewals not counted)
 
-    def held(self) -> list[tuple[str, str]]:
+    def _pool(self, caps: Sequence[Cap]) -> _Pool:
+        key = tuple(sorted(c.key for c in caps))
         with self._lock:
-            return [(key, holder) for holder, keys in self._held.items() for key in keys]
-
-    def _line(self, caps: Sequence[Cap]) -> _Line:
-        keys = frozenset(c.key for c in caps)
-        with self._lock:
-            line = self._lines.get(keys)
-            if line is None:
-                line = self._lines[keys] = _Line(keys)
-            return line
-
-    def _took(self, caps: Sequence[Cap], holder: str) -> str:
-        with self._lock:
-            self._held[holder] = [c.key for c in caps]
-            if self._renewer is None:
-                self._renewer = SlotRenewer(self, max(0.2, self.ttl_s / 3)).start()
-        return holder
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = _Pool(caps, f"{self.name}:{next(self._seq)}", self._lock)
+                if self._keeper is None:
+                    self._keeper = SlotKeeper(self, self.keep_s).start()
+            return pool
 
     def acquire(self, caps: Sequence[Cap], check: Callable[[], None], budget: Budget | None,
                 max_wait_s: float | None = None) -> str | None:
-        """Take a slot of every cap in ``caps``; returns the holder name to release with.
-        Raises what ``check`` raises; with ``max_wait_s``, returns None when that passed."""
-        holder = f"{self.name}:{next(self._seq)}"
-        if self.slots.try_acquire(caps, holder) == 0:
-            return self._took(caps, holder)
+        """Borrow a slot of every cap in ``caps``; returns a token to release with. Raises what
+        ``check`` raises; with ``max_wait_s``, returns None when that passed."""
+        pool = self._pool(caps)
         with self._lock:
+            if pool.free > 0:
+                return self._lend(pool)
+            pool.waiting += 1
             self.waits += 1
-        line = self._line(caps)
         t0 = last = time.monotonic()
-
-        def waited() -> bool:
-            nonlocal last
-            now = time.monotonic()
-            if budget is not None:
-                budget.pause(now - last)
-            last = now
-            return max_wait_s is not None and now - t0 > max_wait_s
-
-        while not line.head.acquire(timeout=_SLICE_S):  # another waiter of this process asks Redis
-            check()
-            if waited():
-                return None
+        delay = _POLL_MIN_S
         try:
-            delay = _POLL_MIN_S
             while True:
                 check()
-                line.freed.clear()
-                if self.slots.try_acquire(caps, holder) == 0:
-                    return self._took(caps, holder)
-                if waited():
+                now = time.monotonic()
+                if budget is not None:
+                    budget.pause(now - last)
+                last = now
+                if max_wait_s is not None and now - t0 > max_wait_s:
                     return None
-                line.freed.wait(random.uniform(delay / 2, delay))
+                with self._lock:
+                    if pool.free > 0:
+                        return self._lend(pool)
+                    if pool.asking:  # another waiter of this process asks Redis
+                        pool.freed.wait(_SLICE_S)
+                        continue
+                    pool.asking = True
+                    want = min(BLOCK_MAX, max(pool.waiting, pool.held, 1))
+                granted = 0
+                try:
+                    granted = self._take(pool, want)
+                finally:
+                    with self._lock:
+                        pool.asking = False
+                        pool.freed.notify_all()
+                if granted:
+                    delay = _POLL_MIN_S
+                    continue
+                with self._lock:
+                    if pool.free <= 0:
+                        pool.freed.wait(random.uniform(delay / 2, delay))
                 delay = min(_POLL_MAX_S, delay * 2)
         finally:
-            line.head.release()
+            with self._lock:
+                pool.waiting -= 1
 
-    def release(self, caps: Sequence[Cap], holder: str | None) -> None:
-        if holder is None:
+    def _lend(self, pool: _Pool) -> str:  # under the lock
+        pool.lent += 1
+        pool.idle_low = min(pool.idle_low, pool.free)
+        return pool.holder
+
+    def _take(self, pool: _Pool, want: int) -> int:
+        """Ask Redis for ``want`` slots of the pool's caps; returns how many came."""
+        with self._io:
+            granted, before = self.slots.take(pool.caps, pool.holder, want)
+            self.round_trips += 1
+            with self._lock:
+                if before != pool.held:  # swept: its lease lapsed (this process stalled, or Redis was away)
+                    self._lapsed(pool, before)
+                pool.held += granted
+        return granted
+
+    def _lapsed(self, pool: _Pool, counted: int) -> None:  # under the lock
+        log.warning("fleet slots of %s lapsed (held %d, Redis counts %d): this process stalled or Redis was "
+                    "away; the %d calls running now may exceed the cap until they end",
+                    pool.holder, pool.held, max(0, counted), pool.lent)
+        pool.held = max(0, counted)
+        pool.idle_low = 0
+
+    @staticmethod
+    def _over_share(pool: _Pool) -> int:  # under the lock: free slots above a contended pool's share
+        return min(pool.free, pool.held - pool.share) if pool.contended else 0
+
+    def release(self, caps: Sequence[Cap], token: str | None) -> None:
+        if token is None:
             return
+        pool = self._pool(caps)
         with self._lock:
-            self._held.pop(holder, None)
-            keys = {c.key for c in caps}
-            woken = [line for k, line in self._lines.items() if k & keys]
+            pool.lent -= 1
+            over = self._over_share(pool) > 0
+            if not over and pool.waiting:
+                pool.freed.notify()
+        if over:  # another process waits for these caps: the slot goes to Redis, not to a waiter here
+            with self._io:
+                with self._lock:
+                    give = max(0, self._over_share(pool))
+                    pool.held -= give
+                    if pool.waiting and pool.free > 0:
+                        pool.freed.notify()
+                self._give(pool, give)
+
+    def _give(self, pool: _Pool, count: int) -> None:  # under the io lock, its count already taken off
+        if count <= 0:
+            return
         try:
-            self.slots.release(caps, holder)
-        except redis.RedisError as exc:  # the slot lapses within the TTL instead
-            log.warning("could not release fleet slot %s (%s); it lapses within the lease TTL", holder, exc)
-        finally:
-            for line in woken:
-                line.freed.set()
+            self.slots.give(pool.caps, pool.holder, count)
+            self.round_trips += 1
+        except redis.RedisError as exc:  # Redis still counts them: the next renewal says so
+            log.warning("could not give back %d fleet slots of %s (%s)", count, pool.holder, exc)
+
+    def keep(self) -> None:
+        """The keeper's tick: renew every pool's lease (one round trip), then give back what no
+        call needed since the last tick, and what is above a contended pool's share."""
+        with self._io:
+            with self._lock:
+                pools = [p for p in self._pools.values() if p.held > 0]
+            if not pools:
+                return
+            answers = self.slots.renew([(p.holder, p.caps) for p in pools])
+            gives = []
+            with self._lock:
+                for pool, ans in zip(pools, answers):
+                    if ans.held < 0:
+                        self._lapsed(pool, 0)
+                    elif ans.held != pool.held:  # a give that failed: Redis still counts them
+                        pool.held = ans.held
+                    pool.contended, pool.share = ans.contended, ans.share
+                    spare = 0 if pool.waiting else min(pool.idle_low, pool.free)
+                    spare = max(spare, self._over_share(pool))
+                    if spare > 0:
+                        pool.held -= spare
+                        gives.append((pool, spare))
+                    pool.idle_low = pool.free
+            for pool, count in gives:
+                self._give(pool, count)
 
     def stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.stop()
+        """Give every slot back (a process that stops must not keep them until they lapse)."""
+        if self._keeper is not None:
+            self._keeper.stop()
+        try:
+            with self._io:
+                with self._lock:
+                    gives = [(p, p.free) for p in self._pools.values() if p.free > 0]
+                    for p, n in gives:
+                        p.held -= n
+                for pool, count in gives:
+                    self._give(pool, count)
+        except redis.RedisError:
+            pass  # they lapse within the TTL
 
 
 class CappedPolicy:

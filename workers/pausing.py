@@ -7,8 +7,8 @@
   of its attempts completes here: once it pauses, this process starts none of it. The parking
   itself is checked in Redis (the pause may just have been lifted), so nothing is parked after
   a resume.
-* When an attempt fails, :meth:`PauseWatch.failed` counts it towards the job's streak
-  (one script: atomic across the fleet) and, when it paused the job, says so in the log.
+* When an attempt fails, :meth:`PauseWatch.failed` counts its episode towards the job's
+  streak (one script: atomic across the fleet) and, when it paused the job, says so in the log.
 * When one completes, :meth:`PauseWatch.succeeded` ends the job's streak. If an attempt of
   the job failed here lately, at once (one round trip); otherwise the job is noted and a duty
   ends the streaks of the noted jobs every 0.2 s in one round trip, so a healthy job's
@@ -89,11 +89,11 @@ class PauseWatch:
             self._cache[job.job_id] = (False, time.monotonic())
         return False
 
-    def failed(self, job: JobSpec | None, reason: str, detail: str) -> None:
+    def failed(self, job: JobSpec | None, episode_id: str, reason: str, detail: str) -> None:
         if job is None or job.pause_after_failures <= 0 or reason in NOT_COUNTED:
             return
         try:
-            paused = self.pause.record(job.job_id, reason, job.pause_after_failures, detail)
+            paused = self.pause.record(job.job_id, reason, job.pause_after_failures, detail, episode_id)
         except redis.RedisError as exc:  # never in the way of closing the attempt
             log.warning("job %s: could not count a failed attempt towards pausing it: %s", job.job_id, exc)
             return
@@ -104,7 +104,7 @@ class PauseWatch:
         if paused:
             with self._lock:
                 self._cache[job.job_id] = (True, time.monotonic())
-            log.error("job %s paused: %d attempts in a row failed with %s; no new episode of it starts until "
+            log.error("job %s paused: %d episodes in a row failed with %s; no new episode of it starts until "
                       "`interactor resume %s`", job.job_id, job.pause_after_failures, reason, job.job_id)
 
     def succeeded(self, job: JobSpec | None) -> None:

@@ -214,7 +214,7 @@ class WorkerRuntime:
         refused = self._refused(job, spec)
         if refused:
             err = errors.EpisodeError(errors.BAD_TASK, refused, transient=False)
-            self.pause_watch.failed(job, err.reason, refused)
+            self.pause_watch.failed(job, lease.episode_id, err.reason, refused)
             return self._close_failed(lease, base, spec, err, "")
 
         budget = Budget(job.episode_budget_s)
@@ -450,7 +450,7 @@ class WorkerRuntime:
     def _close_error(self, lease, base, spec, job, exc: errors.EpisodeError, tb: str, *, outage_seen: bool = False) -> str:
         """Close an attempt that did not complete as the close policy (broker/closing.py) says."""
         message = self._redact(str(exc.args[0]) if exc.args else "")
-        self.pause_watch.failed(job, exc.reason, message)  # counts towards pausing the job (broker/pause.py)
+        self.pause_watch.failed(job, lease.episode_id, exc.reason, message)  # counts towards pausing the job (broker/pause.py)
         limit = 0
         if closing.limit_matters(exc):
             limit = self._through_outage(lease, "reading its attempt limit", lambda: self.ledger.attempt_limit(
