@@ -16,6 +16,7 @@ Why each setting (see the README's delivery guarantee):
   The worker names it (workers/tasks.py passes it to ``make_app``): broker/ names nothing above it.
 * broker_transport: kombu's Redis transport, keeping one client per channel
   (broker/kombu_redis.py).
+* remote control off unless ``worker_remote_control`` (broker/settings.py says why).
 * per-task log lines ("received", "succeeded") are off (workers/tasks.py): at a thousand
   episodes a minute they cost more CPU than the bookkeeping they report.
 """
@@ -49,6 +50,7 @@ def make_app(settings: Settings, *, main: str = "interactor", worker_consumer: s
         worker_pool=settings.pool,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_send_task_events=False,
+        worker_enable_remote_control=settings.worker_remote_control,
         task_send_sent_event=False,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,

@@ -142,6 +142,11 @@ class Settings:
     # A worker process whose Celery consumer takes no task for this long while episodes wait in
     # its queues and it has free slots is replaced (workers/consumer_watch.py); 0 turns it off.
     worker_stall_s: float = 60.0
+    # Celery's remote control (`celery inspect`, `control`), off: nothing here uses it, and under
+    # the gevent pool its broadcast loop can block for good on a pub/sub socket after a Redis
+    # restart, so that a warm shutdown never ends (workers/tasks.py: the kernel ends it at
+    # shutdown_grace_s + shutdown_hard_exit_s; a container is killed before that).
+    worker_remote_control: bool = False
     # A server that is down (refused, reset, 429/502/503/504 with its readiness route down too)
     # holds its episodes, their budgets paused, for up to this long before they are
     # dead-lettered as env_outage/model_outage (workers/breakers.py). Redis too (broker_outage).

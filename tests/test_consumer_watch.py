@@ -68,7 +68,7 @@ def test_a_worker_whose_consumer_stopped_taking_tasks_is_replaced(settings, proc
                                                                   redis_client, tmp_path):
     _, env_url = env_server
     _, model_url = model_server
-    s = settings.replace(llm_base_url=model_url + "/v1", worker_stall_s=4.0, concurrency=2)
+    s = settings.replace(llm_base_url=model_url + "/v1", worker_stall_s=4.0, concurrency=2, worker_remote_control=True)
     procs.settings = s
     procs.worker("w1")
     wait_for(lambda: " ready." in procs.log("w1"), 120, what="the worker ready")

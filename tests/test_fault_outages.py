@@ -317,3 +317,58 @@ def test_worker_kills_and_a_redis_restart_on_a_busy_machine(sqlite_scenario, cpu
     f = s.check()
     assert f.completed == EPISODES and f.duplicate_steps == 0 and f.superseded_in_export == 0
     assert s.faults.get("redis_restarts") == 1 and s.faults.get("worker_kills", 0) >= 1
+
+
+def test_idle_workers_stop_at_once_after_a_redis_restart(settings, tmp_path, env_server, model_server):
+    """Redis restarted (as `docker compose restart redis` does: shut down, its log kept) while
+    short episodes run; once the job is done, idle workers asked to stop (SIGTERM) exit 0 at
+    once. Celery's remote-control loop, under the gevent pool, could block for good on its
+    pub/sub socket after such a restart, and the warm shutdown waited for it: in a quarter to
+    half of such rounds, until the hard-exit alarm (exit 242) or a container's kill. Five
+    rounds."""
+    from broker.embedded import EmbeddedRedis
+    from broker.ledger import Ledger
+    from broker.redisconn import connect
+    from producer.enqueue import submit
+    from tests.conftest import Procs
+    from tests.taskfiles import write_arith_tasks
+
+    env_srv, env_url = env_server
+    _, model_url = model_server
+    env_srv.latency_ms = 5
+    for i in range(5):
+        base = tmp_path / f"round{i}"
+        base.mkdir()
+        redis_server = EmbeddedRedis(base / "redis", password="pw").start()
+        # a hang must show as one: the alarm that would end it comes long after the check
+        s = settings.replace(redis_url=redis_server.url, llm_base_url=model_url + "/v1", concurrency=16,
+                             store_url=str(base / "results.sqlite"), shutdown_hard_exit_s=600)
+        procs = Procs(s, base / "logs")
+        try:
+            client = connect(s)
+            for n in ("w0", "w1"):
+                procs.worker(n)
+            procs.consumer()
+            job = submit(client, s, [write_arith_tasks(base, env_url, rows=40, env_num=1)]).job
+            ledger = Ledger.for_settings(client, s)
+            wait_for(lambda: ledger.counts(job.job_id)["running"] >= 4, timeout=120, interval=0.01,
+                     what="episodes running")
+            redis_server.restart(kill=False, down_s=1.0)
+            client = connect(s)
+            ledger = Ledger.for_settings(client, s)
+            wait_for(lambda: ledger.counts(job.job_id)["done"] == 40, timeout=300, what="the job done")
+            time.sleep(2)
+            t0 = time.monotonic()
+            workers = {n: procs.procs[n] for n in ("w0", "w1")}
+            for p in workers.values():
+                p.send_signal(signal.SIGTERM)
+            for name, p in workers.items():
+                try:
+                    code = p.wait(60)
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"round {i}: idle worker {name} still shutting down {time.monotonic() - t0:.0f}s "
+                                f"after SIGTERM\n{procs.log(name)[-3000:]}")
+                assert code == 0, f"round {i}: worker {name} exited {code}\n{procs.log(name)[-3000:]}"
+        finally:
+            procs.stop_all()
+            redis_server.stop(kill=True)
