@@ -29,6 +29,11 @@ TARGETS = {
     # FINISH scripts about 22 (lease, attempt, counters, clock), the step and attempt records 2,
     # the reservation and the consumer's and sweeper's share about 6; runs read 39 to 41.
     "redis_commands_per_single_episode": 42.0,
+    # what fleet-wide caps that never bind add to a 20-step episode's step (issue 25: "the cost of
+    # the caps per step (Redis round trips)"): every round trip is at least one command, so the
+    # commands added bound the round trips added
+    "caps_redis_per_step": 0.5,
+    "caps_cpu_ratio": 1.10,
 }
 CPU_TARGET_LEVELS = (256, 1000)
 
@@ -148,6 +153,17 @@ def target_rows(res: dict) -> list[tuple]:
     if enq:
         row(f"Enqueue ({enq['episodes']:,}-episode job, episodes/s)", ">= 20,000", enq["rate"],
             TARGETS["enqueue_rate"], True, 0)
+    cp = res.get("caps")
+    if cp:
+        extra = cp["redis_extra_per_step"]
+        if isinstance(extra, float) and not math.isnan(extra) and extra <= 0:
+            rows.append((f"Redis commands the caps add per step, concurrency {cp['level']}", "<= 0.5",
+                         _f(extra, 2), "", "yes"))
+        else:
+            row(f"Redis commands the caps add per step, concurrency {cp['level']}", "<= 0.5", extra,
+                TARGETS["caps_redis_per_step"], False, 2)
+        row(f"Orchestration CPU per step with caps / without, concurrency {cp['level']}", "<= 1.10",
+            cp["cpu_ratio"], TARGETS["caps_cpu_ratio"], False, 2)
     for r in load:
         c = r["spec"]["concurrency"]
         lat = r.get("latency_ms") or {}
@@ -272,8 +288,10 @@ def caps_section(cp: dict) -> list[str]:
             f"The load at concurrency {cp['level']} ({s['steps']}-step `countdown` episodes, the load runs' "
             f"latencies) run again with a model cap and an env-server cap (`max_concurrency` {n:,}, "
             f"{cp['factor']:g}x C: they never bind), against the uncapped run of the same level in this run. "
-            "What is left is what holding the caps costs: slots taken and given back in Redis around every model "
-            "and env call.\n",
+            "What is left is what holding the caps costs: each worker process takes slots from Redis in blocks, "
+            "lends them to its calls, renews its lease every 0.2 s and gives back what it did not need "
+            "(workers/fleetcaps.py). Every round trip is at least one command, so the commands the caps add "
+            "per step bound the round trips they add.\n",
             _table(["C", "caps", "steps/s", "efficiency", "orchestration CPU per step", "Redis commands per step",
                     "problems"],
                    [(cp["level"], "none", _f(u["rate"], 1), _f(u["efficiency"], 3),
@@ -284,8 +302,8 @@ def caps_section(cp: dict) -> list[str]:
                      "; ".join(c.get("errors") or []))]) + "\n",
             f"**Caps' cost per step:** orchestration CPU x{_f(cp['cpu_ratio'], 2)} "
             f"({_f(cp['cpu_ms_per_step_capped'] - cp['cpu_ms_per_step_uncapped'], 3)} ms), "
-            f"{_f(cp['redis_extra_per_step'], 2)} Redis commands more; with the caps, within the per-step CPU "
-            f"target (<= {target:g} ms): {within}.\n"]
+            f"{_f(cp['redis_extra_per_step'], 2)} Redis commands more (so at most that many round trips); "
+            f"with the caps, within the per-step CPU target (<= {target:g} ms): {within}.\n"]
 
 
 def render(res: dict, png_name: str | None) -> str:
