@@ -21,7 +21,6 @@ enqueue rate for a large job, both in this process against the same kind of Redi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -48,7 +47,7 @@ from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.settings import Settings
-from interactor.children import descendants, role_command, spawn, spawn_role
+from interactor.children import role_command, spawn, spawn_role, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,8 +141,7 @@ def log(msg: str) -> None:
 
 def _start_listening(cmd: list[str], env: dict, log_path: Path, cwd: str) -> tuple[subprocess.Popen, str]:
     logf = open(log_path, "ab")
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                         start_new_session=True)
+    p = spawn(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=logf)
     logf.close()
     line = p.stdout.readline().decode()
     if "listening on" not in line:
@@ -197,29 +195,6 @@ def _pss_mb(procs: list[psutil.Process]) -> float:
             except psutil.NoSuchProcess:
                 pass
     return total / 2**20
-
-
-def _stop(p: subprocess.Popen | None, sig=signal.SIGTERM, wait: float = 15.0) -> None:
-    if p is None or p.poll() is not None:
-        return
-    if sig == signal.SIGKILL:
-        # the whole tree: a worker's Celery process runs in a session of its own, and would
-        # otherwise outlive its killed supervisor by its shutdown's hard end
-        for pid in descendants(p.pid) - {p.pid}:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        return
-    try:
-        p.wait(wait)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait(5)
 
 
 def _command_calls(client: redis.Redis) -> dict[str, int]:
@@ -316,16 +291,16 @@ class Cluster:
 
     def stop(self) -> None:
         for w in self.workers:
-            _stop(w, signal.SIGKILL, 10)
+            stop(w, 10, signal.SIGKILL)
         for p in (self.env_p, self.model_p):
-            _stop(p, signal.SIGTERM, 10)
-        _stop(self.consumer_p, signal.SIGTERM, 60)
+            stop(p, 10, signal.SIGTERM)
+        stop(self.consumer_p, 60, signal.SIGTERM)
         if self.redis:
             self.redis.stop()
 
     def kill_workers_and_drain(self, client: redis.Redis, keys: Keys, timeout: float = 60.0) -> int:
         for w in self.workers:
-            _stop(w, signal.SIGKILL, 10)
+            stop(w, 10, signal.SIGKILL)
         deadline = time.monotonic() + timeout
         backlog = -1
         while time.monotonic() < deadline:
@@ -337,7 +312,7 @@ class Cluster:
             if backlog == 0:
                 break
             time.sleep(0.2)
-        _stop(self.consumer_p, signal.SIGTERM, 60)
+        stop(self.consumer_p, 60, signal.SIGTERM)
         return backlog
 
 
@@ -561,8 +536,7 @@ def _start_feed_server(cmd: list[str], env: dict, log_path: Path, cwd: str, time
                        ) -> tuple[subprocess.Popen, str]:
     """``interactor feed serve`` prints ``feed of job J at URL`` once it serves."""
     logf = open(log_path, "ab")
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                         start_new_session=True)
+    p = spawn(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=logf)
     logf.close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -681,7 +655,7 @@ def run_feed(spec: LoadSpec, work: Path, *, train_s: float = 1.0, src: str | Non
         stop.set()
         if thread is not None:
             thread.join(10)
-        _stop(feed_p, signal.SIGTERM, 30)
+        stop(feed_p, 30, signal.SIGTERM)
         cluster.stop()
     res.errors.extend(sorted(set(trainer_errors)))
     log(f"  {res.groups} groups in {res.takes} takes ({res.rate:.1f}/s); delivery latency p50 "
@@ -845,7 +819,7 @@ def run_fleet_ingest(n: int, work: Path, *, backend: str, consumers: int,
         res.errors.append(f"{type(exc).__name__}: {exc}")
     finally:
         for p in procs:
-            _stop(p, signal.SIGTERM, 30)
+            stop(p, 30, signal.SIGTERM)
         if pg is not None:
             pg.stop()
     shutil.rmtree(folder, ignore_errors=True)

@@ -32,7 +32,7 @@ import redis
 
 from broker.keys import Keys
 from broker.settings import Settings
-from interactor.children import descendants, spawn_role
+from interactor.children import descendants, kill_tree, spawn_role
 from interactor.metrics import FleetReader
 
 log = logging.getLogger("interactor.autoscale")
@@ -173,10 +173,7 @@ class LocalScaler:
                 log.info("worker %s stopped (exit %s)", w.name, w.proc.returncode)
             elif self.clock() - w.stopping_since > self.hard_stop_after_s:
                 log.error("worker %s still running %.0fs after SIGTERM; killing it", w.name, self.hard_stop_after_s)
-                try:
-                    os.killpg(w.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_tree(w.proc)
 
     # --- one round ---------------------------------------------------------------------------
     def tick(self) -> dict:
@@ -220,10 +217,7 @@ class LocalScaler:
             self._reap()
             time.sleep(0.2)
         for w in self.stopping:
-            try:
-                os.killpg(w.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_tree(w.proc)
             w.proc.wait(10)
         self.stopping.clear()
 

@@ -1,5 +1,6 @@
-"""Child processes of the command line, started and stopped one way everywhere: `interactor
-run`/`demo` (localrun), the worker supervisor (cli), the autoscaler and the benchmark harness.
+"""Child processes, started and stopped one way everywhere: `interactor run`/`demo`
+(localrun), the worker supervisor (cli), the autoscaler, the benchmark harness and the tests'
+processes (tests/conftest.py).
 
 * Children get a session of their own: a terminal's Ctrl-C reaches only the parent, which
   passes it on once (Celery reads a second SIGINT as a cold shutdown).
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-__all__ = ["role_command", "spawn", "spawn_role", "terminate", "stop_event", "wait_for_signal",
+__all__ = ["role_command", "spawn", "spawn_role", "terminate", "stop", "signal_group", "kill_tree", "stop_event", "wait_for_signal",
            "watch_parent", "descendants", "catch", "Guard", "Interrupted", "interrupt_on_signals", "exit_code", "PARENT_ENV"]
 
 # Set by spawn() in a child's environment: the pid the child should find as its parent.
@@ -132,6 +133,42 @@ def spawn_role(role: str, name: str, *, env: dict | None = None, log_path=None, 
     return spawn(role_command(role, name, *extra), env=env, log_path=log_path, cwd=cwd)
 
 
+def signal_group(p: subprocess.Popen, sig: int) -> bool:
+    """``sig`` to ``p``'s process group (its session: spawn starts every child in its own);
+    False when the group is gone."""
+    try:
+        os.killpg(p.pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL ``p`` and everything below it at once, as the OOM killer or `docker kill` takes a
+    worker: its Celery process runs in a session of its own, and would otherwise get SIGTERM
+    from its dying supervisor and hand its episodes back in good order."""
+    for pid in descendants(p.pid) - {p.pid}:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    signal_group(p, signal.SIGKILL)
+
+
+def stop(p: subprocess.Popen | None, grace_s: float, sig: int = signal.SIGTERM) -> None:
+    """``sig`` to ``p``'s group (SIGKILL: its whole tree), wait up to ``grace_s``, then SIGKILL
+    the tree."""
+    if p is None or p.poll() is not None:
+        return
+    if sig == signal.SIGKILL:
+        kill_tree(p)
+    elif not signal_group(p, sig):
+        return
+    try:
+        p.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(p)
+        p.wait(5)
+
+
 def terminate(procs: Iterable[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM every process still running, wait up to ``grace_s`` for all of them, SIGKILL the
     rest. (A worker's supervisor passes SIGTERM on to its Celery process, which dies with it.)"""
@@ -144,7 +181,7 @@ def terminate(procs: Iterable[subprocess.Popen], grace_s: float) -> None:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            kill_tree(p)
             p.wait(5)
 
 
@@ -382,4 +419,4 @@ def _guard_main(args: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["guard"]:
         sys.exit(_guard_main(sys.argv[2:]))
-    sys.exit(f"usage: python -m interactor.children guard STAGE=GRACE_S...")
+    sys.exit("usage: python -m interactor.children guard STAGE=GRACE_S...")

@@ -7,7 +7,6 @@ tests do not see each other's episodes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -22,6 +21,7 @@ import pytest
 import redis
 
 from broker.embedded import EmbeddedRedis
+from interactor.children import kill_tree, role_command, signal_group, spawn, stop
 from broker.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,13 +140,12 @@ class Procs:
         return env
 
     def start(self, name: str, role: str, *args: str, cwd: str | None = None, **overrides) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        cmd = [sys.executable, "-m", "interactor.cli", role, *args]
-        if role in ("worker", "consumer"):
-            cmd += ["--name", name if role == "consumer" else f"{name}@%h"]
-        p = subprocess.Popen(cmd, env=self.env(**overrides), stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, cwd=cwd or str(ROOT), start_new_session=True)
-        log.close()
+        # interactor/children.py, as the command line starts its own, in a session of its own;
+        # without the parent-death hook: it runs Python between fork and exec, unsafe with the
+        # threads a test runs (its servers), and stop_all stops them anyway
+        p = spawn(role_command(role, name if role in ("worker", "consumer") else "", *args),
+                  env=self.env(**overrides), log_path=self.log_dir / f"{name}.log", cwd=cwd or str(ROOT),
+                  with_parent=False)
         self.procs[name] = p
         return p
 
@@ -157,37 +156,23 @@ class Procs:
         return self.start(name, "consumer", **overrides)
 
     def kill(self, name: str, sig=signal.SIGKILL) -> None:
-        p = self.procs[name]
-        if p.poll() is None:
-            if sig == signal.SIGKILL:
-                # The whole worker at once, as the OOM killer or `docker kill` takes it: a worker's
-                # Celery process runs in a session of its own and, were only its supervisor killed,
-                # would get SIGTERM and hand its episodes back in good order.
-                import psutil
-
-                for child in psutil.Process(p.pid).children(recursive=True):
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        child.send_signal(sig)
-            os.killpg(p.pid, sig)  # the whole group: a prefork worker's children too
-            p.wait(30)
+        """``sig`` to the process's group; SIGKILL takes its whole tree at once (kill_tree)."""
+        stop(self.procs[name], 30, sig)
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
     def stop_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+        procs = [p for p in self.procs.values() if p.poll() is None]
+        for p in procs:
+            signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + 20
-        for p in self.procs.values():
+        for p in procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_tree(p)
                 p.wait(5)
 
 
