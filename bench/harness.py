@@ -47,7 +47,8 @@ from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.settings import Settings
-from interactor.children import role_command, spawn, spawn_role, stop
+from interactor.children import role_command, spawn, spawn_role
+from interactor.children import stop as stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -291,16 +292,16 @@ class Cluster:
 
     def stop(self) -> None:
         for w in self.workers:
-            stop(w, 10, signal.SIGKILL)
+            stop_process(w, 10, signal.SIGKILL)
         for p in (self.env_p, self.model_p):
-            stop(p, 10, signal.SIGTERM)
-        stop(self.consumer_p, 60, signal.SIGTERM)
+            stop_process(p, 10, signal.SIGTERM)
+        stop_process(self.consumer_p, 60, signal.SIGTERM)
         if self.redis:
             self.redis.stop()
 
     def kill_workers_and_drain(self, client: redis.Redis, keys: Keys, timeout: float = 60.0) -> int:
         for w in self.workers:
-            stop(w, 10, signal.SIGKILL)
+            stop_process(w, 10, signal.SIGKILL)
         deadline = time.monotonic() + timeout
         backlog = -1
         while time.monotonic() < deadline:
@@ -312,7 +313,7 @@ class Cluster:
             if backlog == 0:
                 break
             time.sleep(0.2)
-        stop(self.consumer_p, 60, signal.SIGTERM)
+        stop_process(self.consumer_p, 60, signal.SIGTERM)
         return backlog
 
 
@@ -655,7 +656,7 @@ def run_feed(spec: LoadSpec, work: Path, *, train_s: float = 1.0, src: str | Non
         stop.set()
         if thread is not None:
             thread.join(10)
-        stop(feed_p, 30, signal.SIGTERM)
+        stop_process(feed_p, 30, signal.SIGTERM)
         cluster.stop()
     res.errors.extend(sorted(set(trainer_errors)))
     log(f"  {res.groups} groups in {res.takes} takes ({res.rate:.1f}/s); delivery latency p50 "
@@ -819,7 +820,7 @@ def run_fleet_ingest(n: int, work: Path, *, backend: str, consumers: int,
         res.errors.append(f"{type(exc).__name__}: {exc}")
     finally:
         for p in procs:
-            stop(p, 30, signal.SIGTERM)
+            stop_process(p, 30, signal.SIGTERM)
         if pg is not None:
             pg.stop()
     shutil.rmtree(folder, ignore_errors=True)
