@@ -116,18 +116,25 @@ class WorkerRuntime:
         self.env_hosts = HostAllowlist(settings.env_hosts)
         self.key_origins = settings.trusted_model_origins()
         self.breakers = BreakerBoard(self.redis, self.keys, self.name, env_hosts=self.env_hosts)
-        # Background duties, each on its own thread (broker/duty.py).
-        self.renewer = LeaseRenewer(self.ledger, min(settings.lease_ttl_s / 3, settings.sweep_interval_s)).start()
-        self.sweeper = SweepDuty(Sweeper(self.redis, settings), settings.sweep_interval_s).start()
+        # Background duties, each on its own thread (broker/duty.py), started together below.
+        self.renewer = LeaseRenewer(self.ledger, min(settings.lease_ttl_s / 3, settings.sweep_interval_s))
+        self.sweeper = SweepDuty(Sweeper(self.redis, settings), settings.sweep_interval_s)
+        self.orphans = OrphanCloser(self.redis, self.keys, self.env, env_hosts=self.env_hosts)
+        self.breaker_heartbeat = BreakerHeartbeat(self.breakers)
         self.publisher = StepPublisher(self.ledger, backlog_max=settings.stream_backlog_max)
-        self.orphans = OrphanCloser(self.redis, self.keys, self.env, env_hosts=self.env_hosts).start()
-        self.breaker_heartbeat = BreakerHeartbeat(self.breakers).start()
         self.versions = PolicyVersions(self.redis, self.keys)  # feed jobs' policy versions (workers/versions.py)
         # Fleet-wide limits: jobs that pause themselves, caps shared by every worker process.
         self.pause_watch = PauseWatch(self.redis, self.keys)
         self.pacing = Pacing(RateLimits(self.redis, self.keys))
         self.fleet = FleetGate(FleetSlots(self.redis, self.keys, int(settings.lease_ttl_s * 1000)), self.name,
                                settings.lease_ttl_s)
+        # The one list of what runs in the background: the duties, and the parts that start their
+        # threads when first needed (publisher, streak resets, fleet-slot keeper); stop() stops
+        # them all, in this order.
+        duties = [self.renewer, self.sweeper, self.orphans, self.breaker_heartbeat]
+        for duty in duties:
+            duty.start()
+        self.background = [*duties, self.publisher, self.pause_watch, self.fleet]
 
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
@@ -149,13 +156,8 @@ class WorkerRuntime:
             self.on_unhealthy(reason)
 
     def stop(self) -> None:
-        self.renewer.stop()
-        self.sweeper.stop()
-        self.publisher.stop()
-        self.orphans.stop()
-        self.breaker_heartbeat.stop()
-        self.pause_watch.stop()
-        self.fleet.stop()
+        for part in self.background:
+            part.stop()
 
     def received(self, job_id: str, episode_id: str) -> None:
         """The broker handed us a task; the renewer holds a reservation on it until it starts."""
