@@ -30,7 +30,6 @@ Tables (docs/protocol.md, "What is stored"):
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from broker.records import PHASES, AttemptRecord, EpisodesEnqueued, JobSpec, Ste
 from broker.settings import redact_url
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import tokens as step_tokens_table
+from consumer.storage.group_stats import reward_mean_std
 from consumer.storage.plan import (
     EP_COMPLETED,
     EP_COMPLETING,
@@ -352,8 +352,7 @@ class ResultStore:
             job_id, env_name, size = groups[gid]
             done, failed = members[gid]
             nc = len(done)
-            mean = sum(done) / nc if nc else None
-            std = math.sqrt(sum((x - mean) ** 2 for x in done) / nc) if nc else None
+            mean, std = reward_mean_std(done)
             complete = 1 if size > 0 and nc >= size and not failed else 0
             why = None
             if failed:

@@ -34,6 +34,7 @@ from urllib.parse import urlencode
 from flask import Flask, abort, jsonify, redirect, render_template, request, url_for
 
 from broker.records import PHASES
+from consumer.storage import group_stats
 from interactor.ui import plots, transcript
 from interactor.ui.source import AGGREGATE_TTL_S, MAX_JOBS, Source
 
@@ -42,7 +43,6 @@ log = logging.getLogger("interactor.ui")
 HERE = Path(__file__).resolve().parent
 PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE = 50
-ADVANTAGE_EPS = 1e-6  # as `interactor export --eps`: advantage = (reward - mean) / (std + eps)
 MAX_LETTERS_SHOWN = 1000
 MAX_JOB_ID_CHARS = 200  # /api/jobs?job=...: each id is a Redis read; longer is not an id of ours
 # A step's full prompt is folded into the episode page up to this many messages; longer ones
@@ -458,9 +458,11 @@ def fmt_dur(s: float | None) -> str:
 
 
 def advantage(reward: float | None, group: dict | None) -> float | None:
+    """A member's advantage from its group's stored mean and std, with the export's default
+    epsilon; None when the group has no completed member yet."""
     if reward is None or not group or group.get("reward_mean") is None:
         return None
-    return (float(reward) - group["reward_mean"]) / ((group.get("reward_std") or 0.0) + ADVANTAGE_EPS)
+    return group_stats.advantage(float(reward), group["reward_mean"], group.get("reward_std"))
 
 
 def shared_opening(chats: list[list[transcript.StepView]]) -> list[transcript.Message]:
