@@ -8,11 +8,11 @@ response as a one-message list (TRL's conversational prompt-completion shape).
 Filters (all optional): complete groups only (every member of the group completed), episodes no
 staler than ``max_staleness`` weight versions, trainable steps only (the default), env names.
 
-Group statistics (GRPO): over the *exported* episodes of each group, the mean and population std
-of the episode rewards; each row carries its episode's normalized advantage
-``(episode_reward - mean) / (std + eps)``, and ``group_rewards_equal`` flags groups whose rewards
-are all equal (advantage 0: no learning signal). ``group_size`` is how many episodes of the group
-were exported.
+Group statistics (GRPO, consumer/storage/group_stats.py): over the *exported* episodes of each
+group, the mean and population std of the episode rewards; each row carries its episode's
+normalized advantage ``(episode_reward - mean) / (std + eps)``, and ``group_rewards_equal``
+flags groups whose rewards are all equal (advantage 0: no learning signal). ``group_size`` is
+how many episodes of the group were exported.
 
 Staleness: a weight version is read as a number (``"12"``, or the last integer of ``"v12"`` /
 ``"step-12"``). An episode's version is the oldest among its steps; it is kept when
@@ -37,6 +37,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import orjson
 
 from consumer.storage import EP_COMPLETED, ResultStore, open_store
+from consumer.storage.group_stats import ADVANTAGE_EPS, group_stats
 
 COLUMNS = (
     "job_id", "episode_id", "group_id", "env_name", "step_id", "attempt", "messages", "prompt",
@@ -47,7 +48,6 @@ COLUMNS = (
     # server gave them, its token status, and token_drift (see consumer/streams.py)
     "prompt_ids", "completion_ids", "completion_logprobs", "token_status", "token_error", "token_drift",
 )
-ADVANTAGE_EPS = 1e-6
 
 
 def parquet_schema():
@@ -121,16 +121,6 @@ def version_number(version: Any) -> float | None:
     except ValueError:
         m = _LAST_INT.search(text)
         return float(m.group(0)) if m else None
-
-
-def group_stats(rewards: Sequence[float], eps: float = ADVANTAGE_EPS) -> tuple[float, float, list[float], bool]:
-    """``(mean, population std, advantages, all_equal)`` of one group's episode rewards."""
-    n = len(rewards)
-    mean = sum(rewards) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
-    equal = max(rewards) == min(rewards)
-    adv = [0.0] * n if equal else [(r - mean) / (std + eps) for r in rewards]
-    return mean, std, adv, equal
 
 
 def _select_episodes(

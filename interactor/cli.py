@@ -236,8 +236,10 @@ def cmd_results(args) -> int:
 
 def cmd_export(args) -> int:
     from consumer.export import export_training
+    from consumer.storage.group_stats import ADVANTAGE_EPS
 
     settings = settings_from_args(args)
+    eps = ADVANTAGE_EPS if args.eps is None else args.eps
     out = args.out or os.path.join(settings.run_dir, f"{args.job}.{args.format}")
     env_names = [n.strip() for item in (args.env_name or []) for n in item.split(",") if n.strip()]
     if args.max_staleness is not None and args.max_staleness < 0:
@@ -248,12 +250,12 @@ def cmd_export(args) -> int:
 
         res = export_streams(settings.results_store, args.job, out, fmt=args.format,
                              complete_groups_only=args.complete_groups, env_names=env_names or None,
-                             max_staleness=args.max_staleness, current_version=args.current_version, eps=args.eps)
+                             max_staleness=args.max_staleness, current_version=args.current_version, eps=eps)
         print(f"wrote {res.rows} token-stream rows ({res.episodes} episodes, {res.groups} groups) to {out}")
         return 0
     res = export_training(settings.results_store, args.job, out, fmt=args.format, trainable_only=not args.all_steps,
                           complete_groups_only=args.complete_groups, env_names=env_names or None,
-                          max_staleness=args.max_staleness, current_version=args.current_version, eps=args.eps)
+                          max_staleness=args.max_staleness, current_version=args.current_version, eps=eps)
     print(f"wrote {res.rows} rows ({res.episodes} episodes, {res.groups} groups) to {out}")
     if res.groups_rewards_equal:
         print(f"{res.groups_rewards_equal} of {res.groups} groups have all rewards equal (advantage 0)")
@@ -392,7 +394,8 @@ def build_parser(commands=()) -> argparse.ArgumentParser:
     sp.add_argument("--max-staleness", type=float, metavar="N",
                     help="only episodes at most N weight versions older than --current-version")
     sp.add_argument("--current-version", help="the trainer's current weight version (default: newest in the job)")
-    sp.add_argument("--eps", type=float, default=1e-6, help="advantage = (reward - mean) / (std + eps)")
+    # no default here: the export's own (ADVANTAGE_EPS, consumer/storage/group_stats.py), not a copy
+    sp.add_argument("--eps", type=float, help="advantage = (reward - mean) / (std + eps) (default 1e-6)")
     sp = add("reconcile", cmd_reconcile, "re-enqueue episodes lost by the broker")
     sp.add_argument("job")
     sp.add_argument("--dry-run", action="store_true")

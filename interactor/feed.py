@@ -30,8 +30,8 @@ from broker import feed
 from broker.keys import Keys
 from broker.records import FeedGroup, RecordError, unpack
 from broker.settings import Settings
-from consumer.export import group_stats
 from consumer.feed import FeedAnnouncer
+from consumer.storage.group_stats import group_stats
 from envs.base import import_object, valid_object_path
 from workers.allowlist import PathAllowlist
 

@@ -17,8 +17,9 @@ import orjson
 import pytest
 
 from broker.records import AttemptRecord, JobSpec, StepRecord
-from consumer.export import export_job, export_training, group_stats, parquet_schema, version_number
+from consumer.export import export_job, export_training, parquet_schema, version_number
 from consumer.storage import open_store
+from consumer.storage.group_stats import group_stats
 from tests.conftest import ROOT
 
 JOB = "train-1"

@@ -13,32 +13,21 @@ Keyed like ``attempts`` (episode_id, attempt_id), and kept by the same rule: a `
 close wins over any other close of the attempt, otherwise the first one stored stays
 (``status`` is kept here so that the rule can be applied without reading ``attempts``).
 A phase the attempt did not time (records before v5, the queue wait of a re-run) is NULL,
-never 0, so that means are taken over the attempts that timed it.
+never 0, so that means are taken over the attempts that timed it. Its columns are declared
+with the other tables' in schema.py.
 """
 
 from __future__ import annotations
 
-from broker.records import PHASES, AttemptRecord
+from broker.records import AttemptRecord
+from consumer.storage import schema
 
-TABLE = "attempt_phases"
-
+TABLE = schema.ATTEMPT_PHASES.name
 #: Column of each phase (broker/records.py PHASES): ``<phase>_s``, as AttemptRecord names it.
-PHASE_COLUMNS = tuple(f"{p}_s" for p in PHASES)
-COLUMNS = ("episode_id", "attempt_id", "job_id", "status") + PHASE_COLUMNS
-
-_DDL = f"""
-CREATE TABLE IF NOT EXISTS attempt_phases (
-    episode_id TEXT NOT NULL,
-    attempt_id TEXT NOT NULL,
-    job_id TEXT,
-    status TEXT NOT NULL,
-    {", ".join(f"{c} {{real}}" for c in PHASE_COLUMNS)},
-    PRIMARY KEY (episode_id, attempt_id)
-);
-CREATE INDEX IF NOT EXISTS attempt_phases_job ON attempt_phases (job_id)
-"""
-SQLITE_DDL = _DDL.format(real="REAL")
-POSTGRES_DDL = _DDL.format(real="DOUBLE PRECISION")
+PHASE_COLUMNS = schema.PHASE_COLUMNS
+COLUMNS = schema.ATTEMPT_PHASES.names
+SQLITE_DDL = schema.ATTEMPT_PHASES.ddl(schema.SQLITE)
+POSTGRES_DDL = schema.ATTEMPT_PHASES.ddl(schema.POSTGRES)
 
 INSERT = (f"INSERT INTO attempt_phases ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)}) "
           f"ON CONFLICT (episode_id, attempt_id) DO UPDATE SET "

@@ -21,147 +21,15 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 from consumer.storage import phases as attempt_phases_table
+from consumer.storage import schema
 from consumer.storage import tokens as step_tokens_table
-from consumer.storage.backend import BROWSE_INDEXES, SCHEMA_VERSION, ResultStore, StoreError
+from consumer.storage.backend import ResultStore, StoreError
+from consumer.storage.schema import BROWSE_INDEXES, SCHEMA_VERSION
 
 TS = "strftime('%Y-%m-%d %H:%M:%f', ?, 'unixepoch')"
 
-_STEP_TABLE_COLUMNS = """
-    session_id TEXT NOT NULL,
-    step_id INTEGER NOT NULL,
-    env_name TEXT,
-    llm_model TEXT,
-    group_id TEXT,
-    job_id TEXT,
-    messages TEXT,
-    response TEXT,
-    step_reward REAL,
-    reward REAL,
-    env_state TEXT,
-    is_terminal BOOLEAN,
-    is_truncated BOOLEAN,
-    is_session_completed BOOLEAN,
-    is_trainable BOOLEAN,
-    created_at TEXT,
-    attempt INTEGER,
-    attempt_id TEXT,
-    weight_version TEXT,
-    finish_reason TEXT,
-    ended_by TEXT,
-    env_latency_s REAL,
-    model_latency_s REAL,
-    prompt_tokens INTEGER,
-    completion_tokens INTEGER,
-    created_ts REAL"""
-
-SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS job_environments (
-    id INTEGER PRIMARY KEY,
-    job_id TEXT NOT NULL,
-    env_id TEXT NOT NULL,
-    env_name TEXT,
-    env_params TEXT,
-    image TEXT,
-    group_id TEXT,
-    finished BOOLEAN NOT NULL DEFAULT 0,
-    is_deleted BOOLEAN NOT NULL DEFAULT 0,
-    created_at TEXT,
-    UNIQUE (env_id)
-);
-CREATE INDEX IF NOT EXISTS job_environments_job ON job_environments (job_id);
-CREATE INDEX IF NOT EXISTS job_environments_group ON job_environments (group_id);
-
-CREATE TABLE IF NOT EXISTS session_steps (
-    id INTEGER PRIMARY KEY,{_STEP_TABLE_COLUMNS},
-    UNIQUE (session_id, step_id)
-);
-CREATE INDEX IF NOT EXISTS session_steps_group ON session_steps (group_id, is_trainable);
-
-CREATE TABLE IF NOT EXISTS superseded_steps (
-    id INTEGER PRIMARY KEY,{_STEP_TABLE_COLUMNS},
-    superseded_reason TEXT,
-    superseded_at REAL,
-    UNIQUE (session_id, attempt_id, step_id)
-);
-
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY,
-    created_at REAL,
-    episodes INTEGER,
-    groups INTEGER,
-    model TEXT,
-    llm_base_url TEXT,
-    sources TEXT,
-    spec TEXT
-);
-
-CREATE TABLE IF NOT EXISTS episodes (
-    episode_id TEXT PRIMARY KEY,
-    job_id TEXT NOT NULL,
-    group_id TEXT,
-    env_name TEXT,
-    llm_model TEXT,
-    status TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    attempt_id TEXT,
-    attempt_started REAL,
-    attempt_closed TEXT,
-    completed_attempt_id TEXT,
-    attempts INTEGER NOT NULL,
-    total_reward REAL,
-    steps INTEGER,
-    expected_steps INTEGER,
-    reason TEXT,
-    error_class TEXT,
-    error TEXT,
-    ended_by TEXT,
-    prompt_tokens INTEGER,
-    completion_tokens INTEGER,
-    started_at REAL,
-    finished_at REAL,
-    group_size INTEGER,
-    close_entry TEXT,
-    reopens INTEGER NOT NULL DEFAULT 0,
-    duration_s REAL,
-    updated_at REAL
-);
-CREATE INDEX IF NOT EXISTS episodes_job ON episodes (job_id, status);
-CREATE INDEX IF NOT EXISTS episodes_group ON episodes (group_id);
-
-CREATE TABLE IF NOT EXISTS attempts (
-    episode_id TEXT NOT NULL,
-    attempt_id TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    job_id TEXT,
-    status TEXT NOT NULL,
-    reason TEXT,
-    error_class TEXT,
-    error TEXT,
-    total_reward REAL,
-    steps INTEGER,
-    ended_by TEXT,
-    prompt_tokens INTEGER,
-    completion_tokens INTEGER,
-    started_at REAL,
-    finished_at REAL,
-    worker TEXT,
-    PRIMARY KEY (episode_id, attempt_id)
-) WITHOUT ROWID;
-
-CREATE TABLE IF NOT EXISTS groups (
-    group_id TEXT PRIMARY KEY,
-    job_id TEXT,
-    env_name TEXT,
-    size INTEGER,
-    completed INTEGER,
-    failed INTEGER,
-    reward_mean REAL,
-    reward_std REAL,
-    complete INTEGER NOT NULL DEFAULT 0,
-    incomplete_reason TEXT
-);
-CREATE INDEX IF NOT EXISTS groups_job ON groups (job_id);
-""" + "".join(ddl + ";\n" for _, ddl in BROWSE_INDEXES)
+# This code's tables (schema.py), as SQLite text: also what the migrations below end with.
+SCHEMA = schema.schema_ddl(schema.SQLITE)
 
 # Version 1 -> 2: the original session_steps column names, job_environments, superseded rows in
 # a table of their own, attempt ids (v1 rows get "n<attempt>"), no per-row trigger.
@@ -171,6 +39,8 @@ _V1_STEP_SELECT = (
     "strftime('%Y-%m-%d %H:%M:%f', created_at, 'unixepoch'), attempt, 'n' || attempt, weight_version, "
     "finish_reason, NULL, env_latency_s, model_latency_s, NULL, NULL, created_at"
 )
+# The session_steps columns the v1 rows fill, as they were when this migration was written
+# (it is history: a column added to the table later stays NULL for these rows).
 _STEP_COLS = (
     "session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
     "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at, attempt, attempt_id, "
@@ -308,7 +178,7 @@ class SQLiteStore(ResultStore):
         the first writer that opens it; the write lock is taken only when one is missing."""
         c = self._conn
         have = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
-        missing = [ddl for name, ddl in BROWSE_INDEXES if name not in have]
+        missing = [i.ddl for i in BROWSE_INDEXES if i.name not in have]
         if missing:
             c.execute("BEGIN IMMEDIATE")
             try:

@@ -34,6 +34,7 @@ from urllib.parse import urlencode
 from flask import Flask, abort, jsonify, redirect, render_template, request, url_for
 
 from broker.records import PHASES
+from consumer.storage import group_stats
 from interactor.ui import plots, transcript
 from interactor.ui.source import AGGREGATE_TTL_S, MAX_JOBS, Source
 
@@ -42,7 +43,6 @@ log = logging.getLogger("interactor.ui")
 HERE = Path(__file__).resolve().parent
 PAGE_SIZES = (25, 50, 100, 200, 500)
 DEFAULT_PAGE = 50
-ADVANTAGE_EPS = 1e-6  # as `interactor export --eps`: advantage = (reward - mean) / (std + eps)
 MAX_LETTERS_SHOWN = 1000
 MAX_JOB_ID_CHARS = 200  # /api/jobs?job=...: each id is a Redis read; longer is not an id of ours
 # A step's full prompt is folded into the episode page up to this many messages; longer ones
@@ -118,15 +118,15 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
     def job(job_id: str):
         (progress,) = source.progress([job_id])
         ttl = AGGREGATE_TTL_S[progress["active"]]
-        res = source.cached(ttl, "results", job_id)
-        spec = source.read("job", job_id)
+        res = source.results(job_id, ttl_s=ttl)
+        spec = source.job(job_id)
         if spec is None and not res["job"]["episodes"] and progress["counts_from"] == "store":
             abort(404, f"no job {job_id!r} in {source.store_shown}")
-        points = source.cached(ttl, "reward_points", job_id)
+        points = source.reward_points(job_id, ttl_s=ttl)
         by_env: dict[str, list[float]] = {}
         for env, reward, _ in points:
             by_env.setdefault(env, []).append(reward)
-        facets = source.cached(ttl, "episode_facets", job_id)
+        facets = source.episode_facets(job_id, ttl_s=ttl)
         return render_template(
             "job.html", job_id=job_id, res=res, p=progress, spec=spec or {},
             facets=facets, reasons={k: n for k, n in facets["reason"].items() if k},
@@ -142,14 +142,14 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
         sort = request.args.get("sort", "episode_id")
         if sort not in store.EPISODE_SORTS:
             abort(400, f"unknown sort {sort!r}")
-        page = keyset_page(lambda **kw: source.read("page_episodes", job_id, sort=sort, **filters, **kw),
+        page = keyset_page(lambda **kw: source.page_episodes(job_id, sort=sort, **filters, **kw),
                            sort_col=store.EPISODE_SORTS[sort], id_col="episode_id",
                            cast=store.EPISODE_SORT_TYPES[sort])
         (progress,) = source.progress([job_id])
         return render_template(
             "episodes.html", job_id=job_id, p=progress, page=page, sort=sort, filters=filters,
-            total=source.read("count_episodes", job_id, **filters),
-            facets=source.cached(AGGREGATE_TTL_S[progress["active"]], "episode_facets", job_id),
+            total=source.count_episodes(job_id, **filters),
+            facets=source.episode_facets(job_id, ttl_s=AGGREGATE_TTL_S[progress["active"]]),
             indexed=sort in store.INDEXED_EPISODE_SORTS, tab="episodes")
 
     @app.get("/jobs/<job_id>/groups")
@@ -159,14 +159,14 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
         sort = request.args.get("sort", "group_id")
         if sort not in store.GROUP_SORTS:
             abort(400, f"unknown sort {sort!r}")
-        page = keyset_page(lambda **kw: source.read("page_groups", job_id, sort=sort, **filters, **kw),
+        page = keyset_page(lambda **kw: source.page_groups(job_id, sort=sort, **filters, **kw),
                            sort_col=store.GROUP_SORTS[sort], id_col="group_id", cast=store.GROUP_SORT_TYPES[sort])
-        members = source.read("group_members_many", [g["group_id"] for g in page["rows"]])
+        members = source.group_members_many([g["group_id"] for g in page["rows"]])
         (progress,) = source.progress([job_id])
         return render_template(
             "groups.html", job_id=job_id, p=progress, page=page, sort=sort, filters=filters, members=members,
-            total=source.read("count_groups", job_id, **filters),
-            env_names=source.read("env_names", job_id), tab="groups")
+            total=source.count_groups(job_id, **filters),
+            env_names=source.env_names(job_id), tab="groups")
 
     @app.get("/api/jobs/<job_id>")
     def api_job(job_id: str):
@@ -176,11 +176,11 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
     # --- one group, one episode ---------------------------------------------------------
     @app.get("/groups/<group_id>")
     def group(group_id: str):
-        g = source.read("group", group_id)
-        members = source.read("group_members", group_id)
+        g = source.group(group_id)
+        members = source.group_members(group_id)
         if g is None and not members:
             abort(404, f"no group {group_id!r}")
-        chats = {m["episode_id"]: transcript.chat(source.read("episode_trajectory", m["episode_id"]))
+        chats = {m["episode_id"]: transcript.chat(source.episode_trajectory(m["episode_id"]))
                  for m in members}
         shared = shared_opening([c for c in chats.values() if c])
         return render_template("group.html", g=g or {"group_id": group_id}, members=members, chats=chats,
@@ -188,27 +188,27 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
 
     @app.get("/episodes/<episode_id>")
     def episode(episode_id: str):
-        ep = source.read("episode", episode_id)
+        ep = source.episode(episode_id)
         if ep is None:
             abort(404, f"no episode {episode_id!r} in {source.store_shown}")
-        steps = source.read("episode_trajectory", episode_id)
-        g = source.read("group", ep["group_id"]) if ep.get("group_id") else None
-        members = source.read("group_members", ep["group_id"]) if ep.get("group_id") else []
+        steps = source.episode_trajectory(episode_id)
+        g = source.group(ep["group_id"]) if ep.get("group_id") else None
+        members = source.group_members(ep["group_id"]) if ep.get("group_id") else []
         superseded: dict[str, dict] = {}
-        for row in source.read("superseded_steps", episode_id):
+        for row in source.superseded_steps(episode_id):
             s = superseded.setdefault(row["attempt_id"], {"attempt": row["attempt"], "reason": row.get(
                 "superseded_reason"), "steps": []})
             s["steps"].append(row)
-        task = source.read("job_environment", episode_id)
+        task = source.job_environment(episode_id)
         letter = source.dead_letter(episode_id, ep["job_id"]) if ep["status"] == "failed" else None
-        attempts = source.read("attempts", episode_id)
+        attempts = source.attempts(episode_id)
         for a in attempts:  # where each attempt's time went, in PHASES order (records v5)
             a["phases"] = [(p, a[f"{p}_s"]) for p in PHASES if a.get(f"{p}_s") is not None]
         return render_template(
             "episode.html", ep=ep, chat=transcript.chat(steps), attempts=attempts,
             g=g, members=members, superseded=superseded, task=task, letter=letter, job_id=ep["job_id"],
             params=_pretty_json(task.get("env_params")) if task else "",
-            tokens_by_step=source.read("episode_token_index", episode_id))
+            tokens_by_step=source.episode_token_index(episode_id))
 
     @app.get("/episodes/<episode_id>/steps/<int:step_id>/tokens")
     def step_tokens(episode_id: str, step_id: int):
@@ -217,7 +217,7 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
         token stream stands at this step (consumer/streams.py)."""
         from consumer.streams import build
 
-        rows = source.read("episode_tokens", episode_id)
+        rows = source.episode_tokens(episode_id)
         row = next((r for r in rows if r["step_id"] == step_id), None)
         if row is None:
             abort(404, f"no tokens stored for step {step_id} of {episode_id!r} (was the job run with --tokens?)")
@@ -247,7 +247,7 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
 
     @app.get("/episodes/<episode_id>/steps/<int:step_id>/prompt")
     def step_prompt(episode_id: str, step_id: int):
-        steps = source.read("episode_trajectory", episode_id)
+        steps = source.episode_trajectory(episode_id)
         row = next((r for r in steps if r["step_id"] == step_id), None)
         if row is None:
             abort(404, f"no step {step_id} in the trajectory of {episode_id!r}")
@@ -263,7 +263,7 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
         got = source.dead_letters(job_id, reason, limit=MAX_LETTERS_SHOWN)
         failed = None
         if got is None:  # no Redis: what the store knows of failed episodes
-            failed = [(j, source.read("count_episodes", j, statuses=["failed"])) for j in source.job_ids()]
+            failed = [(j, source.count_episodes(j, statuses=["failed"])) for j in source.job_ids()]
             failed = [(j, n) for j, n in failed if n]
         letters, matched, complete = got or ([], 0, True)
         reasons: dict[str, int] = {}
@@ -458,9 +458,11 @@ def fmt_dur(s: float | None) -> str:
 
 
 def advantage(reward: float | None, group: dict | None) -> float | None:
+    """A member's advantage from its group's stored mean and std, with the export's default
+    epsilon; None when the group has no completed member yet."""
     if reward is None or not group or group.get("reward_mean") is None:
         return None
-    return (float(reward) - group["reward_mean"]) / ((group.get("reward_std") or 0.0) + ADVANTAGE_EPS)
+    return group_stats.advantage(float(reward), group["reward_mean"], group.get("reward_std"))
 
 
 def shared_opening(chats: list[list[transcript.StepView]]) -> list[transcript.Message]:

@@ -12,13 +12,14 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import redis
 
 from broker.settings import Settings, redact_url
 
 log = logging.getLogger("interactor.ui")
+T = TypeVar("T")
 
 RATE_WINDOW_S = 10.0  # steps/s of a running job: over the samples of the last this many seconds
 DOWN_RETRY_S = 5.0  # after a failed Redis call, pages do not try again for this long
@@ -118,20 +119,21 @@ class Source:
         self._finished: dict[str, tuple[float, dict]] = {}
         self._cache: dict[tuple, tuple[float, Any]] = {}
 
-    def read(self, method: str, *args: Any, **kw: Any) -> Any:
+    def _read(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """One of the store's reader methods, called under the lock."""
         with self._lock:
-            return getattr(self.store, method)(*args, **kw)
+            return fn(*args, **kw)
 
-    def cached(self, ttl_s: float, method: str, *args: Any) -> Any:
-        """:meth:`read`, remembered for ``ttl_s``: the aggregates over a whole job (facets,
+    def _cached(self, ttl_s: float, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`_read`, remembered for ``ttl_s``: the aggregates over a whole job (facets,
         plots' points, summaries), which cost a scan of its episodes (~0.1 s at 100,000) and
         change slowly or, once the job is finished, not at all."""
-        key = (method, args)
+        key = (fn.__name__, args)
         hit = self._cache.get(key)
         now = time.monotonic()
         if hit is not None and now - hit[0] < ttl_s:
             return hit[1]
-        value = self.read(method, *args)
+        value = self._read(fn, *args)
         if len(self._cache) > 256:
             self._cache.clear()
         self._cache[key] = (now, value)
@@ -146,7 +148,7 @@ class Source:
         """Jobs in the store and in Redis, newest first."""
         t, ids = self._job_ids
         if time.monotonic() - t > JOB_IDS_TTL_S:
-            ids = self.read("job_ids")
+            ids = self._read(self.store.job_ids)
             self._job_ids = (time.monotonic(), ids)
         out = list(ids)
         if self.live is not None:
@@ -173,7 +175,7 @@ class Source:
         if cached and time.monotonic() - cached[0] < FINISHED_TTL_S:
             p = cached[1]
         else:
-            p = self.read("job_progress", job_id)
+            p = self._read(self.store.job_progress, job_id)
         st = p["statuses"]
         stored = sum(st.values())
         total = p["episodes_expected"] or (sum(ledger.values()) if ledger else stored)
@@ -204,6 +206,69 @@ class Source:
             "mean_reward": p["mean_reward"], "active": active, "counts_from": source,
         }
 
+    # --- what the pages read from the store (consumer/storage/reads.py, browse.py) ----------
+    def job(self, job_id: str) -> dict | None:
+        return self._read(self.store.job, job_id)
+
+    def results(self, job_id: str, *, ttl_s: float) -> dict:
+        return self._cached(ttl_s, self.store.results, job_id)
+
+    def reward_points(self, job_id: str, *, ttl_s: float) -> list[tuple[str, float, float | None]]:
+        return self._cached(ttl_s, self.store.reward_points, job_id)
+
+    def episode_facets(self, job_id: str, *, ttl_s: float) -> dict[str, dict[str, int]]:
+        return self._cached(ttl_s, self.store.episode_facets, job_id)
+
+    def page_episodes(self, job_id: str, *, sort: str, descending: bool, limit: int, after: tuple[Any, str] | None,
+                      **filters: Any) -> list[dict]:
+        return self._read(self.store.page_episodes, job_id, sort=sort, descending=descending, limit=limit,
+                          after=after, **filters)
+
+    def count_episodes(self, job_id: str, **filters: Any) -> int:
+        return self._read(self.store.count_episodes, job_id, **filters)
+
+    def page_groups(self, job_id: str, *, sort: str, descending: bool, limit: int, after: tuple[Any, str] | None,
+                    **filters: Any) -> list[dict]:
+        return self._read(self.store.page_groups, job_id, sort=sort, descending=descending, limit=limit,
+                          after=after, **filters)
+
+    def count_groups(self, job_id: str, **filters: Any) -> int:
+        return self._read(self.store.count_groups, job_id, **filters)
+
+    def group_members_many(self, group_ids: list[str]) -> dict[str, list[dict]]:
+        return self._read(self.store.group_members_many, group_ids)
+
+    def env_names(self, job_id: str) -> list[str]:
+        return self._read(self.store.env_names, job_id)
+
+    def group(self, group_id: str) -> dict | None:
+        return self._read(self.store.group, group_id)
+
+    def group_members(self, group_id: str) -> list[dict]:
+        return self._read(self.store.group_members, group_id)
+
+    def episode(self, episode_id: str) -> dict | None:
+        return self._read(self.store.episode, episode_id)
+
+    def episode_trajectory(self, episode_id: str) -> list[dict]:
+        return self._read(self.store.episode_trajectory, episode_id)
+
+    def superseded_steps(self, episode_id: str) -> list[dict]:
+        return self._read(self.store.superseded_steps, episode_id)
+
+    def job_environment(self, env_id: str) -> dict | None:
+        return self._read(self.store.job_environment, env_id)
+
+    def attempts(self, episode_id: str) -> list[dict]:
+        return self._read(self.store.attempts, episode_id)
+
+    def episode_tokens(self, episode_id: str) -> list[dict]:
+        return self._read(self.store.episode_tokens, episode_id)
+
+    def episode_token_index(self, episode_id: str) -> dict[int, dict]:
+        return self._read(self.store.episode_token_index, episode_id)
+
+    # --- Redis ----------------------------------------------------------------------------
     def fleet(self) -> dict | None:
         if self.live is None:
             return None

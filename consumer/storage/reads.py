@@ -1,0 +1,347 @@
+"""The store's readers of jobs, episodes, groups and their steps: what ``interactor
+results``, ``status``, the exports (consumer/export.py), the feed (consumer/feed.py,
+interactor/feed.py) and the results browser's single-item pages read.
+
+A mixin of :class:`consumer.storage.backend.ResultStore`, kept apart from the write path so
+that backend.py holds the writer and its primitives only; these methods use nothing of a
+backend but :meth:`~ResultStore.query`, :meth:`~ResultStore.query_dicts` and
+:meth:`~ResultStore.has_table`, and the same SQL runs on SQLite and PostgreSQL (``?``
+placeholders; flags tested bare or cast, see backend.py). The browser's filtered, sorted and
+paged lists are in browse.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import orjson
+
+from broker.records import PHASES
+from consumer.storage import phases as attempt_phases_table
+from consumer.storage import tokens as step_tokens_table
+from consumer.storage.plan import EP_COMPLETED, EP_COMPLETING, EP_FAILED, EP_RETRYING, EP_RUNNING
+from consumer.storage.sqltext import chunks, marks
+
+
+class StoreReads:
+    """Job, episode and group readers (a mixin of ResultStore: needs its ``query``,
+    ``query_dicts`` and ``has_table``)."""
+
+    # ------------------------------------------------------------------ jobs
+    def job_ids(self) -> list[str]:
+        """Every job known to the store, oldest first."""
+        rows = self.query(
+            "SELECT job_id, MIN(t) FROM (SELECT job_id, created_at AS t FROM jobs "
+            "UNION ALL SELECT job_id, started_at AS t FROM episodes) u GROUP BY job_id ORDER BY MIN(t), job_id"
+        )
+        return [r[0] for r in rows]
+
+    def job(self, job_id: str) -> dict | None:
+        rows = self.query("SELECT spec FROM jobs WHERE job_id = ?", (job_id,))
+        return orjson.loads(rows[0][0]) if rows and rows[0][0] else None
+
+    def jobs(self, limit: int = 100) -> list[dict]:
+        """The most recent jobs with their counts: the results browser's first page."""
+        out = []
+        for job_id in self.job_ids()[-limit:][::-1]:
+            res = self.results(job_id)
+            out.append(res["job"] | {"groups": res["groups"]})
+        return out
+
+    def results(self, job_id: str) -> dict:
+        """One job's summary: episodes per status, steps, rewards per env_name, groups."""
+        spec = self.job(job_id) or {}
+        counts = dict(self.query("SELECT status, COUNT(*) FROM episodes WHERE job_id = ? GROUP BY status", (job_id,)))
+        (n_steps, n_attempts, p_tok, c_tok, first, last) = self.query(
+            "SELECT COALESCE(SUM(steps), 0), COALESCE(SUM(attempts), 0), COALESCE(SUM(prompt_tokens), 0), "
+            "COALESCE(SUM(completion_tokens), 0), MIN(started_at), MAX(finished_at) FROM episodes WHERE job_id = ?",
+            (job_id,))[0]
+        (mean_reward,) = self.query(
+            "SELECT AVG(total_reward) FROM episodes WHERE job_id = ? AND status = 'completed'", (job_id,))[0]
+        (announced,) = self.query("SELECT COUNT(*) FROM job_environments WHERE job_id = ?", (job_id,))[0]
+        # Why the completed episodes ended (broker.records.ENDED_BY): a prompt outgrowing the
+        # model's context shows here as context_length.
+        ended_by = {why or "unknown": int(n) for why, n in self.query(
+            "SELECT ended_by, COUNT(*) FROM episodes WHERE job_id = ? AND status = 'completed' GROUP BY ended_by "
+            "ORDER BY COUNT(*) DESC, ended_by", (job_id,))}
+        by_env = {}
+        for env, n, comp, fail, mean, lo, hi, pt, ct in self.query(
+            "SELECT env_name, COUNT(*), SUM(CASE WHEN status = 'completed' THEN 1 ELSE 0 END), "
+            "SUM(CASE WHEN status = 'failed' THEN 1 ELSE 0 END), "
+            "AVG(CASE WHEN status = 'completed' THEN total_reward END), "
+            "MIN(CASE WHEN status = 'completed' THEN total_reward END), "
+            "MAX(CASE WHEN status = 'completed' THEN total_reward END), "
+            "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) "
+            "FROM episodes WHERE job_id = ? GROUP BY env_name ORDER BY env_name",
+            (job_id,),
+        ):
+            by_env[env] = {"episodes": n, "completed": int(comp or 0), "failed": int(fail or 0), "mean": mean,
+                           "min": lo, "max": hi, "prompt_tokens": int(pt), "completion_tokens": int(ct)}
+        total, complete, with_failure, mean_std, zero_std = self.query(
+            "SELECT COUNT(*), COALESCE(SUM(complete), 0), "
+            "SUM(CASE WHEN incomplete_reason IS NOT NULL THEN 1 ELSE 0 END), "
+            "AVG(CASE WHEN complete = 1 THEN reward_std END), "
+            "SUM(CASE WHEN complete = 1 AND reward_std = 0 THEN 1 ELSE 0 END) FROM groups WHERE job_id = ?",
+            (job_id,),
+        )[0]
+        started = sum(counts.values())
+        expected = spec.get("episodes")
+        tokens = int(p_tok) + int(c_tok)
+        span = (last - first) if first is not None and last is not None and last > first else None
+        return {
+            "job": {
+                "job_id": job_id,
+                "model": spec.get("model"),
+                "created_at": spec.get("created_at"),
+                "episodes_expected": expected,
+                "groups_expected": spec.get("groups"),
+                "episodes": started,
+                "announced": int(announced),
+                "queued": max(0, (expected or announced or 0) - started),
+                "completed": counts.get(EP_COMPLETED, 0),
+                "failed": counts.get(EP_FAILED, 0),
+                "running": counts.get(EP_RUNNING, 0),
+                "retrying": counts.get(EP_RETRYING, 0),
+                "completing": counts.get(EP_COMPLETING, 0),
+                "attempts": int(n_attempts),
+                "steps": int(n_steps),
+                "short_trajectories": counts.get(EP_COMPLETING, 0),
+                "mean_reward": mean_reward,
+                "prompt_tokens": int(p_tok),
+                "completion_tokens": int(c_tok),
+                "tokens_per_episode": tokens / started if started else None,
+                "tokens_per_s": tokens / span if span else None,
+                "ended_by": ended_by,
+            },
+            "by_env": by_env,
+            # token-exact trajectories (jobs run with tokens): None when no step asked
+            "token_ids": self.token_summary(job_id),
+            # where the attempts' time went (attempt_phases): None when no attempt was timed
+            "phases": self.phase_summary(job_id),
+            "groups": {
+                "total": int(total),
+                "complete": int(complete),
+                "incomplete": int(total) - int(complete),
+                "failed": int(with_failure or 0),
+                "mean_std": mean_std,
+                "zero_std": int(zero_std or 0),
+            },
+        }
+
+    def phase_summary(self, job_id: str) -> dict | None:
+        """Where the job's attempts' time went (records v5, broker/records.py PHASES): per phase,
+        the mean seconds per attempt over the attempts that timed it, how many did, and the
+        total. None when no attempt of the job was timed (older records or store)."""
+        if not self.has_table(attempt_phases_table.TABLE):
+            return None
+        cols = attempt_phases_table.PHASE_COLUMNS
+        row = self.query(
+            "SELECT COUNT(*), " + ", ".join(f"AVG({c}), COUNT({c}), SUM({c})" for c in cols)
+            + " FROM attempt_phases WHERE job_id = ?", (job_id,))[0]
+        if not row[0]:
+            return None
+        out: dict[str, Any] = {"attempts": int(row[0]), "mean_s": {}, "timed": {}, "total_s": {}}
+        for i, phase in enumerate(PHASES):
+            mean, n, total = row[1 + 3 * i: 4 + 3 * i]
+            out["mean_s"][phase] = None if mean is None else float(mean)
+            out["timed"][phase] = int(n)
+            out["total_s"][phase] = float(total or 0.0)
+        return out
+
+    def token_summary(self, job_id: str) -> dict | None:
+        """Per status, the trajectory steps that asked for tokens; steps and episodes whose
+        prompt did not extend the previous turn (token_drift); ids and bytes stored. None when
+        no step of the job asked."""
+        if not self.has_step_tokens():
+            return None
+        rows = self.query(
+            "SELECT t.token_status, COUNT(*), SUM(CASE WHEN t.token_drift IS NOT NULL THEN 1 ELSE 0 END), "
+            "COUNT(DISTINCT CASE WHEN t.token_drift IS NOT NULL THEN t.session_id END), "
+            "COALESCE(SUM(t.prompt_len), 0), COALESCE(SUM(t.completion_len), 0), "
+            "COALESCE(SUM(LENGTH(t.prompt_ids)), 0) + COALESCE(SUM(LENGTH(t.completion_ids)), 0) "
+            "+ COALESCE(SUM(LENGTH(t.completion_logprobs)), 0), COALESCE(SUM(LENGTH(t.completion_token_texts)), 0) "
+            "FROM step_tokens t JOIN session_steps s ON s.session_id = t.session_id AND s.step_id = t.step_id "
+            "AND s.attempt_id = t.attempt_id WHERE s.job_id = ? GROUP BY t.token_status", (job_id,))
+        if not rows:
+            return None
+        out = {"steps": 0, "by_status": {}, "drift_steps": 0, "drift_episodes": 0, "prompt_ids": 0,
+               "completion_ids": 0, "bytes": 0, "text_bytes": 0}
+        for status, n, drift, drift_eps, p, c, nbytes, text_bytes in rows:
+            out["steps"] += int(n)
+            out["by_status"][status] = int(n)
+            out["drift_steps"] += int(drift or 0)
+            out["drift_episodes"] += int(drift_eps or 0)
+            out["prompt_ids"] += int(p)
+            out["completion_ids"] += int(c)
+            out["bytes"] += int(nbytes)  # packed ids and logprobs
+            out["text_bytes"] += int(text_bytes)  # the token strings (JSON), for readers
+        return out
+
+    # ------------------------------------------------------------------ episodes and groups
+    def episode(self, episode_id: str) -> dict | None:
+        rows = self.query_dicts("SELECT * FROM episodes WHERE episode_id = ?", (episode_id,))
+        return rows[0] if rows else None
+
+    def group(self, group_id: str) -> dict | None:
+        rows = self.query_dicts("SELECT * FROM groups WHERE group_id = ?", (group_id,))
+        return rows[0] if rows else None
+
+    def groups(self, job_id: str) -> list[dict]:
+        """Every group of a job: size, completed, failed, reward mean and std, complete or why not."""
+        return self.query_dicts("SELECT * FROM groups WHERE job_id = ? ORDER BY group_id", (job_id,))
+
+    def group_members(self, group_id: str) -> list[dict]:
+        return self.query_dicts("SELECT * FROM episodes WHERE group_id = ? ORDER BY episode_id", (group_id,))
+
+    def attempts(self, episode_id: str) -> list[dict]:
+        """The episode's closed attempts, each with its phases' seconds (``<phase>_s``, None where
+        not timed: records before v5, or a store no writer of this code has opened yet)."""
+        if not self.has_table(attempt_phases_table.TABLE):
+            return [d | dict.fromkeys(attempt_phases_table.PHASE_COLUMNS) for d in self.query_dicts(
+                "SELECT * FROM attempts WHERE episode_id = ? ORDER BY attempt, started_at", (episode_id,))]
+        cols = ", ".join(f"p.{c}" for c in attempt_phases_table.PHASE_COLUMNS)
+        return self.query_dicts(
+            f"SELECT a.*, {cols} FROM attempts a LEFT JOIN attempt_phases p ON p.episode_id = a.episode_id "
+            "AND p.attempt_id = a.attempt_id WHERE a.episode_id = ? ORDER BY a.attempt, a.started_at", (episode_id,))
+
+    def episode_trajectory(self, episode_id: str) -> list[dict]:
+        """The episode's trajectory (its session_steps rows) in step order, JSON decoded."""
+        return [_decode_step(d) for d in self.query_dicts(
+            "SELECT * FROM session_steps WHERE session_id = ? ORDER BY step_id", (episode_id,))]
+
+    def superseded_steps(self, episode_id: str) -> list[dict]:
+        """Rows of the episode's other attempts, with why they are not its trajectory."""
+        return [_decode_step(d) for d in self.query_dicts(
+            "SELECT * FROM superseded_steps WHERE session_id = ? ORDER BY attempt, attempt_id, step_id",
+            (episode_id,))]
+
+    def job_environments(self, job_id: str) -> list[dict]:
+        return self.query_dicts("SELECT * FROM job_environments WHERE job_id = ? ORDER BY id", (job_id,))
+
+    def completing(self, limit: int = 1000) -> list[tuple[str, str, str, str]]:
+        """Completions still waiting for steps: (episode, job, attempt_id, close entry id)."""
+        return [tuple(r) for r in self.query(
+            "SELECT episode_id, job_id, completed_attempt_id, close_entry FROM episodes WHERE status = 'completing' "
+            "ORDER BY updated_at LIMIT ?", (limit,))]
+
+    def job_environment(self, env_id: str) -> dict | None:
+        """The episode as it was announced: its env_params (the task), group and env_name."""
+        rows = self.query_dicts("SELECT * FROM job_environments WHERE env_id = ?", (env_id,))
+        return rows[0] if rows else None
+
+    # ------------------------------------------------------------------ exports and the feed
+    def export_episodes(self, job_id: str, *, statuses: Sequence[str] | None, env_names: Sequence[str] | None,
+                        complete_groups_only: bool) -> list[tuple]:
+        """(episode, attempt_id, status, total reward, group complete, group id, group size) in
+        group order: what an export walks."""
+        where, args = ["e.job_id = ?"], [job_id]
+        if statuses is not None:
+            where.append(f"e.status IN ({marks(statuses)})")
+            args.extend(statuses)
+        if env_names:
+            where.append(f"e.env_name IN ({marks(env_names)})")
+            args.extend(env_names)
+        if complete_groups_only:
+            where.append("g.complete = 1")
+        return self.query(
+            "SELECT e.episode_id, e.attempt_id, e.status, e.total_reward, COALESCE(g.complete, 0), e.group_id, "
+            "COALESCE(g.size, 0) FROM episodes e LEFT JOIN groups g ON g.group_id = e.group_id "
+            f"WHERE {' AND '.join(where)} ORDER BY e.group_id, e.episode_id", args)
+
+    def export_steps(self, episode_id: str, *, trainable_only: bool) -> list[tuple]:
+        """The episode's trajectory rows as an export needs them, in step order. (The flag is
+        cast: a reader may meet a PostgreSQL store no writer has migrated yet, flags SMALLINT.)"""
+        return self.query(
+            "SELECT job_id, session_id, group_id, env_name, step_id, attempt, messages, response, step_reward, "
+            "weight_version, is_trainable, is_terminal, is_truncated, prompt_tokens, completion_tokens, ended_by "
+            "FROM session_steps WHERE session_id = ?"
+            + (" AND CAST(is_trainable AS INTEGER) = 1" if trainable_only else "")
+            + " ORDER BY step_id", (episode_id,))
+
+    def weight_versions(self, job_id: str) -> list[tuple[str, Any]]:
+        """(episode, weight_version) pairs of the job's trajectories (staleness filters)."""
+        return self.query(
+            "SELECT session_id, weight_version FROM session_steps WHERE job_id = ? AND weight_version IS NOT NULL "
+            "GROUP BY session_id, weight_version", (job_id,))
+
+    def feed_groups(self, group_ids: Sequence[str]) -> dict[str, dict]:
+        """What the feed announces of each group (consumer/feed.py): its row of ``groups``, its
+        members (episode_id, status, total_reward, reason) and the weight versions of its
+        trajectories' steps."""
+        out: dict[str, dict] = {}
+        for chunk in chunks(list(group_ids)):
+            for d in self.query_dicts(
+                    "SELECT group_id, job_id, size, completed, failed, complete, incomplete_reason FROM groups "
+                    f"WHERE group_id IN ({marks(chunk)})", chunk):
+                out[d["group_id"]] = d | {"members": [], "versions": []}
+            for gid, ep, st, tr, reason in self.query(
+                    "SELECT group_id, episode_id, status, total_reward, reason FROM episodes "
+                    f"WHERE group_id IN ({marks(chunk)}) ORDER BY group_id, episode_id", chunk):
+                if gid in out:
+                    out[gid]["members"].append((ep, st, float(tr or 0.0), reason))
+            for gid, wv in self.query(
+                    "SELECT DISTINCT group_id, weight_version FROM session_steps "
+                    f"WHERE group_id IN ({marks(chunk)}) AND weight_version IS NOT NULL", chunk):
+                if gid in out:
+                    out[gid]["versions"].append(wv)
+        return out
+
+    def feed_steps(self, episode_id: str) -> list[tuple]:
+        """The episode's trajectory rows as the feed hands them to a trainer, in step order."""
+        return self.query(
+            "SELECT job_id, session_id, group_id, env_name, step_id, attempt, messages, response, step_reward, "
+            "weight_version, CAST(is_trainable AS INTEGER), CAST(is_terminal AS INTEGER), "
+            "CAST(is_truncated AS INTEGER), prompt_tokens, completion_tokens, ended_by, finish_reason, created_ts "
+            "FROM session_steps WHERE session_id = ? ORDER BY step_id", (episode_id,))
+
+    def settled_group_ids(self, job_id: str) -> list[str]:
+        """Groups of a job with no member left to run (every one completed or failed): what a
+        feed attached late, or a consumer that crashed between commit and announce, catches up on."""
+        return [r[0] for r in self.query(
+            "SELECT group_id FROM groups WHERE job_id = ? AND size > 0 AND completed + failed >= size", (job_id,))]
+
+    # ------------------------------------------------------------------ tokens (step_tokens)
+    def has_step_tokens(self) -> bool:
+        """Whether the store has the step_tokens table (a store made before it has not)."""
+        return self.has_table(step_tokens_table.TABLE)
+
+    def episode_tokens(self, episode_id: str, step_id: int | None = None) -> list[dict]:
+        """The token rows of the episode's trajectory (the attempt its session_steps rows are
+        of), in step order, ids and logprobs decoded (consumer/storage/tokens.py)."""
+        if not self.has_step_tokens():
+            return []
+        sql = ("SELECT t.* FROM step_tokens t JOIN session_steps s ON s.session_id = t.session_id "
+               "AND s.step_id = t.step_id AND s.attempt_id = t.attempt_id WHERE s.session_id = ?")
+        args: list[Any] = [episode_id]
+        if step_id is not None:
+            sql += " AND s.step_id = ?"
+            args.append(int(step_id))
+        return [step_tokens_table.decode_row(d) for d in self.query_dicts(sql + " ORDER BY t.step_id", args)]
+
+    def episode_token_index(self, episode_id: str) -> dict[int, dict]:
+        """step_id -> status, source, error, drift and lengths of the trajectory's token rows,
+        without the ids (the results browser's episode page)."""
+        if not self.has_step_tokens():
+            return {}
+        return {d["step_id"]: d for d in self.query_dicts(
+            "SELECT t.step_id, t.token_status, t.token_source, t.token_error, t.token_drift, t.prompt_len, "
+            "t.completion_len FROM step_tokens t JOIN session_steps s ON s.session_id = t.session_id "
+            "AND s.step_id = t.step_id AND s.attempt_id = t.attempt_id WHERE s.session_id = ? ORDER BY t.step_id",
+            (episode_id,))}
+
+    def sql(self, text: str, args: Sequence[Any] = ()) -> list[tuple]:
+        """A read-only query for tests and tools that check the original tables' contract."""
+        return self.query(text, args)
+
+
+def _decode_step(d: dict) -> dict:
+    """A step row as readers use it: its JSON columns decoded, its flags as booleans (0/1 in
+    SQLite and in a PostgreSQL store no writer has migrated yet)."""
+    if d.get("messages") is not None:
+        d["messages"] = orjson.loads(d["messages"])
+    if d.get("env_state") is not None:
+        d["env_state"] = orjson.loads(d["env_state"])
+    for k in ("is_terminal", "is_truncated", "is_session_completed", "is_trainable"):
+        if k in d and d[k] is not None:
+            d[k] = bool(d[k])
+    return d

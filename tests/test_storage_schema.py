@@ -1,0 +1,87 @@
+"""The results tables declared once (consumer/storage/schema.py): what each backend creates from
+the declaration, on a real SQLite file and a real PostgreSQL, is the declared columns in the
+declared order with each dialect's type; the writer's column lists follow the declaration; the
+group statistics the store, the exports and the browser show are one formula."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumer.storage import open_store, schema
+from consumer.storage.backend import ATTEMPT_COLUMNS, EPISODE_COLUMNS, STEP_COLUMNS
+from consumer.storage.group_stats import ADVANTAGE_EPS, advantage, group_stats, reward_mean_std
+from consumer.storage.plan import EpisodeState
+
+ALL_TABLES = (*schema.TABLES, schema.STEP_TOKENS, schema.ATTEMPT_PHASES)
+
+
+# information_schema's names of the PostgreSQL types we declare, where not the lower-case spelling
+PG_REPORTED = {"DOUBLE PRECISION": "double precision", "TIMESTAMPTZ": "timestamp with time zone"}
+
+
+def declared(table: schema.Table, dialect: str) -> list[tuple[str, str]]:
+    """(column, type) as the database reports them back."""
+    out = []
+    for c in table.columns:
+        if c.type == "rowid":  # the type, without its key clause
+            t = "INTEGER" if dialect == schema.SQLITE else "bigint"
+        elif dialect == schema.SQLITE:
+            t = schema.TYPES[c.type][0]
+        else:
+            t = schema.TYPES[c.type][1]
+            t = PG_REPORTED.get(t, t.lower())
+        out.append((c.name, t))
+    return out
+
+
+def test_each_backend_creates_the_declared_tables(store_url):
+    s = open_store(store_url)
+    try:
+        postgres = "://" in store_url
+        for table in ALL_TABLES:
+            if table.only == schema.POSTGRES and not postgres:
+                continue
+            if postgres:
+                got = [tuple(r) for r in s.sql(
+                    "SELECT column_name, data_type FROM information_schema.columns "
+                    "WHERE table_schema = current_schema() AND table_name = ? ORDER BY ordinal_position",
+                    (table.name,))]
+            else:
+                got = [(r[1], r[2]) for r in s.sql(f"PRAGMA table_info({table.name})")]
+            assert got == declared(table, schema.POSTGRES if postgres else schema.SQLITE), table.name
+        if postgres:
+            indexes = {r[0] for r in s.sql("SELECT indexname FROM pg_indexes WHERE schemaname = current_schema()")}
+        else:
+            indexes = {r[0] for r in s.sql("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        wanted = {i.name for t in ALL_TABLES for i in t.indexes} | {i.name for i in schema.BROWSE_INDEXES}
+        assert wanted <= indexes
+    finally:
+        s.close()
+
+
+def test_the_writers_column_lists_follow_the_declaration():
+    assert STEP_COLUMNS == tuple(c.name for c in schema.STEP_FIELDS)
+    assert schema.SUPERSEDED_STEPS.insert_columns == STEP_COLUMNS + ("superseded_reason", "superseded_at")
+    # the planner's episode state is the head of the episodes row, in order (plan.py EpisodeState)
+    assert EPISODE_COLUMNS == EpisodeState.COLUMNS + ("duration_s", "updated_at")
+    assert ATTEMPT_COLUMNS == schema.ATTEMPTS.names
+    # SQLite spells a flag's default 0, PostgreSQL FALSE; the attempts key is the row in SQLite only
+    assert "finished BOOLEAN NOT NULL DEFAULT 0" in schema.JOB_ENVIRONMENTS.ddl(schema.SQLITE)
+    assert "finished BOOLEAN NOT NULL DEFAULT FALSE" in schema.JOB_ENVIRONMENTS.ddl(schema.POSTGRES)
+    assert "WITHOUT ROWID" in schema.ATTEMPTS.ddl(schema.SQLITE)
+    assert "WITHOUT ROWID" not in schema.ATTEMPTS.ddl(schema.POSTGRES)
+
+
+def test_group_statistics_are_one_formula():
+    from interactor.ui.app import advantage as shown
+
+    rewards = [1.0, 0.0, 0.5, 0.25]
+    mean, std, adv, equal = group_stats(rewards)
+    assert (mean, std) == reward_mean_std(rewards) and not equal
+    assert adv == [advantage(r, mean, std) for r in rewards]
+    assert adv[0] == pytest.approx((1.0 - mean) / (std + ADVANTAGE_EPS))
+    # the browser, from a stored groups row, shows what the export writes
+    assert [shown(r, {"reward_mean": mean, "reward_std": std}) for r in rewards] == adv
+    assert reward_mean_std([]) == (None, None)
+    with pytest.raises(ValueError):
+        group_stats([])
