@@ -289,7 +289,7 @@ def caps_section(cp: dict) -> list[str]:
             f"latencies) run again with a model cap and an env-server cap (`max_concurrency` {n:,}, "
             f"{cp['factor']:g}x C: they never bind), against the uncapped run of the same level in this run. "
             "What is left is what holding the caps costs: each worker process takes slots from Redis in blocks, "
-            "lends them to its calls, renews its lease every 0.2 s and gives back what it did not need "
+            "lends them to its calls, renews its lease every second and gives back what it did not need "
             "(workers/fleetcaps.py). Every round trip is at least one command, so the commands the caps add "
             "per step bound the round trips they add.\n",
             _table(["C", "caps", "steps/s", "efficiency", "orchestration CPU per step", "Redis commands per step",
