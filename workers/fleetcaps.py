@@ -13,7 +13,10 @@ slots it holds in Redis, and lends them to its calls locally:
   (10 ms to 200 ms, jittered), woken early when this process frees a slot of the pool.
   Waiting pauses the attempt's budget (a full cap is not the episode's doing) and runs
   ``check`` between slices (lease lost, shutdown).
-* **return** (``release``): back to the pool, and to a waiter of it if there is one.
+* **return** (``release``): back to the pool, and to a waiter of it if there is one. When
+  none of the pool's slots is lent or wanted any more (a burst ended), they all go back to
+  Redis at once: another process may be waiting for them. (A process whose calls come one at
+  a time thus still pays two round trips a call, as every call did before blocks.)
 * **keeper** (:class:`SlotKeeper`, every :data:`KEEP_S`): slots a pool did not need for a
   whole tick go back to Redis (a round trip only when there are such). Every
   :data:`RENEW_S` one round trip renews every pool's lease and learns whether another
@@ -130,6 +133,7 @@ class FleetGate:
             self.waits += 1
         t0 = last = time.monotonic()
         delay = _POLL_MIN_S
+        i_ask = False  # this waiter is the one of the pool that asks Redis, until it is served
         try:
             while True:
                 check()
@@ -142,21 +146,19 @@ class FleetGate:
                 with self._lock:
                     if pool.free > 0:
                         return self._lend(pool)
-                    if pool.asking:  # another waiter of this process asks Redis
+                    if pool.asking and not i_ask:  # another waiter of this process asks Redis
                         pool.freed.wait(_SLICE_S)
                         continue
-                    pool.asking = True
+                    pool.asking = i_ask = True
                     want = min(BLOCK_MAX, max(pool.waiting, pool.held, 1))
-                granted = 0
-                try:
-                    granted = self._take(pool, want)
-                finally:
-                    with self._lock:
-                        pool.asking = False
+                if self._take(pool, want):
+                    with self._lock:  # the others may take what came; this one asks no more
+                        pool.asking = i_ask = False
                         pool.freed.notify_all()
-                if granted:  # a cap that had room once may well be full again: poll no faster than halving
-                    delay = max(_POLL_MIN_S, delay / 2)
+                    delay = max(_POLL_MIN_S, delay / 2)  # a cap that had room may well be full again
                     continue
+                # Nothing came: this waiter stays the asker through its pause, so that the
+                # others of the pool wait for it instead of each asking in turn.
                 with self._lock:
                     if pool.free <= 0:
                         pool.freed.wait(random.uniform(delay / 2, delay))
@@ -164,6 +166,9 @@ class FleetGate:
         finally:
             with self._lock:
                 pool.waiting -= 1
+                if i_ask:
+                    pool.asking = False
+                    pool.freed.notify_all()
 
     def _lend(self, pool: _Pool) -> str:  # under the lock
         pool.lent += 1
@@ -189,8 +194,15 @@ class FleetGate:
         pool.idle_low = 0
 
     @staticmethod
-    def _over_share(pool: _Pool) -> int:  # under the lock: free slots above a contended pool's share
-        return min(pool.free, pool.held - pool.share) if pool.contended else 0
+    def _over_share(pool: _Pool) -> int:
+        """Under the lock: the free slots a pool gives back now: all of them once none is lent
+        or wanted here (a burst ended); when another process waits, those above its share, or
+        all of them when no call of this process waits for one."""
+        if not pool.lent and not pool.waiting:  # nothing of this process needs them now
+            return pool.free
+        if not pool.contended:
+            return 0
+        return pool.free if not pool.waiting else min(pool.free, pool.held - pool.share)
 
     def release(self, caps: Sequence[Cap], token: str | None) -> None:
         if token is None:
