@@ -13,10 +13,8 @@ slots it holds in Redis, and lends them to its calls locally:
   (10 ms to 200 ms, jittered), woken early when this process frees a slot of the pool.
   Waiting pauses the attempt's budget (a full cap is not the episode's doing) and runs
   ``check`` between slices (lease lost, shutdown).
-* **return** (``release``): back to the pool, and to a waiter of it if there is one. When
-  none of the pool's slots is lent or wanted any more (a burst ended), they all go back to
-  Redis at once: another process may be waiting for them. (A process whose calls come one at
-  a time thus still pays two round trips a call, as every call did before blocks.)
+* **return** (``release``): back to the pool, and to a waiter of it if there is one; when
+  another process waits and no call of this one does, back to Redis at once.
 * **keeper** (:class:`SlotKeeper`, every :data:`KEEP_S`): slots a pool did not need for a
   whole tick go back to Redis (a round trip only when there are such). Every
   :data:`RENEW_S` one round trip renews every pool's lease and learns whether another
@@ -195,11 +193,8 @@ class FleetGate:
 
     @staticmethod
     def _over_share(pool: _Pool) -> int:
-        """Under the lock: the free slots a pool gives back now: all of them once none is lent
-        or wanted here (a burst ended); when another process waits, those above its share, or
-        all of them when no call of this process waits for one."""
-        if not pool.lent and not pool.waiting:  # nothing of this process needs them now
-            return pool.free
+        """Under the lock: the free slots a contended pool (another process waits) gives back
+        now: those above its share, or all of them when no call of this process waits."""
         if not pool.contended:
             return 0
         return pool.free if not pool.waiting else min(pool.free, pool.held - pool.share)
