@@ -179,7 +179,7 @@ def test_a_gate_that_learns_its_slots_lapsed_holds_none(settings):
     fresh = FleetGate(FleetSlots(connect(settings), keys, 10_000), "host-fresh", 10.0)
     tokens = [fresh.acquire([cap], _no_check, None, max_wait_s=10) for _ in range(2)]
     assert all(tokens), "the lapsed gate's slots came back to the cap"
-    slow.keep(renew=True)  # its renewal says they are gone
+    slow.keep()  # its renewal says they are gone
     pool = slow._pool([cap])
     assert pool.held == 0 and pool.lent == 1
     assert slow.acquire([cap], _no_check, None, max_wait_s=0.5) is None, "the cap is full: the slow gate waits"

@@ -15,10 +15,9 @@ slots it holds in Redis, and lends them to its calls locally:
   ``check`` between slices (lease lost, shutdown).
 * **return** (``release``): back to the pool, and to a waiter of it if there is one; when
   another process waits and no call of this one does, back to Redis at once.
-* **keeper** (:class:`SlotKeeper`, every :data:`KEEP_S`): slots a pool did not need for a
-  whole tick go back to Redis (a round trip only when there are such). Every
-  :data:`RENEW_S` one round trip renews every pool's lease and learns whether another
-  process waits for its caps. When one does, a pool keeps no more than its fair share (the
+* **keeper** (:class:`SlotKeeper`, every :data:`RENEW_S`): one round trip renews every
+  pool's lease and learns whether another process waits for its caps; slots a pool did not
+  need for the whole tick go back to Redis. When one does, a pool keeps no more than its fair share (the
   cap over the processes taking part): what it frees above that goes back at once, so a busy
   process cannot starve the others for more than about :data:`RENEW_S`.
 
@@ -50,8 +49,7 @@ from workers.budget import Budget
 
 log = logging.getLogger("interactor.fleetcaps")
 
-KEEP_S = 1.0  # the keeper's tick: how long a slot may sit unneeded in a pool
-RENEW_S = 1.0  # leases renewed, and other processes' waiting learnt, this often
+RENEW_S = 1.0  # the keeper's tick: leases renewed, other processes' waiting learnt, idle slots given back
 BLOCK_MAX = 64  # the most slots one take asks for
 _SLICE_S = 0.25  # waits are cut into slices so that `check` runs between them
 _POLL_MIN_S, _POLL_MAX_S = 0.01, 0.2
@@ -93,14 +91,11 @@ class FleetGate:
     """One per process: its pools, and the one lock its talks with Redis about them go under
     (so that what a pool holds is what Redis counts for it, one change at a time)."""
 
-    def __init__(self, slots: FleetSlots, name: str, ttl_s: float, keep_s: float = KEEP_S,
-                 renew_s: float = RENEW_S):
+    def __init__(self, slots: FleetSlots, name: str, ttl_s: float, renew_s: float = RENEW_S):
         self.slots = slots
         self.name = name
         self.ttl_s = ttl_s
         self.renew_s = min(renew_s, ttl_s / 3)
-        self.keep_s = min(keep_s, self.renew_s)
-        self._renewed_at = 0.0
         self._seq = itertools.count(1)
         self._lock = threading.Lock()  # the pools' counts; never held across a round trip
         self._io = threading.Lock()  # takes, gives and renewals, one at a time
@@ -116,7 +111,7 @@ class FleetGate:
             if pool is None:
                 pool = self._pools[key] = _Pool(caps, f"{self.name}:{next(self._seq)}", self._lock)
                 if self._keeper is None:
-                    self._keeper = SlotKeeper(self, self.keep_s).start()
+                    self._keeper = SlotKeeper(self, self.renew_s).start()
             return pool
 
     def acquire(self, caps: Sequence[Cap], check: Callable[[], None], budget: Budget | None,
@@ -226,30 +221,23 @@ class FleetGate:
         except redis.RedisError as exc:  # Redis still counts them: the next renewal says so
             log.warning("could not give back %d fleet slots of %s (%s)", count, pool.holder, exc)
 
-    def keep(self, renew: bool | None = None) -> None:
-        """The keeper's tick: every :data:`RENEW_S` (or when ``renew``), renew every pool's
-        lease (one round trip); then give back what no call needed since the last tick, and
-        what is above a contended pool's share."""
+    def keep(self) -> None:
+        """The keeper's tick: renew every pool's lease (one round trip), then give back what no
+        call needed since the last tick, and what is above a contended pool's share."""
         with self._io:
             with self._lock:
                 pools = [p for p in self._pools.values() if p.held > 0]
             if not pools:
                 return
-            now = time.monotonic()
-            if renew is None:
-                renew = now - self._renewed_at >= self.renew_s - self.keep_s / 2
-            answers = self.slots.renew([(p.holder, p.caps) for p in pools]) if renew else [None] * len(pools)
-            if renew:
-                self._renewed_at = now
+            answers = self.slots.renew([(p.holder, p.caps) for p in pools])
             gives = []
             with self._lock:
                 for pool, ans in zip(pools, answers):
-                    if ans is not None:
-                        if ans.held < 0:
-                            self._lapsed(pool, 0)
-                        elif ans.held != pool.held:  # a give that failed: Redis still counts them
-                            pool.held = ans.held
-                        pool.contended, pool.share = ans.contended, ans.share
+                    if ans.held < 0:
+                        self._lapsed(pool, 0)
+                    elif ans.held != pool.held:  # a give that failed: Redis still counts them
+                        pool.held = ans.held
+                    pool.contended, pool.share = ans.contended, ans.share
                     spare = 0 if pool.waiting else min(pool.idle_low, pool.free)
                     spare = max(spare, self._over_share(pool))
                     if spare > 0:
@@ -263,16 +251,13 @@ class FleetGate:
         """Give every slot back (a process that stops must not keep them until they lapse)."""
         if self._keeper is not None:
             self._keeper.stop()
-        try:
-            with self._io:
-                with self._lock:
-                    gives = [(p, p.free) for p in self._pools.values() if p.free > 0]
-                    for p, n in gives:
-                        p.held -= n
-                for pool, count in gives:
-                    self._give(pool, count)
-        except redis.RedisError:
-            pass  # they lapse within the TTL
+        with self._io:
+            with self._lock:
+                gives = [(p, p.free) for p in self._pools.values() if p.free > 0]
+                for p, n in gives:
+                    p.held -= n
+            for pool, count in gives:
+                self._give(pool, count)  # one that fails lapses within the TTL
 
 
 class CappedPolicy:
