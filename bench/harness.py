@@ -47,6 +47,7 @@ from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.settings import Settings
+from broker.states import AttemptStatus, LedgerState
 from interactor.children import role_command, spawn, spawn_role
 from interactor.children import stop as stop_process
 
@@ -410,7 +411,7 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
         deadline = t_ramp + ramp_limit
         best = 0
         while time.monotonic() < deadline:
-            running = ledger.counts(job_id)["running"]
+            running = ledger.counts(job_id)[LedgerState.RUNNING]
             best = max(best, running)
             if running >= spec.concurrency:
                 break
@@ -456,7 +457,7 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
             if p.poll() is not None:
                 res.errors.append(f"{name} exited with {p.returncode} (see {cluster.logs / (name + '.log')})")
         c = ledger.counts(job_id)
-        if c["queued"] == 0:
+        if c[LedgerState.QUEUED] == 0:
             res.errors.append("the queue ran dry during the window: raise episodes_factor")
 
         # Drain what the window produced, then read the latencies.
@@ -609,7 +610,7 @@ def run_feed(spec: LoadSpec, work: Path, *, train_s: float = 1.0, src: str | Non
         ledger = Ledger(client, keys, settings.lease_ttl_s)
         deadline = time.monotonic() + max(30.0, spec.concurrency * 0.02)
         while time.monotonic() < deadline:
-            res.running_reached = max(res.running_reached, ledger.counts(job_id)["running"])
+            res.running_reached = max(res.running_reached, ledger.counts(job_id)[LedgerState.RUNNING])
             if res.running_reached >= spec.concurrency:
                 break
             if feed_p.poll() is not None:
@@ -672,7 +673,8 @@ def _groups_completed(db: str, job_id: str) -> dict[str, float]:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
     try:
         rows = con.execute("SELECT e.group_id, MAX(a.finished_at) FROM attempts a JOIN episodes e "
-                           "ON e.episode_id = a.episode_id WHERE a.job_id = ? AND a.status = 'completed' "
+                           "ON e.episode_id = a.episode_id "
+                           f"WHERE a.job_id = ? AND a.status = '{AttemptStatus.COMPLETED}' "
                            "GROUP BY e.group_id", (job_id,)).fetchall()
     finally:
         con.close()
@@ -721,7 +723,8 @@ def realistic_records(n: int, *, concurrency: int = 256, steps: int = 20, job_id
                 model_latency_s=1.0, created_at=now))
             if last and len(out) < n:
                 out.append(AttemptRecord(
-                    job_id=job_id, episode_id=eid, attempt=1, status="completed", group_id=f"g{int(eid[2:]) // 4}",
+                    job_id=job_id, episode_id=eid, attempt=1, status=AttemptStatus.COMPLETED,
+                    group_id=f"g{int(eid[2:]) // 4}",
                     group_size=4, env_name="countdown", llm_model="stand-in", total_reward=1.0, steps=steps,
                     started_at=now - 20, finished_at=now, worker="w1"))
         live = [s for s in live if s[1] < steps]

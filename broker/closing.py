@@ -14,15 +14,12 @@ from dataclasses import dataclass
 
 from broker import errors
 from broker.records import AttemptRecord, DeadLetter, EpisodeSpec
+from broker.states import CloseAction
 
 # Attempts ended by an outage are not counted, up to this many beyond max_attempts (a server
 # that flaps forever must still let its episodes end).
 OUTAGE_EXTRA_ATTEMPTS = 20
 
-ABANDON = "abandon"  # the lease is lost: whoever holds it now owns the episode; record nothing
-HAND_BACK = "hand_back"  # the worker is shutting down: queued again at once, the attempt not counted
-RETRY = "retry"  # another attempt (the runner after a back-off, the sweeper at once)
-FAIL = "fail"  # failed for good: the attempt failed, the episode dead-lettered
 
 OUTAGE_NOTE = " [after an outage; this attempt is not counted]"
 
@@ -39,9 +36,9 @@ class Close:
     def message(self, exc: errors.EpisodeError, message: str, attempt: int) -> str:
         """The error message recorded for the attempt: said in it, that it was not counted, and
         after how many attempts a transient error failed the episode for good."""
-        if self.uncounted and self.action in (RETRY, FAIL):
+        if self.uncounted and self.action in (CloseAction.RETRY, CloseAction.FAIL):
             message += OUTAGE_NOTE
-        if self.action == FAIL and exc.transient:
+        if self.action == CloseAction.FAIL and exc.transient:
             message = f"{message} (after {attempt} attempts)"
         return message
 
@@ -63,16 +60,16 @@ def decide(exc: errors.EpisodeError, attempt: int, limit: int, outage_seen: bool
     are left; a permanent one, or a transient one past the limit, fails the episode.
     """
     if exc.reason == errors.LEASE_LOST:
-        return Close(ABANDON, limit=limit)
+        return Close(CloseAction.ABANDON, limit=limit)
     if exc.reason == errors.WORKER_SHUTDOWN:
-        return Close(HAND_BACK, uncounted=True, limit=limit)
+        return Close(CloseAction.HAND_BACK, uncounted=True, limit=limit)
     outage_seen = outage_seen or exc.reason == errors.BROKER_OUTAGE
     uncounted = bool(exc.transient and outage_seen and attempt < max_attempts + OUTAGE_EXTRA_ATTEMPTS)
     if uncounted:
         limit += 1
     if exc.transient and attempt < limit:
-        return Close(RETRY, uncounted=uncounted, limit=limit)
-    return Close(FAIL, uncounted=uncounted, limit=limit)
+        return Close(CloseAction.RETRY, uncounted=uncounted, limit=limit)
+    return Close(CloseAction.FAIL, uncounted=uncounted, limit=limit)
 
 
 def dead_letter(record: AttemptRecord, spec: EpisodeSpec | None, *, traceback: str = "") -> DeadLetter:

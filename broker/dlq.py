@@ -16,8 +16,9 @@ from broker.keys import Keys, split_member
 from broker.ledger import Ledger
 from broker.pause import JobPause, resume_job
 from broker.queueing import send_episodes
-from broker.records import FAILED, QUEUED, DeadLetter, unpack
+from broker.records import DeadLetter, unpack
 from broker.settings import Settings
+from broker.states import LedgerState
 
 log = logging.getLogger("interactor.dlq")
 
@@ -105,7 +106,7 @@ class DeadLetterQueue:
     def redrive_failed(self, job_id: str) -> list[str]:
         """Re-drive every episode of a job that the ledger holds as failed, whether or not its
         letter is still there (a purged letter does not make an episode un-re-drivable)."""
-        failed = [e for e, st in self.ledger.states(job_id).items() if st == FAILED]
+        failed = [e for e, st in self.ledger.states(job_id).items() if st == LedgerState.FAILED]
         specs = self.ledger.episode_specs(job_id, failed)
         sent = [e for e in failed if self._redrive(job_id, e, specs[e].queue if e in specs else "")]
         for e in sent:
@@ -127,7 +128,7 @@ class DeadLetterQueue:
     def _redrive(self, job_id: str, episode_id: str, queue: str) -> bool:
         job = self.ledger.job_spec(job_id)
         max_attempts = job.max_attempts if job else self.settings.max_attempts
-        if not self.ledger.move(job_id, episode_id, QUEUED, [FAILED]):
+        if not self.ledger.move(job_id, episode_id, LedgerState.QUEUED, [LedgerState.FAILED]):
             return False
         # A fresh budget of attempts on top of those already used.
         used = self.ledger.attempts(job_id, episode_id)

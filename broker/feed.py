@@ -28,13 +28,9 @@ from dataclasses import asdict, dataclass, fields
 import redis
 
 from broker.keys import Keys
-from broker.records import QUEUED, RETRYING, RUNNING
+from broker.states import LedgerState
 
 TRAINERS = "trainers"  # the consumer group of a feed's stream; trainers are its consumers
-
-# FeedGroup.status
-FEED_READY = "ready"  # every member completed
-FEED_FAILED = "failed"  # a member was dead-lettered
 
 # What becomes of a stale group (FeedConfig.stale_policy) and of a failed one (failed_policy).
 STALE_REQUEUE, STALE_DROP = "requeue", "drop"
@@ -273,7 +269,7 @@ def finished(r: redis.Redis, keys: Keys, job_id: str, counts: dict[str, int], id
     """A feed job is finished when none of its episodes is queued, running or retrying (its
     ledger ``counts``) and its feed holds nothing more (:func:`holds`): the sweeper then lets its
     keys expire (broker/recovery.py), and a feed server refuses to serve it."""
-    if counts.get(QUEUED) or counts.get(RUNNING) or counts.get(RETRYING):
+    if counts.get(LedgerState.QUEUED) or counts.get(LedgerState.RUNNING) or counts.get(LedgerState.RETRYING):
         return False
     return not holds(r, keys, job_id, idle_s, now)
 

@@ -50,12 +50,6 @@ import redis
 
 from broker.keys import Keys, member
 from broker.records import (
-    DONE,
-    FAILED,
-    LEDGER_STATES,
-    QUEUED,
-    RETRYING,
-    RUNNING,
     AttemptRecord,
     DeadLetter,
     EpisodeSpec,
@@ -66,6 +60,7 @@ from broker.records import (
     unpack,
 )
 from broker.settings import Settings
+from broker.states import LedgerState, lua
 
 ANNOUNCE_CHUNK = 1000  # episodes per EpisodesEnqueued record
 SUBMIT_MARKER_TTL_S = 600.0  # a submit writing one chunk longer than this is taken for dead
@@ -100,15 +95,15 @@ end
 # and redis-py or the runtime sent it again), it finds its own attempt - under its own lease, or
 # running with the lease lapsed and nobody else holding it - and returns that attempt again
 # instead of finding it "busy" and counting another one.
-_START = _NOW + _COUNTS_FN + """
+_START = lua(_NOW + _COUNTS_FN + """
 redis.call('ZREM', KEYS[6], ARGV[4])
 local st = redis.call('HGET', KEYS[1], ARGV[1])
 if not st then return {'unknown', ''} end
-if st == 'done' or st == 'failed' then return {'finished', st} end
+if st == $DONE or st == $FAILED then return {'finished', st} end
 local holder = redis.call('GET', KEYS[4])
 local latest = redis.call('HGET', KEYS[8], ARGV[1]) or ''
 local mine_attempt, mine_id = string.match(latest, '^(%d+):(.*)$')
-if st == 'running' and mine_id == ARGV[5] then
+if st == $RUNNING and mine_id == ARGV[5] then
   local token = ARGV[2] .. ':' .. mine_attempt
   if holder and holder ~= token then return {'busy', holder} end
   redis.call('SET', KEYS[4], token, 'PX', ARGV[3])  -- a full TTL from this call, which the worker counts from
@@ -119,17 +114,17 @@ end
 if holder then return {'busy', holder} end
 -- Running with its lease lapsed right after an outage: its attempt is alive and about to take
 -- the lease back; another delivery takes over only as the sweeper would, once the hold is over.
-if st == 'running' and redis.call('EXISTS', KEYS[10]) == 1 then return {'busy', 'lease lapsed in an outage'} end
+if st == $RUNNING and redis.call('EXISTS', KEYS[10]) == 1 then return {'busy', 'lease lapsed in an outage'} end
 local attempt = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 local token = ARGV[2] .. ':' .. attempt
 redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
-redis.call('HSET', KEYS[1], ARGV[1], 'running')
-move(KEYS[3], st, 'running')
+redis.call('HSET', KEYS[1], ARGV[1], $RUNNING)
+move(KEYS[3], st, $RUNNING)
 redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
 if latest ~= '' then redis.call('HSET', KEYS[9], ARGV[1], latest) else redis.call('HDEL', KEYS[9], ARGV[1]) end
 redis.call('HSET', KEYS[8], ARGV[1], attempt .. ':' .. ARGV[5])
 return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', latest}
-"""
+""")
 
 # The one rule by which an attempt holds its episode, shared by renew, publish and finish:
 # the lease key carries its token; or the key is gone (it lapsed: a Redis outage longer than
@@ -138,18 +133,18 @@ return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or 
 # taken back. Nobody else took the episode in that case: the sweeper's reclaim moves it out of
 # ``running`` and a new START changes the attempt id. So a lease is lost only when another
 # token holds it, or the episode moved on. Returns 'held' | 'resumed' | false.
-_HOLDS_FN = """
+_HOLDS_FN = lua("""
 local function holds(lease, running, state, attempt_ids, token, ttl_ms, mem, episode, value)
   local holder = redis.call('GET', lease)
   if holder == token then return 'held' end
   if holder then return false end
-  if redis.call('HGET', state, episode) ~= 'running' then return false end
+  if redis.call('HGET', state, episode) ~= $RUNNING then return false end
   if redis.call('HGET', attempt_ids, episode) ~= value then return false end
   redis.call('SET', lease, token, 'PX', ttl_ms)
   redis.call('ZADD', running, now + tonumber(ttl_ms), mem)
   return 'resumed'
 end
-"""
+""")
 
 # KEYS: lease, running, state, attempt_ids   ARGV: token, ttl_ms, member, episode, "<attempt>:<attempt_id>"
 # Extends a lease this attempt holds (or takes back one that lapsed, by the rule above).
@@ -271,12 +266,12 @@ return reclaim_held(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 # KEYS: state, counts, lease, running, stream, dlq, dlq_index, clock, hold
 # ARGV: episode, member, new_state, record, dead_letter, now_s, gap_ms, hold_ms
 # With gap_ms '' the outage check is skipped (a caller that is no sweeper). -1: held.
-_RECLAIM = _NOW + _COUNTS_FN + _OUTAGE_FN + """
+_RECLAIM = lua(_NOW + _COUNTS_FN + _OUTAGE_FN + """
 if ARGV[7] ~= '' and reclaim_held(KEYS[8], KEYS[9], ARGV[7], ARGV[8]) == 1 then return -1 end
 if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
 local st = redis.call('HGET', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[2])
-if st ~= 'running' then return 0 end
+if st ~= $RUNNING then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 move(KEYS[2], st, ARGV[3])
 if ARGV[4] ~= '' then redis.call('XADD', KEYS[5], '*', 'r', ARGV[4]) end
@@ -285,16 +280,16 @@ if ARGV[5] ~= '' then
   redis.call('ZADD', KEYS[7], ARGV[6], ARGV[2])
 end
 return 1
-"""
+""")
 
 # KEYS: reserved, state   ARGV: member, episode
-_RECLAIM_RESERVED = _NOW + """
+_RECLAIM_RESERVED = lua(_NOW + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
-if redis.call('HGET', KEYS[2], ARGV[2]) ~= 'queued' then return 0 end
+if redis.call('HGET', KEYS[2], ARGV[2]) ~= $QUEUED then return 0 end
 return 1
-"""
+""")
 
 # KEYS: state, counts   ARGV: episode, new_state, allowed_old...
 _MOVE = _COUNTS_FN + """
@@ -429,11 +424,11 @@ class Ledger:
             still_ours()
             pipe = self.r.pipeline(transaction=False)
             pipe.hset(k.job_episodes(job.job_id), mapping=dict(part))
-            pipe.hset(k.job_state(job.job_id), mapping={episode_id: QUEUED for episode_id, _ in part})
+            pipe.hset(k.job_state(job.job_id), mapping={episode_id: LedgerState.QUEUED for episode_id, _ in part})
             pipe.execute()
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(k.job_counts(job.job_id), mapping={s: 0 for s in LEDGER_STATES})
-        pipe.hset(k.job_counts(job.job_id), QUEUED, len(episodes))
+        pipe.hset(k.job_counts(job.job_id), mapping={s: 0 for s in LedgerState})
+        pipe.hset(k.job_counts(job.job_id), LedgerState.QUEUED, len(episodes))
         pipe.set(k.job_spec(job.job_id), job_packed)
         queues = {e.queue for e in episodes if e.queue}
         if queues:
@@ -468,14 +463,14 @@ class Ledger:
 
     def counts(self, job_id: str) -> dict[str, int]:
         raw = self.r.hgetall(self.k.job_counts(job_id))
-        return {s: int(raw.get(s.encode(), 0)) for s in LEDGER_STATES}
+        return {s: int(raw.get(s.encode(), 0)) for s in LedgerState}
 
     def counts_many(self, job_ids: Sequence[str]) -> list[dict[str, int]]:
         """:meth:`counts` of several jobs in one round trip."""
         pipe = self.r.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(self.k.job_counts(job_id))
-        return [{s: int(raw.get(s.encode(), 0)) for s in LEDGER_STATES} for raw in pipe.execute()]
+        return [{s: int(raw.get(s.encode(), 0)) for s in LedgerState} for raw in pipe.execute()]
 
     def states(self, job_id: str) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.r.hgetall(self.k.job_state(job_id)).items()}
@@ -736,4 +731,4 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-__all__ = ["Ledger", "Lease", "StartResult", "QUEUED", "RUNNING", "RETRYING", "DONE", "FAILED"]
+__all__ = ["Ledger", "Lease", "StartResult"]

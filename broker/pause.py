@@ -35,7 +35,7 @@ from broker import errors
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import send_episodes
-from broker.records import QUEUED
+from broker.states import LedgerState, lua
 
 # Not the job's doing: these neither count towards a streak nor end one.
 NOT_COUNTED = frozenset({errors.WORKER_SHUTDOWN, errors.WORKER_LOST, errors.LEASE_LOST, errors.BROKER_OUTAGE})
@@ -71,13 +71,13 @@ return {count, 0}
 
 # KEYS: pause, parked, reserved, state   ARGV: episode, member
 # Parks a delivered episode while its job is paused: 1 parked, 0 the job is not paused (run it).
-_PARK = """
+_PARK = lua("""
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('ZREM', KEYS[3], ARGV[2])
 local st = redis.call('HGET', KEYS[4], ARGV[1])
-if st == 'queued' then redis.call('SADD', KEYS[2], ARGV[1]) end
+if st == $QUEUED then redis.call('SADD', KEYS[2], ARGV[1]) end
 return 1
-"""
+""")
 
 # KEYS: pause, streak, parked   Lifts the pause; returns the parked episode ids (now to be sent).
 _RESUME = """
@@ -165,7 +165,7 @@ def resume_job(client: redis.Redis, settings, job_id: str) -> list[str]:
     ledger = Ledger.for_settings(client, settings)
     parked = JobPause(client, Keys(settings.key_prefix)).resume(job_id)
     states = ledger.states(job_id) if parked else {}
-    waiting = [e for e in parked if states.get(e) == QUEUED]
+    waiting = [e for e in parked if states.get(e) == LedgerState.QUEUED]
     specs = ledger.episode_specs(job_id, waiting)
     send_episodes(client, [(job_id, e, settings.queue_for(specs.get(e))) for e in waiting])
     return waiting

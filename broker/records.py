@@ -41,7 +41,7 @@ Version 4 (versions 1 to 3 are still read, ``policy_version`` None):
 * :class:`FeedGroup`: a complete (or failed) group as the feed announces it to trainers.
 
 Version 5 (this code writes it; versions 1 to 4 are still read, their timings None): where an
-attempt's time went, phase by phase (``PHASES``), so that a user sees whether the env, the
+attempt's time went, phase by phase (``broker.states.Phase``), so that a user sees whether the env, the
 model or the queue holds episodes up:
 
 * ``StepRecord.prompt_s`` (get_task_prompt), ``env_step_s`` (step), and on an episode's first
@@ -70,6 +70,7 @@ import msgpack
 import orjson
 
 from broker.settings import redact_url
+from broker.states import Phase
 
 SCHEMA_VERSION = 5
 SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5})
@@ -79,31 +80,8 @@ class RecordError(ValueError):
     """A record that cannot be decoded; the message names the field at fault."""
 
 
-# Ledger states of an episode (see broker/ledger.py).
-QUEUED, RUNNING, RETRYING, DONE, FAILED = "queued", "running", "retrying", "done", "failed"
-LEDGER_STATES = (QUEUED, RUNNING, RETRYING, DONE, FAILED)
-
-# Outcomes of one attempt (AttemptRecord.status).
-COMPLETED = "completed"  # the episode ended normally; its trajectory is this attempt's
-ATTEMPT_RETRYING = "retrying"  # transient failure; a fresh attempt is scheduled
-ATTEMPT_FAILED = "failed"  # permanent failure or attempts exhausted: dead-lettered
-ABANDONED = "abandoned"  # lease lost or handed back at shutdown; another attempt takes over
-ATTEMPT_STATUSES = (COMPLETED, ATTEMPT_RETRYING, ATTEMPT_FAILED, ABANDONED)
-
-# Why a completed episode ended (``ended_by`` of its final step and of its attempt's close).
-ENDED_TERMINATED = "terminated"  # the env said so (its goal reached or lost)
-ENDED_TRUNCATED = "truncated"  # the env cut it off (its own turn limit)
-ENDED_LENGTH = "length"  # the model's answer was cut off (finish_reason "length")
-# The prompt outgrew the model's context window: the server refused it (broker.errors.ContextOverflow)
-CONTEXT_LENGTH = "context_length"
-ENDED_EMPTY_PROMPT = "empty_prompt"  # the env had no prompt to give
-ENDED_MAX_STEPS = "max_steps"  # the job's max_steps was reached
-# Phases of an attempt's time (v5 timings, in records and the phase_seconds histogram).
-PHASE_QUEUE_WAIT, PHASE_RESET, PHASE_PROMPT, PHASE_MODEL, PHASE_ENV_STEP, PHASE_CLOSE = (
-    "queue_wait", "reset", "prompt", "model", "env_step", "close")
-PHASES = (PHASE_QUEUE_WAIT, PHASE_RESET, PHASE_PROMPT, PHASE_MODEL, PHASE_ENV_STEP, PHASE_CLOSE)
-
-ENDED_BY = (ENDED_TERMINATED, ENDED_TRUNCATED, ENDED_LENGTH, CONTEXT_LENGTH, ENDED_EMPTY_PROMPT, ENDED_MAX_STEPS)
+# The states and outcomes these records carry (AttemptRecord.status, ended_by, the phases of the
+# v5 timings, FeedGroup.status) are broker/states.py's.
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -255,7 +233,7 @@ class StepRecord(_Record):
     attempt_id: str = ""  # the attempt's token (see the module docstring)
     prompt_tokens: int | None = None  # the model server's usage, when it reported one
     completion_tokens: int | None = None
-    ended_by: str = ""  # on the episode's final step: why it ended (one of ENDED_BY)
+    ended_by: str = ""  # on the episode's final step: why it ended (broker.states.EndedBy)
     # v3, token-exact trajectories (broker/tokens.py); all empty when the job did not ask
     token_source: str = ""  # the TOKEN_SERVERS row whose answer shape was read
     token_status: str = ""  # one of TOKEN_STATUSES ("" = not asked)
@@ -302,7 +280,7 @@ class AttemptRecord(_Record):
     job_id: str
     episode_id: str
     attempt: int
-    status: str  # one of ATTEMPT_STATUSES
+    status: str  # broker.states.AttemptStatus
     group_id: str
     group_size: int
     env_name: str
@@ -317,7 +295,7 @@ class AttemptRecord(_Record):
     last_info: dict[str, Any] | None = None
     worker: str = ""
     attempt_id: str = ""  # the attempt's token (see the module docstring)
-    ended_by: str = ""  # completed: why the episode ended (one of ENDED_BY)
+    ended_by: str = ""  # completed: why the episode ended (broker.states.EndedBy)
     prompt_tokens: int = 0  # sums over the attempt's steps of the server's usage
     completion_tokens: int = 0
     # v5 timings, totals over the attempt in seconds (None: not timed); see the module docstring
@@ -329,9 +307,9 @@ class AttemptRecord(_Record):
     close_s: float | None = None
 
     def phases(self) -> dict[str, float]:
-        """The timed phases of the attempt, by name (PHASES)."""
+        """The timed phases of the attempt, by name (broker.states.Phase)."""
         values = (self.queue_wait_s, self.reset_s, self.prompt_s, self.model_s, self.env_step_s, self.close_s)
-        return {name: v for name, v in zip(PHASES, values) if v is not None}
+        return {name: v for name, v in zip(Phase, values) if v is not None}
 
     @property
     def duration_s(self) -> float:
@@ -413,7 +391,7 @@ class FeedGroup(_Record):
     KIND: ClassVar[str] = "feed_group"
     job_id: str
     group_id: str
-    status: str  # FEED_READY | FEED_FAILED (broker/feed.py)
+    status: str  # broker.states.FeedGroupStatus
     members: list[str] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # completed members' total rewards, in members order
     size: int = 0

@@ -25,17 +25,9 @@ from broker.keys import Keys, env_instance_id, member, split_member
 from broker.ledger import Ledger
 from broker.pause import JobPause
 from broker.queueing import push_episodes, send_episodes, waiting_episodes
-from broker.records import (
-    ABANDONED,
-    ATTEMPT_FAILED,
-    FAILED,
-    QUEUED,
-    RETRYING,
-    RUNNING,
-    AttemptRecord,
-    OrphanInstance,
-)
+from broker.records import AttemptRecord, OrphanInstance
 from broker.settings import Settings
+from broker.states import AttemptStatus, CloseAction, LedgerState
 
 log = logging.getLogger("interactor.recovery")
 
@@ -133,17 +125,17 @@ class Sweeper:
             base = dict(job_id=job_id, episode_id=episode_id, attempt=attempt, group_id=spec.group_id,
                         group_size=spec.group_size, env_name=spec.env_name, llm_model=job.model,
                         reason=errors.WORKER_LOST, error_class="LeaseExpired", attempt_id=attempt_id)
-            if close.action == closing.FAIL:
+            if close.action == CloseAction.FAIL:
                 message = f"worker lost (lease expired) on attempt {attempt} of {limit}"
-                record = AttemptRecord(**base, status=ATTEMPT_FAILED, error=message)
+                record = AttemptRecord(**base, status=AttemptStatus.FAILED, error=message)
                 letter = closing.dead_letter(record, spec)
-                if self.ledger.reclaim(job_id, episode_id, FAILED, record, letter, outage=self.outage):
+                if self.ledger.reclaim(job_id, episode_id, LedgerState.FAILED, record, letter, outage=self.outage):
                     report.dead.append(m)
                     self._orphaned(spec, attempt, attempt_id)
                     log.error("episode %s dead-lettered: %s", episode_id, message)
             else:
-                record = AttemptRecord(**base, status=ABANDONED, error="worker lost (lease expired)")
-                if self.ledger.reclaim(job_id, episode_id, QUEUED, record, outage=self.outage):
+                record = AttemptRecord(**base, status=AttemptStatus.ABANDONED, error="worker lost (lease expired)")
+                if self.ledger.reclaim(job_id, episode_id, LedgerState.QUEUED, record, outage=self.outage):
                     send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
                     report.reclaimed.append(m)
                     self._orphaned(spec, attempt, attempt_id)
@@ -178,7 +170,7 @@ class Sweeper:
         self._reconcile_rounds += 1
         job_ids = self.ledger.job_ids()
         for job_id, counts in zip(job_ids, self.ledger.counts_many(job_ids)):
-            if not (counts[QUEUED] or counts[RETRYING]):
+            if not (counts[LedgerState.QUEUED] or counts[LedgerState.RETRYING]):
                 continue
             queues = set(self.settings.served_queues) | self.ledger.job_queues(job_id)
             if sum(self.r.llen(q) for q in queues) > max_queue and self._reconcile_rounds % big_every:
@@ -229,7 +221,7 @@ class Sweeper:
                 feed.trim(self.r, self.keys, job_id, retention)
                 active = not feed.finished(self.r, self.keys, job_id, c, retention)
             else:
-                active = c[QUEUED] or c[RUNNING] or c[RETRYING]
+                active = c[LedgerState.QUEUED] or c[LedgerState.RUNNING] or c[LedgerState.RETRYING]
             if not active and ttl == -1:
                 for key in keys:
                     pipe.expire(key, retention)
@@ -261,7 +253,7 @@ class Sweeper:
             if not self.ledger.take_retry(m):
                 continue
             job_id, episode_id = split_member(m)
-            if not self.ledger.move(job_id, episode_id, QUEUED, [RETRYING]):
+            if not self.ledger.move(job_id, episode_id, LedgerState.QUEUED, [LedgerState.RETRYING]):
                 continue  # started early by a duplicate delivery, or finished meanwhile
             spec = self.ledger.episode_spec(job_id, episode_id)
             send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
@@ -314,11 +306,11 @@ def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: 
     waiting = waiting_episodes(client, queues, unacked_grace_s=settings.lease_ttl_s)
     accounted = {member(*w) for w in waiting} | scheduled
     lost = [(episode_id, state) for episode_id, state in ledger.states(job_id).items()
-            if state in (QUEUED, RETRYING) and member(job_id, episode_id) not in accounted]
+            if state in (LedgerState.QUEUED, LedgerState.RETRYING) and member(job_id, episode_id) not in accounted]
     if dry_run:
         return [e for e, _ in lost]
     # Batched: a guarded move each (pipelined), the specs in one read, one push per queue.
-    moved = [e for (e, _), ok in zip(lost, ledger.move_many(job_id, lost, QUEUED)) if ok]
+    moved = [e for (e, _), ok in zip(lost, ledger.move_many(job_id, lost, LedgerState.QUEUED)) if ok]
     specs = ledger.episode_specs(job_id, moved)
     push_episodes(client, ((job_id, e, settings.queue_for(specs.get(e))) for e in moved))
     if moved:

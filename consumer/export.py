@@ -36,7 +36,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import orjson
 
-from consumer.storage import EP_COMPLETED, ResultStore, open_store
+from broker.states import StoredStatus
+from consumer.storage import ResultStore, open_store
 from consumer.storage.group_stats import ADVANTAGE_EPS, group_stats
 
 COLUMNS = (
@@ -273,7 +274,7 @@ def export_training(
     *,
     trainable_only: bool = True,
     complete_groups_only: bool = False,
-    episode_statuses: Sequence[str] | None = (EP_COMPLETED,),
+    episode_statuses: Sequence[str] | None = (StoredStatus.COMPLETED,),
     row_group_size: int = 2048,
     env_names: Sequence[str] | None = None,
     max_staleness: float | None = None,
@@ -406,7 +407,7 @@ def export_streams(
     fmt: str = "parquet",
     *,
     complete_groups_only: bool = False,
-    episode_statuses: Sequence[str] | None = (EP_COMPLETED,),
+    episode_statuses: Sequence[str] | None = (StoredStatus.COMPLETED,),
     env_names: Sequence[str] | None = None,
     max_staleness: float | None = None,
     current_version: Any = None,

@@ -20,7 +20,7 @@ import redis
 from broker import feed
 from broker.keys import Keys
 from broker.records import AttemptRecord, FeedGroup, StepRecord
-from consumer.storage.plan import EP_COMPLETED, EP_FAILED
+from broker.states import FeedGroupStatus, StoredStatus
 
 log = logging.getLogger("interactor.feed")
 
@@ -69,8 +69,8 @@ def settled_group(g: dict) -> FeedGroup | None:
     """The group as the feed announces it, or None while a member may still run."""
     size = int(g.get("size") or 0)
     members = g["members"]
-    done = [m for m in members if m[1] == EP_COMPLETED]
-    failed = [m for m in members if m[1] == EP_FAILED]
+    done = [m for m in members if m[1] == StoredStatus.COMPLETED]
+    failed = [m for m in members if m[1] == StoredStatus.FAILED]
     if size <= 0 or len(done) + len(failed) < size:
         return None
     versions = [v for v in (feed.parse_version(x) for x in g["versions"]) if v is not None]
@@ -81,5 +81,5 @@ def settled_group(g: dict) -> FeedGroup | None:
     if failed:
         ep, _, _, reason = failed[0]
         why = f"episode {ep} failed: {reason or 'unknown'}" + (f" (+{len(failed) - 1} more)" if len(failed) > 1 else "")
-        return FeedGroup(status=feed.FEED_FAILED, reason=why, **common)
-    return FeedGroup(status=feed.FEED_READY, **common)
+        return FeedGroup(status=FeedGroupStatus.FAILED, reason=why, **common)
+    return FeedGroup(status=FeedGroupStatus.READY, **common)

@@ -32,11 +32,11 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
 from broker.dlq import DeadLetterQueue
-from broker.records import DONE, FAILED, QUEUED, AttemptRecord, RecordError, StepRecord, unpack
+from broker.records import AttemptRecord, RecordError, StepRecord, unpack
 from broker.recovery import SweepDuty, Sweeper
 from broker.settings import Settings
 from broker.errors import STEPS_LOST
-from consumer.storage import EP_FAILED as FAILED_STATUS
+from broker.states import LedgerState, StoredStatus
 from consumer.storage import ResultStore, StoreError
 from consumer.storage.errors import StoreUnavailable, classify
 from consumer.feed import FeedAnnouncer
@@ -223,7 +223,7 @@ class Ingestor:
         completion stands, so the ledger is moved to done and the dead letter withdrawn; a
         re-drive would only run a completed episode again."""
         for job_id, episode_id in fixes:
-            if self.ledger.move(job_id, episode_id, DONE, [FAILED]):
+            if self.ledger.move(job_id, episode_id, LedgerState.DONE, [LedgerState.FAILED]):
                 self.dlq.withdraw(job_id, episode_id)
                 log.warning("episode %s: completed before Redis lost track of it; its later dead letter withdrawn",
                             episode_id)
@@ -270,16 +270,16 @@ class Ingestor:
                 poisoned=self._poisoned(episode_id, attempt_id))
             if not status:
                 continue
-            if status == FAILED_STATUS:
+            if status == StoredStatus.FAILED:
                 # The ledger follows, so that the job's count of finished episodes is complete;
                 # its failed state is what `interactor dlq redrive --job J --failed` re-drives.
-                self.ledger.move(job_id, episode_id, FAILED, [DONE])
+                self.ledger.move(job_id, episode_id, LedgerState.FAILED, [LedgerState.DONE])
                 log.error("episode %s: attempt %s completed but some of its steps never reached the database; "
                           "failed as %s (%s)", episode_id, attempt_id, STEPS_LOST,
                           (self.store.episode(episode_id) or {}).get("error"))
                 continue
             spec = self.ledger.episode_spec(job_id, episode_id)
-            if self.ledger.move(job_id, episode_id, QUEUED, [DONE]):
+            if self.ledger.move(job_id, episode_id, LedgerState.QUEUED, [LedgerState.DONE]):
                 push_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
             reopened.append(episode_id)
             log.error("episode %s: attempt %s completed but some of its steps were lost in Redis; re-queued",

@@ -24,6 +24,7 @@ import redis
 from broker.keys import Keys
 from broker.records import AttemptRecord, StepRecord
 from broker.settings import Settings
+from broker.states import AttemptStatus
 
 log = logging.getLogger("interactor.consumer.stats")
 
@@ -103,17 +104,17 @@ class StatsRecorder:
                     tokens[key] = tokens.get(key, 0) + int(rec.completion_tokens)
             elif t is AttemptRecord:
                 env = rec.env_name or ""
-                if rec.status in ("completed", "failed"):
+                if rec.status in (AttemptStatus.COMPLETED, AttemptStatus.FAILED):
                     key = ("episodes_finished", (env, rec.status))
                     counts[key] = counts.get(key, 0) + 1
-                if rec.status == "completed":
+                if rec.status == AttemptStatus.COMPLETED:
                     key = ("episodes_ended", (env, rec.ended_by or "unknown"))
                     counts[key] = counts.get(key, 0) + 1
                     if rec.started_at > 0 and rec.finished_at >= rec.started_at:
                         observe("episode_duration_seconds", (env, rec.status), rec.finished_at - rec.started_at)
                 for phase, seconds in rec.phases().items():
                     observe("phase_seconds", (phase, env), max(0.0, float(seconds)))
-                if rec.status != "completed":
+                if rec.status != AttemptStatus.COMPLETED:
                     key = ("attempt_failures", (rec.reason or "unknown", rec.status))
                     counts[key] = counts.get(key, 0) + 1
         for env, n in per_env.items():

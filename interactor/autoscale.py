@@ -32,6 +32,7 @@ import redis
 
 from broker.keys import Keys
 from broker.settings import Settings
+from broker.states import LedgerState
 from interactor.children import descendants, kill_tree, spawn_role
 from interactor.metrics import FleetReader
 
@@ -187,7 +188,8 @@ class LocalScaler:
         elif desired < current:
             self._scale_down(current - desired)
         self.peak = max(self.peak, len(self.workers))
-        self.last = {"queued": queued, "running": running, "desired": desired, "workers": len(self.workers),
+        self.last = {LedgerState.QUEUED: queued, LedgerState.RUNNING: running, "desired": desired,
+                     "workers": len(self.workers),
                      "stopping": len(self.stopping)}
         if current != len(self.workers) or desired != current:
             log.info("autoscale: queued=%d running=%d desired=%d workers %d -> %d (stopping %d)", queued,
@@ -257,8 +259,8 @@ def autoscaler_registry(scaler: LocalScaler):
             w.add_metric(["stopping"], len(scaler.stopping))
             yield w
             for name, key, doc in (("interactor_autoscaler_desired_workers", "desired", "Workers the policy wants"),
-                                   ("interactor_autoscaler_queued", "queued", "Queued episodes seen"),
-                                   ("interactor_autoscaler_running", "running", "In-flight episodes seen")):
+                                   ("interactor_autoscaler_queued", LedgerState.QUEUED, "Queued episodes seen"),
+                                   ("interactor_autoscaler_running", LedgerState.RUNNING, "In-flight episodes seen")):
                 g = GaugeMetricFamily(name, doc)
                 g.add_metric([], scaler.last.get(key, 0))
                 yield g

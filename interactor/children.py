@@ -43,6 +43,7 @@ PARENT_ENV = "INTERACTOR_PARENT_PID"
 WATCH_INTERVAL_S = 1.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
+_GUARD_DONE = "done"  # told to the guard on its stdin: we stopped our children ourselves, leave
 _PR_SET_PDEATHSIG = 1
 
 
@@ -329,7 +330,7 @@ class Guard:
         anything. Otherwise (our own stopping was cut short) it stops whatever is still running,
         in order, and we leave it to it."""
         if done:
-            self._send("done")
+            self._send(_GUARD_DONE)
         with contextlib.suppress(OSError, ValueError):
             self.proc.stdin.close()
         if not done:
@@ -386,7 +387,7 @@ def _guard_main(args: list[str]) -> int:
     watched: dict[int, tuple[int, str | None]] = {}  # pid -> (stage, start time)
     for raw in sys.stdin.buffer:
         parts = raw.decode(errors="replace").split()
-        if parts == ["done"]:
+        if parts == [_GUARD_DONE]:
             return 0
         if len(parts) == 3 and parts[0] == "add" and parts[1].isdigit():
             pid = int(parts[1])

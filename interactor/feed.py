@@ -30,6 +30,7 @@ from broker import feed
 from broker.keys import Keys
 from broker.records import FeedGroup, RecordError, unpack
 from broker.settings import Settings
+from broker.states import FeedGroupStatus
 from consumer.feed import FeedAnnouncer
 from consumer.storage.group_stats import group_stats
 from envs.base import import_object, valid_object_path
@@ -147,7 +148,7 @@ class FeedService:
             feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_FAILED)
             return None
         cfg = self.cfg
-        if group.status == feed.FEED_FAILED:
+        if group.status == FeedGroupStatus.FAILED:
             runs = int(self.r.hget(self.keys.feed_refills(self.job_id), group.group_id) or 0)
             if cfg.failed_policy == feed.FAILED_REFILL and runs < cfg.refill_max:
                 feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_REFILLED,

@@ -24,6 +24,7 @@ from broker.ledger import Ledger
 from broker.pause import JobPause, resume_job
 from broker.redisconn import connect
 from broker.settings import Settings, redact_url
+from broker.states import LedgerState
 from interactor.children import Guard, exit_code, interrupt_on_signals, spawn, spawn_role, terminate
 from interactor.report import print_left, print_results, progress_line
 
@@ -246,7 +247,7 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
             print(line, flush=True)
             last_print = now
         stored_final = int(res.get("completed", 0)) + int(res.get("failed", 0))
-        if (counts["done"] + counts["failed"] >= total and stored_final >= total
+        if (counts[LedgerState.DONE] + counts[LedgerState.FAILED] >= total and stored_final >= total
                 and not res.get("short_trajectories", 0)):
             print("\r" + line if tty else line)
             return

@@ -29,8 +29,8 @@ from broker.keys import Keys
 from broker.pause import JobPause
 from broker.ratelimit import RateLimits
 from broker.queueing import PRIORITY_SEP, declared_queues, inflight_per_queue, sub_queues
-from broker.records import LEDGER_STATES
 from broker.settings import Settings, redact_url
+from broker.states import LEDGER_WAITING, LedgerState
 from consumer.stats import (
     COUNTERS,
     HISTOGRAMS,
@@ -184,7 +184,7 @@ class FleetReader:
             pipe.hgetall(self.keys.job_counts(j))
         out = {}
         for j, raw in zip(job_ids, pipe.execute()):
-            out[j] = {s: int(raw.get(s.encode(), 0)) for s in LEDGER_STATES}
+            out[j] = {s: int(raw.get(s.encode(), 0)) for s in LedgerState}
         return out
 
     # stream ------------------------------------------------------------------------------
@@ -255,13 +255,13 @@ class FleetReader:
         if job_id and job_id not in job_ids and self.r.zscore(k.jobs, job_id) is not None:
             job_ids.append(job_id)
         counts = self.job_counts(job_ids)
-        active = [j for j in job_ids if counts[j]["queued"] + counts[j]["running"] + counts[j]["retrying"] > 0]
+        active = [j for j in job_ids if any(counts[j][s] for s in (*LEDGER_WAITING, LedgerState.RUNNING))]
         finished = [j for j in job_ids if j not in set(active)]
         shown = [job_id] if job_id else active + finished[-RECENT_FINISHED_JOBS:]
         # `status JOB` counts that job's episodes; the fleet-wide figures (queues, leases,
         # stream) stay fleet-wide
         counted = [job_id] if job_id else job_ids
-        totals = {s: sum(counts[j][s] for j in counted if j in counts) for s in LEDGER_STATES}
+        totals = {s: sum(counts[j][s] for j in counted if j in counts) for s in LedgerState}
         inflight = self.inflight()
         queues = self.queues(inflight)
         depths = self.queue_depths(queues)
@@ -302,12 +302,12 @@ class FleetReader:
         paused = JobPause(self.r, k).states(shown)
         jobs = []
         for j in shown:
-            c = counts.get(j) or {s: 0 for s in LEDGER_STATES}
+            c = counts.get(j) or {s: 0 for s in LedgerState}
             spec = specs.get(j)
             total = spec.episodes if spec is not None else sum(c.values())
             jobs.append({"job_id": j, "counts": c, "total": total,
                          "created_at": spec.created_at if spec is not None else None,
-                         "progress": (c["done"] + c["failed"]) / total if total else 1.0,
+                         "progress": (c[LedgerState.DONE] + c[LedgerState.FAILED]) / total if total else 1.0,
                          "active": j in active,
                          "paused": dataclasses.asdict(paused[j]) if j in paused else None})
         if jobs:  # jobs with an online-RL feed show it (broker/feed.py)
@@ -324,7 +324,7 @@ class FleetReader:
             "queues": {q: {"depth": sum(depths[q].values()), "by_priority": depths[q],
                            "inflight": inflight.get(q, 0)} for q in queues},
             "episodes": totals,
-            "running": totals["running"],
+            LedgerState.RUNNING: totals[LedgerState.RUNNING],
             "reserved": reserved,
             "leases_live": int(live),
             "leases_expired": int(expired),
@@ -399,7 +399,8 @@ class FleetCollector:
             eps.add_metric([s], n)
         yield eps
         for name, doc, value in (
-            ("interactor_episodes_running", "Episodes running now (ledger state running)", snap["running"]),
+            ("interactor_episodes_running", "Episodes running now (ledger state running)",
+             snap["episodes"][LedgerState.RUNNING]),
             ("interactor_episodes_reserved", "Episodes received by a worker and not started yet", snap["reserved"]),
             ("interactor_leases_live", "Episode leases held by a live worker", snap["leases_live"]),
             ("interactor_leases_expired", "Running episodes whose lease expired (the sweeper re-queues them)",

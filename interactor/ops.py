@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 
+from broker.states import LedgerState, Phase
 from interactor.children import stop_event, wait_for_signal
 
 log = logging.getLogger("interactor.ops")
@@ -151,14 +152,12 @@ def _latency_line(st) -> str:
 
 def _phases_line(st) -> str:
     """Mean seconds per attempt in each phase (records v5), over every env."""
-    from broker.records import PHASES
-
     sums: dict[str, list[float]] = {}
     for (phase, _env), h in st.histograms.get("phase_seconds", {}).items():
         agg = sums.setdefault(phase, [0.0, 0])
         agg[0] += h.sum
         agg[1] += h.count
-    return ", ".join(f"{p} {sums[p][0] / sums[p][1]:.3f}s" for p in PHASES if p in sums and sums[p][1])
+    return ", ".join(f"{p} {sums[p][0] / sums[p][1]:.3f}s" for p in Phase if p in sums and sums[p][1])
 
 
 def render_status(snap: dict) -> str:
@@ -174,8 +173,9 @@ def render_status(snap: dict) -> str:
         qparts.append(f"{q}={d['depth']}" + (f" ({prio})" if prio else "") + f" inflight={d['inflight']}")
     queued_total = sum(d["depth"] for d in snap["queues"].values())
     lines.append(f"queue      {queued_total} queued" + (": " + ", ".join(qparts) if qparts else ""))
-    lines.append(f"episodes   running={ep['running']} queued={ep['queued']} retrying={ep['retrying']} "
-                 f"done={ep['done']} failed={ep['failed']} dead={snap['dead_letters']}  "
+    lines.append(f"episodes   running={ep[LedgerState.RUNNING]} queued={ep[LedgerState.QUEUED]} "
+                 f"retrying={ep[LedgerState.RETRYING]} "
+                 f"done={ep[LedgerState.DONE]} failed={ep[LedgerState.FAILED]} dead={snap['dead_letters']}  "
                  f"leases live={snap['leases_live']} expired={snap['leases_expired']}  "
                  f"retry scheduled={snap['retry_scheduled']}")
     s = snap["stream"]
@@ -218,8 +218,10 @@ def render_status(snap: dict) -> str:
         rows = [("job", "total", "done", "failed", "running", "queued", "retrying", "progress")]
         for j in snap["jobs"]:
             c = j["counts"]
-            rows.append((j["job_id"] + (" (paused)" if j.get("paused") else ""), str(j["total"]), str(c["done"]), str(c["failed"]), str(c["running"]),
-                         str(c["queued"]), str(c["retrying"]), f"{100 * j['progress']:.1f}%"))
+            rows.append((j["job_id"] + (" (paused)" if j.get("paused") else ""), str(j["total"]),
+                         *(str(c[s]) for s in (LedgerState.DONE, LedgerState.FAILED, LedgerState.RUNNING,
+                                               LedgerState.QUEUED, LedgerState.RETRYING)),
+                         f"{100 * j['progress']:.1f}%"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines.append("jobs")
         for r in rows:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
+from broker.states import LEDGER_FINAL, LEDGER_WAITING, LedgerState, Phase
 
-from broker.records import PHASES
 
 
 
@@ -13,9 +13,9 @@ def _f(x, nd: int = 3) -> str:
 
 
 def progress_line(counts: dict, job: dict, total: int, steps_per_s: float, elapsed_s: float) -> str:
-    done, failed = counts.get("done", 0), counts.get("failed", 0)
-    running = counts.get("running", 0)
-    waiting = counts.get("queued", 0) + counts.get("retrying", 0)
+    done, failed = counts.get(LedgerState.DONE, 0), counts.get(LedgerState.FAILED, 0)
+    running = counts.get(LedgerState.RUNNING, 0)
+    waiting = sum(counts.get(s, 0) for s in LEDGER_WAITING)
     width = 24
     filled = int(width * (done + failed) / total) if total else width
     bar = "#" * filled + "." * (width - filled)
@@ -65,7 +65,7 @@ def phases_line(ph: dict | None) -> str:
     the attempts that timed it (a re-run's queue wait is not timed)."""
     if not ph:
         return "phases: not timed (records before v5, or a store written by older code)"
-    parts = [f"{p} {ph['mean_s'][p]:.3f}s" for p in PHASES if ph["mean_s"].get(p) is not None]
+    parts = [f"{p} {ph['mean_s'][p]:.3f}s" for p in Phase if ph["mean_s"].get(p) is not None]
     return f"phases (mean per attempt, {ph['attempts']} attempts): " + ", ".join(parts)
 
 
@@ -94,7 +94,7 @@ def print_groups(groups: list[dict]) -> None:
 
 
 def print_left(counts: dict, job_id: str, run_dir: Path) -> None:
-    left = {k: v for k, v in counts.items() if k not in ("done", "failed") and v}
+    left = {k: v for k, v in counts.items() if k not in LEDGER_FINAL and v}
     print("left unfinished: " + (", ".join(f"{v} {k}" for k, v in left.items()) or "nothing"))
     if left:
         print(f"the ledger is kept in {run_dir / 'redis'}; finish with: interactor run --resume {job_id} "

@@ -27,8 +27,9 @@ from broker import feed
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
-from broker.records import QUEUED, EpisodesEnqueued, EpisodeSpec, JobSpec, unpack
+from broker.records import EpisodesEnqueued, EpisodeSpec, JobSpec, unpack
 from broker.settings import Settings
+from broker.states import LedgerState
 from producer.enqueue import job_spec, plan
 
 log = logging.getLogger("interactor.producer")
@@ -148,8 +149,8 @@ class ContinuousProducer:
                                                  for e in fresh])
                     pipe.multi()
                     pipe.hset(k.job_episodes(job), mapping={e.episode_id: e.pack() for e in fresh})
-                    pipe.hset(k.job_state(job), mapping={e.episode_id: QUEUED for e in fresh})
-                    pipe.hincrby(k.job_counts(job), QUEUED, len(fresh))
+                    pipe.hset(k.job_state(job), mapping={e.episode_id: LedgerState.QUEUED for e in fresh})
+                    pipe.hincrby(k.job_counts(job), LedgerState.QUEUED, len(fresh))
                     pipe.xadd(k.results, {"r": ann.pack()})
                     pipe.hset(k.feed_position(job), mapping=nxt)
                     pipe.hincrby(k.feed_stats(job), feed.C_PRODUCED, 1)

@@ -8,7 +8,8 @@ import sqlite3
 
 import pytest
 
-from broker.records import PHASES, AttemptRecord, JobSpec, StepRecord
+from broker.records import AttemptRecord, JobSpec, StepRecord
+from broker.states import Phase
 from consumer.storage import open_store
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import postgres as pg_backend
@@ -64,7 +65,7 @@ def test_phases_are_stored_per_attempt_and_summarised_per_job(store_url):
 
         ph = s.results(JOB)["phases"]
         assert ph["attempts"] == 3  # the timed ones: a1, b1, b2
-        assert ph["timed"] == {p: 3 for p in PHASES} | {"queue_wait": 2}
+        assert ph["timed"] == {p: 3 for p in Phase} | {"queue_wait": 2}
         assert ph["mean_s"]["model"] == pytest.approx((2.0 + 4.0 + 2.0) / 3)
         assert ph["mean_s"]["queue_wait"] == pytest.approx((0.5 + 1.0) / 2)  # over the attempts that timed it
         assert ph["total_s"]["env_step"] == pytest.approx(0.3 + 0.6 + 0.3)

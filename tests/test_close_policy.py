@@ -6,18 +6,9 @@ from __future__ import annotations
 import pytest
 
 from broker import errors
-from broker.closing import (
-    ABANDON,
-    FAIL,
-    HAND_BACK,
-    OUTAGE_EXTRA_ATTEMPTS,
-    OUTAGE_NOTE,
-    RETRY,
-    decide,
-    dead_letter,
-    limit_matters,
-)
-from broker.records import ATTEMPT_FAILED, AttemptRecord, EpisodeSpec
+from broker.closing import OUTAGE_EXTRA_ATTEMPTS, OUTAGE_NOTE, decide, dead_letter, limit_matters
+from broker.records import AttemptRecord, EpisodeSpec
+from broker.states import AttemptStatus, CloseAction
 
 
 def err(reason: str, transient: bool | None = None) -> errors.EpisodeError:
@@ -28,67 +19,67 @@ def test_a_lost_lease_is_abandoned_and_needs_no_limit():
     exc = err(errors.LEASE_LOST)
     assert not limit_matters(exc)
     close = decide(exc, 3, 3, True, max_attempts=3)
-    assert (close.action, close.uncounted) == (ABANDON, False)
+    assert (close.action, close.uncounted) == (CloseAction.ABANDON, False)
 
 
 def test_a_shutdown_hands_the_episode_back_uncounted():
     exc = err(errors.WORKER_SHUTDOWN, transient=True)
     assert not limit_matters(exc)
     close = decide(exc, 5, 5, False, max_attempts=5)
-    assert (close.action, close.uncounted) == (HAND_BACK, True)
+    assert (close.action, close.uncounted) == (CloseAction.HAND_BACK, True)
     assert close.message(exc, "stopping", 5) == "stopping"
 
 
-@pytest.mark.parametrize("attempt,limit,action", [(1, 3, RETRY), (2, 3, RETRY), (3, 3, FAIL), (4, 3, FAIL)])
+@pytest.mark.parametrize("attempt,limit,action", [(1, 3, CloseAction.RETRY), (2, 3, CloseAction.RETRY), (3, 3, CloseAction.FAIL), (4, 3, CloseAction.FAIL)])
 def test_a_transient_error_retries_while_attempts_are_left(attempt, limit, action):
     exc = err(errors.ENV_UNREACHABLE, transient=True)
     assert limit_matters(exc)
     close = decide(exc, attempt, limit, False, max_attempts=3)
     assert (close.action, close.uncounted, close.limit) == (action, False, limit)
-    expected = "boom" if action == RETRY else f"boom (after {attempt} attempts)"
+    expected = "boom" if action == CloseAction.RETRY else f"boom (after {attempt} attempts)"
     assert close.message(exc, "boom", attempt) == expected
 
 
 def test_a_permanent_error_fails_at_once():
     exc = err(errors.ENV_BAD_REQUEST, transient=False)
     close = decide(exc, 1, 3, True, max_attempts=3)
-    assert (close.action, close.uncounted) == (FAIL, False)
+    assert (close.action, close.uncounted) == (CloseAction.FAIL, False)
     assert close.message(exc, "bad", 1) == "bad"
 
 
 def test_an_outage_is_not_counted_and_raises_the_limit():
     exc = err(errors.MODEL_UNAVAILABLE, transient=True)
     close = decide(exc, 3, 3, True, max_attempts=3)
-    assert (close.action, close.uncounted, close.limit) == (RETRY, True, 4)
+    assert (close.action, close.uncounted, close.limit) == (CloseAction.RETRY, True, 4)
     assert close.message(exc, "down", 3) == "down" + OUTAGE_NOTE
 
 
 def test_redis_away_counts_as_an_outage_however_it_was_noticed():
     exc = err(errors.BROKER_OUTAGE, transient=True)
     close = decide(exc, 1, 1, False, max_attempts=1)
-    assert (close.action, close.uncounted, close.limit) == (RETRY, True, 2)
+    assert (close.action, close.uncounted, close.limit) == (CloseAction.RETRY, True, 2)
 
 
 def test_outages_stop_being_free_past_the_extra_attempts():
     exc = err(errors.MODEL_UNAVAILABLE, transient=True)
     last = 3 + OUTAGE_EXTRA_ATTEMPTS
     close = decide(exc, last, last, True, max_attempts=3)
-    assert (close.action, close.uncounted) == (FAIL, False)
+    assert (close.action, close.uncounted) == (CloseAction.FAIL, False)
     assert close.message(exc, "down", last) == f"down (after {last} attempts)"
 
 
 def test_a_lost_worker_goes_again_until_its_limit():
     """The sweeper's case: a lease that expired is a transient failure, never an outage."""
     exc = err(errors.WORKER_LOST, transient=True)
-    assert decide(exc, 1, 2, False, max_attempts=2).action == RETRY
-    assert decide(exc, 2, 2, False, max_attempts=2).action == FAIL
+    assert decide(exc, 1, 2, False, max_attempts=2).action == CloseAction.RETRY
+    assert decide(exc, 2, 2, False, max_attempts=2).action == CloseAction.FAIL
 
 
 def test_the_dead_letter_is_the_failed_attempt_with_its_spec():
     spec = EpisodeSpec(job_id="j", episode_id="j.e1", group_id="g1", group_size=2, env_name="arith",
                        base_url="http://env:1", env_params={})
     record = AttemptRecord(job_id="j", episode_id="j.e1", attempt=2, group_id="g1", group_size=2,
-                           env_name="arith", llm_model="m", status=ATTEMPT_FAILED, reason=errors.ENV_BAD_REQUEST,
+                           env_name="arith", llm_model="m", status=AttemptStatus.FAILED, reason=errors.ENV_BAD_REQUEST,
                            error_class="EpisodeError", error="bad", started_at=12.5)
     letter = dead_letter(record, spec, traceback="tb")
     assert (letter.job_id, letter.episode_id, letter.group_id, letter.env_name) == ("j", "j.e1", "g1", "arith")

@@ -14,6 +14,7 @@ import pytest
 
 from broker import feed
 from broker.keys import Keys
+from broker.states import FeedGroupStatus
 from consumer.storage import open_store
 from interactor.feed import FeedService
 from producer.continuous import ContinuousProducer, create_continuous_job
@@ -102,7 +103,7 @@ def test_take_ack_versions_and_a_trainer_that_never_acks(run_factory, tmp_path):
 
     # Trainer A takes one group and dies without acknowledging it.
     lost = take_all(run, "trainer-a", 1)[0]
-    assert lost["status"] == feed.FEED_READY and len(lost["samples"]) == 2
+    assert lost["status"] == FeedGroupStatus.READY and len(lost["samples"]) == 2
     assert all(s["steps"] and s["steps"][-1]["weight_version"] == "1" for s in lost["samples"])
     assert lost["oldest_version"] == 1 and lost["versions_behind"] == 0
     # Trainer B gets every group, A's among them (once, after its ack timeout). It acknowledges
@@ -221,7 +222,7 @@ def test_a_group_with_a_dead_lettered_member_is_reported_failed(run_factory, tmp
     run = run_factory(tasks, feed_max_ahead=4, max_attempts=1)
     run.start_producer()
     got = take_all(run, "t", 1, timeout=120)
-    assert got[0]["status"] == feed.FEED_READY
+    assert got[0]["status"] == FeedGroupStatus.READY
     run.service.ack("t", [got[0]["group_id"]])
     wait_for(lambda: run.service.take("t", 1, 0.5) == [] and run.service.stats()["failed"] == 1, 120,
              what="the failed group reported")
@@ -548,7 +549,7 @@ def test_refill_runs_a_failed_groups_tasks_again_and_delivers_them(run_factory, 
     assert st["failed"] == 0 and 1 <= st["refilled"] <= 2 and st["produced"] == 2 + st["refilled"]
     assert st["delivered"] == 2 and st["taken"] == 0 and st["ready"] == 0
     late = [g for g in got if "What is 9 + 9?" in json.dumps(g["samples"][0]["steps"][0]["messages"])]
-    assert len(late) == 1 and late[0]["status"] == feed.FEED_READY and len(late[0]["samples"]) == 2
+    assert len(late) == 1 and late[0]["status"] == FeedGroupStatus.READY and len(late[0]["samples"]) == 2
     assert all(s["steps"] for s in late[0]["samples"])
     # The failed runs are what the trainer can read of them, with their reason.
     assert st["recent_failures"] and all("failed" in f["reason"] for f in st["recent_failures"])
@@ -602,7 +603,7 @@ def test_a_worker_killed_mid_run_every_group_delivered_exactly_once(run_factory,
     got = take_and_ack_until(run, lambda st: st["acked"] >= 8, timeout=240, batch_size=4)
     ids = [g["group_id"] for g in got]
     assert len(ids) == len(set(ids)) == 8
-    assert all(g["status"] == feed.FEED_READY and len(g["samples"]) == 2 for g in got)
+    assert all(g["status"] == FeedGroupStatus.READY and len(g["samples"]) == 2 for g in got)
     assert all(s["steps"] and s["steps"][-1]["is_terminal"] for g in got for s in g["samples"])
     assert run.service.take("t", 4, 2.0) == []
     st = run.service.stats()
@@ -687,11 +688,11 @@ def test_metrics_and_the_browser_show_the_feed(settings, redis_client, tmp_path)
     feed.enable(redis_client, keys, JOB, feed.FeedConfig(max_ahead=8, max_staleness=2, drop_uniform=True))
     feed.set_version(redis_client, keys, JOB, 5)
     redis_client.hincrby(keys.feed_stats(JOB), feed.C_PRODUCED, 4)  # as the continuous producer counts them
-    groups = [FeedGroup(job_id=JOB, group_id="g1", status=feed.FEED_READY, members=["ep-x", "ep-y"],
+    groups = [FeedGroup(job_id=JOB, group_id="g1", status=FeedGroupStatus.READY, members=["ep-x", "ep-y"],
                         rewards=[1.0, 0.0], size=2, oldest_version=4, newest_version=5),
-              FeedGroup(job_id=JOB, group_id="g2", status=feed.FEED_READY, members=["a", "b"], rewards=[0.5, 0.5],
+              FeedGroup(job_id=JOB, group_id="g2", status=FeedGroupStatus.READY, members=["a", "b"], rewards=[0.5, 0.5],
                         size=2, oldest_version=5, newest_version=5),
-              FeedGroup(job_id=JOB, group_id="g3", status=feed.FEED_FAILED, members=["c", "d"], rewards=[1.0],
+              FeedGroup(job_id=JOB, group_id="g3", status=FeedGroupStatus.FAILED, members=["c", "d"], rewards=[1.0],
                         size=2, reason="episode d failed: env_bad_request")]
     for g in groups:
         assert feed.announce(redis_client, keys, g.pack(), JOB, g.group_id)
@@ -699,7 +700,7 @@ def test_metrics_and_the_browser_show_the_feed(settings, redis_client, tmp_path)
     got = svc.take("t", 3, 0.5)
     assert [g["group_id"] for g in got] == ["g1"] and got[0]["versions_behind"] == 1
     svc.ack("t", ["g1"])
-    g4 = FeedGroup(job_id=JOB, group_id="g4", status=feed.FEED_READY, members=["e"], rewards=[1.0], size=1)
+    g4 = FeedGroup(job_id=JOB, group_id="g4", status=FeedGroupStatus.READY, members=["e"], rewards=[1.0], size=1)
     feed.announce(redis_client, keys, g4.pack(), JOB, "g4")
 
     fams = {f.name: f for f in text_string_to_metric_families(exposition(FleetReader(redis_client, settings)))}
@@ -780,7 +781,7 @@ def test_trim_drops_only_settled_groups_and_an_idle_endless_feed_is_let_go(setti
     job = "trimjob"
     feed.enable(redis_client, keys, job, feed.FeedConfig(max_ahead=8, continuous=True, epochs=0))
     for i in range(1, 5):
-        g = FeedGroup(job_id=job, group_id=f"g{i}", status=feed.FEED_READY, members=[f"e{i}"], rewards=[1.0], size=1)
+        g = FeedGroup(job_id=job, group_id=f"g{i}", status=FeedGroupStatus.READY, members=[f"e{i}"], rewards=[1.0], size=1)
         feed.announce(redis_client, keys, g.pack(), job, g.group_id)
     svc = FeedService(redis_client, settings, job)
     first = svc.take("t", 2, 1.0)

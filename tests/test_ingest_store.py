@@ -9,7 +9,8 @@ import pytest
 
 from broker.keys import Keys
 from broker.ledger import Ledger
-from broker.records import DONE, FAILED, QUEUED, AttemptRecord, EpisodeSpec, JobSpec, StepRecord
+from broker.records import AttemptRecord, EpisodeSpec, JobSpec, StepRecord
+from broker.states import LedgerState
 from consumer.ingest import GROUP, Ingestor
 from consumer.storage import open_store
 
@@ -37,7 +38,7 @@ def ledger_job(settings, redis_client):
     ledger.create_job(JobSpec(job_id=JOB, llm_base_url="http://llm", model="m", episodes=1, groups=1),
                       [EpisodeSpec(job_id=JOB, episode_id="jobi.e1", group_id="g1", group_size=1, env_name="arith",
                                    base_url="http://env", env_params={})])
-    assert ledger.move(JOB, "jobi.e1", DONE, [QUEUED])
+    assert ledger.move(JOB, "jobi.e1", LedgerState.DONE, [LedgerState.QUEUED])
     return ledger
 
 
@@ -63,7 +64,7 @@ def test_nul_answers_and_huge_token_counts_complete_the_episode(settings, redis_
         ep = store.episode("jobi.e1")
         assert ep["status"] == "completed" and ep["prompt_tokens"] == 2**40
         assert store.episode_trajectory("jobi.e1")[0]["response"] == "a\ufffdb"
-        assert ing.reopen_lost_completions() == [] and ledger_job.state(JOB, "jobi.e1") == DONE
+        assert ing.reopen_lost_completions() == [] and ledger_job.state(JOB, "jobi.e1") == LedgerState.DONE
     finally:
         store.close()
 
@@ -88,8 +89,8 @@ def test_a_parked_step_fails_its_episode_instead_of_rerunning_it(settings, redis
         assert ing.stats["reopened"] == 0
         ep = store.episode("jobi.e1")
         assert ep["status"] == "failed" and ep["reason"] == "steps_lost", ep
-        assert ledger_job.state(JOB, "jobi.e1") == FAILED
-        assert ledger_job.counts(JOB)[FAILED] == 1 and ledger_job.counts(JOB)[QUEUED] == 0
+        assert ledger_job.state(JOB, "jobi.e1") == LedgerState.FAILED
+        assert ledger_job.counts(JOB)[LedgerState.FAILED] == 1 and ledger_job.counts(JOB)[LedgerState.QUEUED] == 0
         assert store.group("g1")["failed"] == 1
     finally:
         store.close()
@@ -103,15 +104,15 @@ def test_lost_steps_rerun_at_most_the_setting(settings, redis_client, tmp_path, 
         drain(ing)
         ing.reopen_lost_completions()  # (the first poll may have done it already)
         assert ing.stats["reopened"] == 1 and store.episode("jobi.e1")["status"] == "retrying"
-        assert ledger_job.state(JOB, "jobi.e1") == QUEUED
-        assert ledger_job.move(JOB, "jobi.e1", DONE, [QUEUED])  # the re-run, short again
+        assert ledger_job.state(JOB, "jobi.e1") == LedgerState.QUEUED
+        assert ledger_job.move(JOB, "jobi.e1", LedgerState.DONE, [LedgerState.QUEUED])  # the re-run, short again
         publish(redis_client, settings, [step(1, aid="A2"), completed(2, aid="A2")])
         drain(ing)
         ing.reopen_lost_completions()
         assert ing.stats["reopened"] == 1
         ep = store.episode("jobi.e1")
         assert (ep["status"], ep["reason"], ep["reopens"]) == ("failed", "steps_lost", 1)
-        assert ledger_job.state(JOB, "jobi.e1") == FAILED
+        assert ledger_job.state(JOB, "jobi.e1") == LedgerState.FAILED
     finally:
         store.close()
 

@@ -10,24 +10,8 @@ import pytest
 
 from broker.keys import Keys, member
 from broker.ledger import Lease, Ledger
-from broker.records import (
-    ABANDONED,
-    ATTEMPT_FAILED,
-    ATTEMPT_RETRYING,
-    COMPLETED,
-    DONE,
-    FAILED,
-    LEDGER_STATES,
-    QUEUED,
-    RETRYING,
-    RUNNING,
-    AttemptRecord,
-    DeadLetter,
-    EpisodeSpec,
-    JobSpec,
-    StepRecord,
-    unpack,
-)
+from broker.records import AttemptRecord, DeadLetter, EpisodeSpec, JobSpec, StepRecord, unpack
+from broker.states import AttemptStatus, LedgerState
 
 JOB = "job1"
 N = 5
@@ -46,7 +30,7 @@ def make_job(n: int = N) -> tuple[JobSpec, list[EpisodeSpec]]:
     return job, eps
 
 
-def attempt_rec(lease: Lease, status: str = COMPLETED, **kw) -> AttemptRecord:
+def attempt_rec(lease: Lease, status: str = AttemptStatus.COMPLETED, **kw) -> AttemptRecord:
     return AttemptRecord(job_id=lease.job_id, episode_id=lease.episode_id, attempt=lease.attempt, status=status,
                          group_id=f"{JOB}.1.1.1", group_size=N, env_name="arith", llm_model="stand-in", **kw)
 
@@ -89,7 +73,7 @@ def assert_counts_consistent(ledger: Ledger, n: int = N):
     assert all(v >= 0 for v in counts.values()), counts
     # and the counts agree with the per-episode states
     states = ledger.states(JOB)
-    for s in LEDGER_STATES:
+    for s in LedgerState:
         assert counts[s] == sum(1 for v in states.values() if v == s), (s, counts, states)
 
 
@@ -105,8 +89,8 @@ def start_ok(ledger: Ledger, episode: str, worker: str = "w1") -> Lease:
 
 def test_create_job_sets_every_episode_queued(ledger, job, redis_client, keys):
     spec, eps = job
-    assert ledger.states(JOB) == {e.episode_id: QUEUED for e in eps}
-    assert ledger.counts(JOB) == {QUEUED: N, RUNNING: 0, RETRYING: 0, DONE: 0, FAILED: 0}
+    assert ledger.states(JOB) == {e.episode_id: LedgerState.QUEUED for e in eps}
+    assert ledger.counts(JOB) == {LedgerState.QUEUED: N, LedgerState.RUNNING: 0, LedgerState.RETRYING: 0, LedgerState.DONE: 0, LedgerState.FAILED: 0}
     assert ledger.job_ids() == [JOB]
     assert ledger.job_spec(JOB) == spec
     assert ledger.episode_spec(JOB, ep_id(3)) == eps[2]
@@ -127,8 +111,8 @@ def test_create_job_in_chunks(redis_client, keys, monkeypatch):
     ledger = Ledger(redis_client, keys)
     spec, eps = make_job(7)
     ledger.create_job(spec, eps, chunk=3)
-    assert ledger.states(JOB) == {e.episode_id: QUEUED for e in eps}
-    assert ledger.counts(JOB)[QUEUED] == 7
+    assert ledger.states(JOB) == {e.episode_id: LedgerState.QUEUED for e in eps}
+    assert ledger.counts(JOB)[LedgerState.QUEUED] == 7
     announced = [r for r in stream_records(redis_client, keys) if type(r).__name__ == "EpisodesEnqueued"]
     assert [len(r.episodes) for r in announced] == [2, 2, 2, 1]
 
@@ -154,11 +138,11 @@ def test_start_ok_takes_lease_with_ttl(ledger, job, redis_client, keys):
     assert redis_client.get(keys.lease(ep_id(1))).decode() == lease.token
     ttl = redis_client.pttl(keys.lease(ep_id(1)))
     assert 0 < ttl <= 3000
-    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.RUNNING
     assert ledger.attempts(JOB, ep_id(1)) == 1
     score = redis_client.zscore(keys.running, member(JOB, ep_id(1)))
     assert score is not None and abs(score - (time.time() * 1000 + 3000)) < 2000
-    assert ledger.counts(JOB)[RUNNING] == 1 and ledger.counts(JOB)[QUEUED] == N - 1
+    assert ledger.counts(JOB)[LedgerState.RUNNING] == 1 and ledger.counts(JOB)[LedgerState.QUEUED] == N - 1
     assert not lease.lost.is_set()
     assert_counts_consistent(ledger)
 
@@ -169,11 +153,11 @@ def test_second_start_while_lease_lives_is_busy(ledger, job):
     assert res.status == "busy" and res.lease is None
     assert res.detail == lease.token
     assert ledger.attempts(JOB, ep_id(1)) == 1
-    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.RUNNING
     assert_counts_consistent(ledger)
 
 
-@pytest.mark.parametrize("state", [DONE, FAILED])
+@pytest.mark.parametrize("state", [LedgerState.DONE, LedgerState.FAILED])
 def test_start_on_finished_episode(ledger, job, state):
     lease = start_ok(ledger, ep_id(1))
     assert ledger.finish(lease, attempt_rec(lease), state)
@@ -197,16 +181,16 @@ def test_start_running_without_lease_takes_over(ledger, job, redis_client, keys)
     redis_client.delete(keys.lease(ep_id(1)))  # the holder died and its lease expired
     second = start_ok(ledger, ep_id(1), "w2")
     assert second.attempt == 2 and second.token != first.token
-    assert ledger.counts(JOB)[RUNNING] == 1
+    assert ledger.counts(JOB)[LedgerState.RUNNING] == 1
     assert_counts_consistent(ledger)
 
 
 def test_start_retrying_episode(ledger, job):
     lease = start_ok(ledger, ep_id(1))
-    assert ledger.finish(lease, attempt_rec(lease, ATTEMPT_RETRYING), RETRYING, retry_at=time.time() + 60)
+    assert ledger.finish(lease, attempt_rec(lease, AttemptStatus.RETRYING), LedgerState.RETRYING, retry_at=time.time() + 60)
     again = start_ok(ledger, ep_id(1))
     assert again.attempt == 2
-    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.RUNNING
     assert_counts_consistent(ledger)
 
 
@@ -247,7 +231,7 @@ def test_publish_with_stale_token_after_takeover(ledger, job, redis_client, keys
 
 def test_publish_after_finish_refused(ledger, job, redis_client, keys):
     lease = start_ok(ledger, ep_id(1))
-    assert ledger.finish(lease, attempt_rec(lease), DONE)
+    assert ledger.finish(lease, attempt_rec(lease), LedgerState.DONE)
     before = stream_len(redis_client, keys)
     assert ledger.publish(lease, step_rec(lease)) == -1
     assert stream_len(redis_client, keys) == before
@@ -259,17 +243,17 @@ def test_publish_after_finish_refused(ledger, job, redis_client, keys):
 def test_finish_done(ledger, job, redis_client, keys):
     lease = start_ok(ledger, ep_id(2))
     before = stream_len(redis_client, keys)
-    rec = attempt_rec(lease, COMPLETED, total_reward=3.0, steps=2)
-    assert ledger.finish(lease, rec, DONE) is True
-    assert ledger.state(JOB, ep_id(2)) == DONE
-    assert ledger.counts(JOB) == {QUEUED: N - 1, RUNNING: 0, RETRYING: 0, DONE: 1, FAILED: 0}
+    rec = attempt_rec(lease, AttemptStatus.COMPLETED, total_reward=3.0, steps=2)
+    assert ledger.finish(lease, rec, LedgerState.DONE) is True
+    assert ledger.state(JOB, ep_id(2)) == LedgerState.DONE
+    assert ledger.counts(JOB) == {LedgerState.QUEUED: N - 1, LedgerState.RUNNING: 0, LedgerState.RETRYING: 0, LedgerState.DONE: 1, LedgerState.FAILED: 0}
     assert redis_client.exists(keys.lease(ep_id(2))) == 0
     assert redis_client.zscore(keys.running, member(JOB, ep_id(2))) is None
     assert redis_client.zcard(keys.retry) == 0
     assert redis_client.hlen(keys.dlq) == 0
     assert stream_len(redis_client, keys) == before + 1
     last = stream_records(redis_client, keys)[-1]
-    assert isinstance(last, AttemptRecord) and last.status == COMPLETED and last.total_reward == 3.0
+    assert isinstance(last, AttemptRecord) and last.status == AttemptStatus.COMPLETED and last.total_reward == 3.0
     assert not lease.lost.is_set()
     assert_counts_consistent(ledger)
 
@@ -277,8 +261,8 @@ def test_finish_done(ledger, job, redis_client, keys):
 def test_finish_retrying_schedules_retry(ledger, job, redis_client, keys):
     lease = start_ok(ledger, ep_id(1))
     at = time.time() + 5
-    assert ledger.finish(lease, attempt_rec(lease, ATTEMPT_RETRYING, reason="env_error"), RETRYING, retry_at=at)
-    assert ledger.state(JOB, ep_id(1)) == RETRYING
+    assert ledger.finish(lease, attempt_rec(lease, AttemptStatus.RETRYING, reason="env_error"), LedgerState.RETRYING, retry_at=at)
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.RETRYING
     assert redis_client.zscore(keys.retry, member(JOB, ep_id(1))) == int(at * 1000)
     assert ledger.due_retries() == []  # not due yet
     assert redis_client.exists(keys.lease(ep_id(1))) == 0
@@ -288,7 +272,7 @@ def test_finish_retrying_schedules_retry(ledger, job, redis_client, keys):
 
 def test_due_retries_and_take_retry(ledger, job):
     lease = start_ok(ledger, ep_id(1))
-    assert ledger.finish(lease, attempt_rec(lease, ATTEMPT_RETRYING), RETRYING, retry_at=time.time() - 1)
+    assert ledger.finish(lease, attempt_rec(lease, AttemptStatus.RETRYING), LedgerState.RETRYING, retry_at=time.time() - 1)
     m = member(JOB, ep_id(1))
     assert ledger.due_retries() == [m]
     assert ledger.take_retry(m) is True
@@ -302,15 +286,15 @@ def test_finish_failed_with_dead_letter(ledger, job, redis_client, keys):
     letter = DeadLetter(job_id=JOB, episode_id=ep_id(4), group_id=spec.group_id, env_name="arith",
                         reason="env_error", error="boom", attempts=1, spec=spec.to_dict())
     t0 = time.time()
-    assert ledger.finish(lease, attempt_rec(lease, ATTEMPT_FAILED, reason="env_error"), FAILED, dead_letter=letter)
+    assert ledger.finish(lease, attempt_rec(lease, AttemptStatus.FAILED, reason="env_error"), LedgerState.FAILED, dead_letter=letter)
     m = member(JOB, ep_id(4))
-    assert ledger.state(JOB, ep_id(4)) == FAILED
+    assert ledger.state(JOB, ep_id(4)) == LedgerState.FAILED
     stored = unpack(redis_client.hget(keys.dlq, m))
     assert isinstance(stored, DeadLetter) and stored.reason == "env_error" and stored.spec["episode_id"] == ep_id(4)
     score = redis_client.zscore(keys.dlq_index, m)
     assert score is not None and t0 - 1 <= score <= time.time() + 1
     assert redis_client.zcard(keys.retry) == 0
-    assert ledger.counts(JOB)[FAILED] == 1
+    assert ledger.counts(JOB)[LedgerState.FAILED] == 1
     assert_counts_consistent(ledger)
 
 
@@ -321,10 +305,10 @@ def test_finish_with_stale_token_does_nothing(ledger, job, redis_client, keys):
     before_len = stream_len(redis_client, keys)
     before_counts = ledger.counts(JOB)
     letter = DeadLetter(job_id=JOB, episode_id=ep_id(1), group_id="g", env_name="arith", reason="x")
-    ok = ledger.finish(old, attempt_rec(old, ATTEMPT_FAILED), FAILED, retry_at=time.time(), dead_letter=letter)
+    ok = ledger.finish(old, attempt_rec(old, AttemptStatus.FAILED), LedgerState.FAILED, retry_at=time.time(), dead_letter=letter)
     assert ok is False
     assert old.lost.is_set()
-    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.RUNNING
     assert ledger.counts(JOB) == before_counts
     assert stream_len(redis_client, keys) == before_len
     assert redis_client.get(keys.lease(ep_id(1))).decode() == new.token
@@ -332,9 +316,9 @@ def test_finish_with_stale_token_does_nothing(ledger, job, redis_client, keys):
     assert redis_client.zcard(keys.retry) == 0
     assert redis_client.hlen(keys.dlq) == 0 and redis_client.zcard(keys.dlq_index) == 0
     # finishing twice with the same lease: the second is stale too
-    assert ledger.finish(new, attempt_rec(new), DONE) is True
-    assert ledger.finish(new, attempt_rec(new), FAILED) is False
-    assert ledger.state(JOB, ep_id(1)) == DONE
+    assert ledger.finish(new, attempt_rec(new), LedgerState.DONE) is True
+    assert ledger.finish(new, attempt_rec(new), LedgerState.FAILED) is False
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.DONE
     assert_counts_consistent(ledger)
 
 
@@ -370,7 +354,7 @@ def test_renew_resumes_a_lapsed_lease_nobody_took(ledger, job, redis_client, key
 def test_renew_never_resurrects_a_lease_the_sweeper_took(ledger, job, redis_client, keys):
     c = start_ok(ledger, ep_id(3))
     redis_client.delete(keys.lease(ep_id(3)))
-    assert ledger.reclaim(JOB, ep_id(3), QUEUED, None)  # the sweeper re-queued it
+    assert ledger.reclaim(JOB, ep_id(3), LedgerState.QUEUED, None)  # the sweeper re-queued it
     ledger.renew([c])
     assert c.lost.is_set()
     assert redis_client.exists(keys.lease(ep_id(3))) == 0
@@ -381,7 +365,7 @@ def test_renew_never_resumes_over_a_later_attempt(ledger, job, redis_client, key
     attempt's id in the ledger (even once that attempt's lease lapsed too) and is lost."""
     old = start_ok(ledger, ep_id(4))
     redis_client.delete(keys.lease(ep_id(4)))
-    assert ledger.reclaim(JOB, ep_id(4), QUEUED, None)
+    assert ledger.reclaim(JOB, ep_id(4), LedgerState.QUEUED, None)
     new = start_ok(ledger, ep_id(4))
     redis_client.delete(keys.lease(ep_id(4)))
     ledger.renew([old])
@@ -395,7 +379,7 @@ def test_start_returns_the_previous_attempt(ledger, job, redis_client, keys):
     first = ledger.start(JOB, ep_id(5), "w1")
     assert first.status == "ok" and first.previous is None
     redis_client.delete(keys.lease(ep_id(5)))
-    assert ledger.reclaim(JOB, ep_id(5), QUEUED, None)
+    assert ledger.reclaim(JOB, ep_id(5), LedgerState.QUEUED, None)
     second = ledger.start(JOB, ep_id(5), "w2")
     assert second.previous == (1, first.lease.attempt_id)
     assert ledger.latest_attempt(JOB, ep_id(5)) == (2, second.lease.attempt_id)
@@ -428,8 +412,8 @@ def test_lease_is_valid_only_within_its_ttl_by_local_clock(ledger, job):
 def test_reclaim_refused_while_lease_lives(ledger, job, redis_client, keys):
     lease = start_ok(ledger, ep_id(1))
     before = stream_len(redis_client, keys)
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, attempt_rec(lease, ABANDONED)) is False
-    assert ledger.state(JOB, ep_id(1)) == RUNNING
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, attempt_rec(lease, AttemptStatus.ABANDONED)) is False
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.RUNNING
     assert redis_client.zscore(keys.running, lease.member) is not None
     assert stream_len(redis_client, keys) == before
     assert_counts_consistent(ledger)
@@ -439,14 +423,14 @@ def test_reclaim_after_lease_gone(ledger, job, redis_client, keys):
     lease = start_ok(ledger, ep_id(1))
     redis_client.delete(keys.lease(ep_id(1)))
     before = stream_len(redis_client, keys)
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, attempt_rec(lease, ABANDONED, reason="lease_expired")) is True
-    assert ledger.state(JOB, ep_id(1)) == QUEUED
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, attempt_rec(lease, AttemptStatus.ABANDONED, reason="lease_expired")) is True
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.QUEUED
     assert redis_client.zscore(keys.running, lease.member) is None
     assert stream_len(redis_client, keys) == before + 1
-    assert stream_records(redis_client, keys)[-1].status == ABANDONED
-    assert ledger.counts(JOB)[QUEUED] == N and ledger.counts(JOB)[RUNNING] == 0
+    assert stream_records(redis_client, keys)[-1].status == AttemptStatus.ABANDONED
+    assert ledger.counts(JOB)[LedgerState.QUEUED] == N and ledger.counts(JOB)[LedgerState.RUNNING] == 0
     # a second reclaim finds nothing running
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None) is False
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, None) is False
     assert_counts_consistent(ledger)
 
 
@@ -455,8 +439,8 @@ def test_reclaim_to_failed_with_dead_letter(ledger, job, redis_client, keys):
     redis_client.delete(keys.lease(ep_id(1)))
     letter = DeadLetter(job_id=JOB, episode_id=ep_id(1), group_id="g", env_name="arith", reason="attempts_exhausted")
     before = stream_len(redis_client, keys)
-    assert ledger.reclaim(JOB, ep_id(1), FAILED, None, letter) is True
-    assert ledger.state(JOB, ep_id(1)) == FAILED
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.FAILED, None, letter) is True
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.FAILED
     assert stream_len(redis_client, keys) == before  # no record given, none written
     assert unpack(redis_client.hget(keys.dlq, lease.member)).reason == "attempts_exhausted"
     assert redis_client.zscore(keys.dlq_index, lease.member) is not None
@@ -466,8 +450,8 @@ def test_reclaim_to_failed_with_dead_letter(ledger, job, redis_client, keys):
 def test_reclaim_ignores_non_running_but_clears_running_member(ledger, job, redis_client, keys):
     m = member(JOB, ep_id(1))
     redis_client.zadd(keys.running, {m: 1})  # a leftover entry for a queued episode
-    assert ledger.reclaim(JOB, ep_id(1), FAILED, None) is False
-    assert ledger.state(JOB, ep_id(1)) == QUEUED
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.FAILED, None) is False
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.QUEUED
     assert redis_client.zscore(keys.running, m) is None
     assert_counts_consistent(ledger)
 
@@ -476,16 +460,16 @@ def test_reclaim_ignores_non_running_but_clears_running_member(ledger, job, redi
 
 
 def test_move_only_from_allowed_states(ledger, job):
-    assert ledger.move(JOB, ep_id(1), FAILED, [RUNNING]) is False
-    assert ledger.state(JOB, ep_id(1)) == QUEUED
-    assert ledger.move(JOB, ep_id(1), FAILED, [RUNNING, QUEUED]) is True
-    assert ledger.state(JOB, ep_id(1)) == FAILED
-    assert ledger.move(JOB, ep_id(1), QUEUED, []) is False
-    assert ledger.move(JOB, ep_id(1), QUEUED, [DONE]) is False
-    assert ledger.move(JOB, ep_id(1), QUEUED, [FAILED]) is True
-    assert ledger.move(JOB, "unknown", QUEUED, list(LEDGER_STATES)) is False
+    assert ledger.move(JOB, ep_id(1), LedgerState.FAILED, [LedgerState.RUNNING]) is False
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.QUEUED
+    assert ledger.move(JOB, ep_id(1), LedgerState.FAILED, [LedgerState.RUNNING, LedgerState.QUEUED]) is True
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.FAILED
+    assert ledger.move(JOB, ep_id(1), LedgerState.QUEUED, []) is False
+    assert ledger.move(JOB, ep_id(1), LedgerState.QUEUED, [LedgerState.DONE]) is False
+    assert ledger.move(JOB, ep_id(1), LedgerState.QUEUED, [LedgerState.FAILED]) is True
+    assert ledger.move(JOB, "unknown", LedgerState.QUEUED, list(LedgerState)) is False
     assert "unknown" not in ledger.states(JOB)
-    assert ledger.move(JOB, ep_id(1), QUEUED, [QUEUED]) is True  # same state: counts unchanged
+    assert ledger.move(JOB, ep_id(1), LedgerState.QUEUED, [LedgerState.QUEUED]) is True  # same state: counts unchanged
     assert_counts_consistent(ledger)
 
 
@@ -497,26 +481,26 @@ def test_counts_sum_after_a_sequence_of_transitions(ledger, job, redis_client, k
     assert_counts_consistent(ledger)
     b = start_ok(ledger, ep_id(2))
     ledger.start(JOB, ep_id(2), "dup")  # busy
-    assert ledger.finish(a, attempt_rec(a), DONE)
+    assert ledger.finish(a, attempt_rec(a), LedgerState.DONE)
     assert_counts_consistent(ledger)
-    assert ledger.finish(b, attempt_rec(b, ATTEMPT_RETRYING), RETRYING, retry_at=time.time())
-    assert ledger.finish(b, attempt_rec(b), DONE) is False  # stale
+    assert ledger.finish(b, attempt_rec(b, AttemptStatus.RETRYING), LedgerState.RETRYING, retry_at=time.time())
+    assert ledger.finish(b, attempt_rec(b), LedgerState.DONE) is False  # stale
     assert_counts_consistent(ledger)
-    assert ledger.move(JOB, ep_id(2), QUEUED, [RETRYING])
+    assert ledger.move(JOB, ep_id(2), LedgerState.QUEUED, [LedgerState.RETRYING])
     b2 = start_ok(ledger, ep_id(2))
     c = start_ok(ledger, ep_id(3))
     redis_client.delete(keys.lease(ep_id(3)))
-    assert ledger.reclaim(JOB, ep_id(3), QUEUED, None)
+    assert ledger.reclaim(JOB, ep_id(3), LedgerState.QUEUED, None)
     c2 = start_ok(ledger, ep_id(3))
     assert c2.attempt == 2
-    assert ledger.finish(c2, attempt_rec(c2, ATTEMPT_FAILED), FAILED)
-    assert ledger.finish(c, attempt_rec(c), DONE) is False
+    assert ledger.finish(c2, attempt_rec(c2, AttemptStatus.FAILED), LedgerState.FAILED)
+    assert ledger.finish(c, attempt_rec(c), LedgerState.DONE) is False
     ledger.start(JOB, ep_id(1), "late")  # finished
-    assert ledger.move(JOB, ep_id(3), QUEUED, [FAILED])  # re-drive
+    assert ledger.move(JOB, ep_id(3), LedgerState.QUEUED, [LedgerState.FAILED])  # re-drive
     d = start_ok(ledger, ep_id(4))
-    assert ledger.finish(b2, attempt_rec(b2), DONE)
+    assert ledger.finish(b2, attempt_rec(b2), LedgerState.DONE)
     assert_counts_consistent(ledger)
-    assert ledger.counts(JOB) == {QUEUED: 2, RUNNING: 1, RETRYING: 0, DONE: 2, FAILED: 0}
+    assert ledger.counts(JOB) == {LedgerState.QUEUED: 2, LedgerState.RUNNING: 1, LedgerState.RETRYING: 0, LedgerState.DONE: 2, LedgerState.FAILED: 0}
     assert d.attempt == 1
 
 
@@ -541,13 +525,13 @@ def test_lease_expiry_then_reclaim_and_restart(redis_client, keys):
     ledger.create_job(spec, eps)
     lease = start_ok(ledger, ep_id(1))
     assert ledger.expired_running() == []
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None) is False
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, None) is False
     time.sleep(0.5)
     assert redis_client.exists(keys.lease(ep_id(1))) == 0
     assert ledger.expired_running() == [lease.member]
     assert ledger.expired_running(grace_ms=60_000) == []
     # the sweeper re-queued it: the holder cannot write once its lease expired and was reclaimed
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, attempt_rec(lease, ABANDONED)) is True
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, attempt_rec(lease, AttemptStatus.ABANDONED)) is True
     assert ledger.publish(lease, step_rec(lease)) == -1 and lease.lost.is_set()
     assert ledger.expired_running() == []
     again = start_ok(ledger, ep_id(1), "w2")
@@ -579,7 +563,7 @@ def test_publish_many_refuses_only_the_attempts_that_lost_their_episode(ledger, 
     b = start_ok(ledger, ep_id(2))
     c = start_ok(ledger, ep_id(3))
     redis_client.delete(keys.lease(ep_id(1)), keys.lease(ep_id(2)), keys.lease(ep_id(3)))
-    assert ledger.reclaim(JOB, ep_id(2), QUEUED, None)  # the sweeper re-queued b's episode
+    assert ledger.reclaim(JOB, ep_id(2), LedgerState.QUEUED, None)  # the sweeper re-queued b's episode
     redis_client.set(keys.lease(ep_id(3)), "other-worker:x:2")  # someone else holds c's
     n0 = stream_len(redis_client, keys)
     added, n = ledger.publish_many([(a, step_rec(a)), (b, step_rec(b)), (c, step_rec(c))])
@@ -592,8 +576,8 @@ def test_publish_many_refuses_only_the_attempts_that_lost_their_episode(ledger, 
 def test_finish_takes_back_a_lapsed_lease_nobody_took(ledger, job, redis_client, keys):
     a = start_ok(ledger, ep_id(1))
     redis_client.delete(keys.lease(ep_id(1)))
-    assert ledger.finish(a, attempt_rec(a), DONE)
-    assert ledger.state(JOB, ep_id(1)) == DONE and not a.lost.is_set()
+    assert ledger.finish(a, attempt_rec(a), LedgerState.DONE)
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.DONE and not a.lost.is_set()
     assert redis_client.exists(keys.lease(ep_id(1))) == 0
     assert redis_client.zscore(keys.running, a.member) is None
     assert_counts_consistent(ledger)
@@ -602,39 +586,39 @@ def test_finish_takes_back_a_lapsed_lease_nobody_took(ledger, job, redis_client,
 def test_finish_never_takes_back_a_lease_over_a_later_attempt(ledger, job, redis_client, keys):
     old = start_ok(ledger, ep_id(1))
     redis_client.delete(keys.lease(ep_id(1)))
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None)
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, None)
     new = start_ok(ledger, ep_id(1), "w2")
     redis_client.delete(keys.lease(ep_id(1)))  # the new attempt's lapsed too
-    assert not ledger.finish(old, attempt_rec(old), DONE) and old.lost.is_set()
-    assert ledger.state(JOB, ep_id(1)) == RUNNING
-    assert ledger.finish(new, attempt_rec(new), DONE)
+    assert not ledger.finish(old, attempt_rec(old), LedgerState.DONE) and old.lost.is_set()
+    assert ledger.state(JOB, ep_id(1)) == LedgerState.RUNNING
+    assert ledger.finish(new, attempt_rec(new), LedgerState.DONE)
 
 
 # --- a FINISH sent again after its reply was lost -----------------------------------------
 
 
-@pytest.mark.parametrize("new_state", [DONE, RETRYING, QUEUED, FAILED])
+@pytest.mark.parametrize("new_state", [LedgerState.DONE, LedgerState.RETRYING, LedgerState.QUEUED, LedgerState.FAILED])
 def test_finished_as_recognises_our_own_finish(ledger, job, redis_client, keys, new_state):
     """The first FINISH ran, its reply was lost; sent again it is refused (the attempt no
     longer holds a running episode). finished_as reads how the episode ended: by this attempt."""
     a = start_ok(ledger, ep_id(1))
-    assert ledger.finish(a, attempt_rec(a), new_state, retry_at=time.time() + 60 if new_state == RETRYING else None)
+    assert ledger.finish(a, attempt_rec(a), new_state, retry_at=time.time() + 60 if new_state == LedgerState.RETRYING else None)
     n = stream_len(redis_client, keys)
     assert not ledger.finish(a, attempt_rec(a), new_state)  # the repeat writes nothing
     assert stream_len(redis_client, keys) == n
     assert ledger.finished_as(a, new_state)
-    assert not ledger.finished_as(a, DONE if new_state != DONE else FAILED)
+    assert not ledger.finished_as(a, LedgerState.DONE if new_state != LedgerState.DONE else LedgerState.FAILED)
 
 
 def test_finished_as_is_false_when_another_attempt_ended_it(ledger, job, redis_client, keys):
     old = start_ok(ledger, ep_id(1))
     redis_client.delete(keys.lease(ep_id(1)))
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None)
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, None)
     new = start_ok(ledger, ep_id(1), "w2")
-    assert ledger.finish(new, attempt_rec(new), DONE)
-    assert not ledger.finish(old, attempt_rec(old), DONE)
-    assert not ledger.finished_as(old, DONE)
-    assert ledger.finished_as(new, DONE)
+    assert ledger.finish(new, attempt_rec(new), LedgerState.DONE)
+    assert not ledger.finish(old, attempt_rec(old), LedgerState.DONE)
+    assert not ledger.finished_as(old, LedgerState.DONE)
+    assert ledger.finished_as(new, LedgerState.DONE)
 
 
 # --- a START sent again after its reply was lost ------------------------------------------
@@ -646,7 +630,7 @@ def test_start_sent_again_returns_its_attempt_and_predecessor(ledger, job, redis
     the predecessor's env instance can still be closed."""
     first = start_ok(ledger, ep_id(1))
     redis_client.delete(keys.lease(ep_id(1)))
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None)
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, None)
     second = ledger.start(JOB, ep_id(1), "w2", attempt_id="a" * 24)
     assert second.status == "ok" and second.previous == (1, first.attempt_id)
     again = ledger.start(JOB, ep_id(1), "w2", attempt_id="a" * 24)
@@ -677,18 +661,18 @@ def test_a_gap_in_the_sweep_clock_holds_reclaims(ledger, job, redis_client, keys
     assert ledger.sweep_clock(*outage) is False  # first stamp
     assert ledger.sweep_clock(*outage) is False  # no gap
     time.sleep(0.5)
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None, outage=outage) is False  # the gap, seen by reclaim
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, None, outage=outage) is False  # the gap, seen by reclaim
     assert ledger.sweep_clock(*outage) is True  # held
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None, outage=outage) is False
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, None, outage=outage) is False
     assert ledger.renew([a]) is None and not a.lost.is_set()  # the renewer takes it back meanwhile
     deadline = time.monotonic() + 10
     while ledger.sweep_clock(*outage):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None, outage=outage) is False  # live lease: refused
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, None, outage=outage) is False  # live lease: refused
     redis_client.delete(keys.lease(ep_id(1)))
     assert ledger.sweep_clock(*outage) is False
-    assert ledger.reclaim(JOB, ep_id(1), QUEUED, None, outage=outage) is True
+    assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, None, outage=outage) is True
 
 
 def test_no_other_delivery_takes_over_a_lease_lapsed_in_an_outage(ledger, job, redis_client, keys):

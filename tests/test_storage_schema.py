@@ -85,3 +85,37 @@ def test_group_statistics_are_one_formula():
     assert reward_mean_std([]) == (None, None)
     with pytest.raises(ValueError):
         group_stats([])
+
+
+def test_the_rows_the_writer_builds_line_up_with_the_declared_columns():
+    # A stored field is declared in schema.py and filled in by _step_row / _attempt_row in the
+    # column's position: every column here must get its own record field, not its neighbour's.
+    from broker.records import AttemptRecord, StepRecord
+    from consumer.storage.backend import _attempt_row, _step_row
+
+    step = StepRecord(job_id="job", env_id="ep", attempt=3, step_id=7, env_name="env", llm_model="llm",
+                      group_id="grp", messages_json=b'[{"role": "user"}]', response="resp", step_reward=0.25,
+                      cumulative_reward=1.5, terminated=True, truncated=False, episode_finished=True,
+                      is_trainable=False, weight_version="wv9", finish_reason="length", env_latency_s=0.125,
+                      model_latency_s=0.375, created_at=1234.5, attempt_id="aid", prompt_tokens=11,
+                      completion_tokens=13, ended_by="terminated")
+    row = dict(zip(STEP_COLUMNS, _step_row(step), strict=True))
+    assert row == {
+        "session_id": "ep", "step_id": 7, "env_name": "env", "llm_model": "llm", "group_id": "grp", "job_id": "job",
+        "messages": '[{"role": "user"}]', "response": "resp", "step_reward": 0.25, "reward": 1.5,
+        "env_state": row["env_state"], "is_terminal": True, "is_truncated": False, "is_session_completed": True,
+        "is_trainable": False, "created_at": 1234.5, "attempt": 3, "attempt_id": "aid", "weight_version": "wv9",
+        "finish_reason": "length", "ended_by": "terminated", "env_latency_s": 0.125, "model_latency_s": 0.375,
+        "prompt_tokens": 11, "completion_tokens": 13, "created_ts": 1234.5}
+    assert "wv9" in row["env_state"]
+
+    close = AttemptRecord(job_id="job", episode_id="ep", attempt=3, status="failed", group_id="grp", group_size=4,
+                          env_name="env", llm_model="llm", total_reward=0.5, steps=6, reason="env_http_error",
+                          error_class="HTTPError", error="boom", started_at=100.0, finished_at=160.0, worker="w1",
+                          attempt_id="aid", ended_by="", prompt_tokens=17, completion_tokens=19)
+    row = dict(zip(ATTEMPT_COLUMNS, _attempt_row(close), strict=True))
+    assert row == {
+        "episode_id": "ep", "attempt_id": "aid", "attempt": 3, "job_id": "job", "status": "failed",
+        "reason": "env_http_error", "error_class": "HTTPError", "error": "boom", "total_reward": 0.5, "steps": 6,
+        "ended_by": None, "prompt_tokens": 17, "completion_tokens": 19, "started_at": 100.0, "finished_at": 160.0,
+        "worker": "w1"}

@@ -16,9 +16,10 @@ from broker import errors
 from broker.dlq import DeadLetterQueue
 from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
-from broker.ledger import QUEUED, JobExists, Ledger
+from broker.ledger import JobExists, Ledger
 from broker.recovery import Sweeper
 from broker.settings import Settings, redact_url
+from broker.states import LedgerState
 from producer.enqueue import submit
 from tests.test_runner import make_job
 from workers.runner import WorkerRuntime
@@ -134,7 +135,7 @@ def test_failed_episodes_redriven_after_their_letters_were_purged(settings, redi
     redriven = dlq.redrive_failed(job.job_id)
     assert sorted(redriven) == sorted(e.episode_id for e in eps)
     states = Ledger(redis_client, Keys(settings.key_prefix)).states(job.job_id)
-    assert set(states.values()) == {QUEUED}
+    assert set(states.values()) == {LedgerState.QUEUED}
 
 
 def test_urls_and_settings_are_shown_without_secrets():

@@ -27,15 +27,8 @@ from typing import Any, Callable, Protocol
 import orjson
 
 from broker.errors import ContextOverflow
-from broker.records import (
-    CONTEXT_LENGTH,
-    ENDED_EMPTY_PROMPT,
-    ENDED_LENGTH,
-    ENDED_MAX_STEPS,
-    ENDED_TERMINATED,
-    ENDED_TRUNCATED,
-    StepRecord,
-)
+from broker.records import StepRecord
+from broker.states import EndedBy
 from broker.tokens import TOKENS_INVALID, TOKENS_MISSING, TOKENS_OK, first_difference
 from workers.envport import EnvPort
 from workers.hooks import EpisodeHook
@@ -147,7 +140,7 @@ def run_episode(
             prompt_raw = _hook_handle(hook, cfg, step_id, prompt_raw)
             prompt = trim_messages(prompt_raw, cfg.message_cut)
             if not prompt:
-                out.ended_by = ENDED_EMPTY_PROMPT
+                out.ended_by = EndedBy.EMPTY_PROMPT
                 break
 
             check()
@@ -162,7 +155,7 @@ def run_episode(
                 last_weight_version = completion.weight_version
                 action, finish_reason = completion.content or "", completion.finish_reason or "stop"
             else:
-                action, finish_reason = "", CONTEXT_LENGTH
+                action, finish_reason = "", EndedBy.CONTEXT_LENGTH
             prompt_tokens = getattr(completion, "prompt_tokens", None)
             completion_tokens = getattr(completion, "completion_tokens", None)
             out.prompt_tokens += prompt_tokens or 0
@@ -199,7 +192,7 @@ def run_episode(
                 # The model side ended it: the prompt did not fit, or the answer was cut off.
                 # The env never sees an action; the episode ends truncated.
                 out.steps = step_id
-                out.ended_by = CONTEXT_LENGTH if overflow is not None else ENDED_LENGTH
+                out.ended_by = EndedBy.CONTEXT_LENGTH if overflow is not None else EndedBy.LENGTH
                 if overflow is not None:
                     log.log(logging.WARNING if step_id == 1 else logging.INFO,
                             "episode %s step %d: the prompt outgrew the model's context; the episode ends "
@@ -224,8 +217,8 @@ def run_episode(
             out.last_info = result.info if isinstance(result.info, dict) else None
             done = bool(result.terminated or result.truncated)
             last = done or step_id == cfg.max_steps
-            ended_by = ((ENDED_TERMINATED if result.terminated else ENDED_TRUNCATED) if done
-                        else ENDED_MAX_STEPS if last else "")
+            ended_by = ((EndedBy.TERMINATED if result.terminated else EndedBy.TRUNCATED) if done
+                        else EndedBy.MAX_STEPS if last else "")
             publish(StepRecord(**common, step_reward=reward, cumulative_reward=out.total_reward,
                                terminated=bool(result.terminated), truncated=bool(result.truncated),
                                episode_finished=last,
@@ -238,7 +231,7 @@ def run_episode(
                 out.ended_by = ended_by
                 break
         else:
-            out.ended_by = ENDED_MAX_STEPS
+            out.ended_by = EndedBy.MAX_STEPS
         return out
     finally:
         try:

@@ -39,26 +39,13 @@ from broker.caps import FleetSlots, Limits, server_name
 from broker.keys import Keys, env_instance_id, member
 from broker.ledger import Lease, Ledger
 from broker.queueing import send_episodes
-from broker.records import (
-    ABANDONED,
-    ATTEMPT_FAILED,
-    ATTEMPT_RETRYING,
-    COMPLETED,
-    DONE,
-    FAILED,
-    QUEUED,
-    RETRYING,
-    AttemptRecord,
-    EpisodeSpec,
-    JobSpec,
-    StepRecord,
-    new_attempt_id,
-)
+from broker.records import AttemptRecord, EpisodeSpec, JobSpec, StepRecord, new_attempt_id
 from broker.pause import PARKED
 from broker.ratelimit import RateLimits
 from broker.recovery import SweepDuty, Sweeper
 from broker.redisconn import connect
 from broker.settings import Settings, origin_of, redact_url
+from broker.states import AttemptStatus, CloseAction, LedgerState
 from broker.urls import url_problem
 from envs.base import valid_object_path
 from workers import limits
@@ -266,16 +253,16 @@ class WorkerRuntime:
             return self._close_error(lease, base, spec, job, err, self._traceback(exc))
 
         base.update(timings.record_fields())
-        record = AttemptRecord(**base, status=COMPLETED, total_reward=outcome.total_reward,
+        record = AttemptRecord(**base, status=AttemptStatus.COMPLETED, total_reward=outcome.total_reward,
                                steps=outcome.steps, last_info=outcome.last_info, ended_by=outcome.ended_by,
                                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
-        if not self._finish(lease, record, DONE):
+        if not self._finish(lease, record, LedgerState.DONE):
             log.warning("episode %s attempt %d: lease lost before completion was recorded", spec.episode_id, lease.attempt)
             return errors.LEASE_LOST
         self.pause_watch.succeeded(job)
         log.info("episode %s attempt %d completed: reward=%.3f steps=%d", spec.episode_id, lease.attempt,
                  outcome.total_reward, outcome.steps)
-        return COMPLETED
+        return AttemptStatus.COMPLETED
 
     # --- trust boundaries ------------------------------------------------------------
     def _refused(self, job: JobSpec, spec: EpisodeSpec) -> str:
@@ -458,37 +445,37 @@ class WorkerRuntime:
             limit = self._through_outage(lease, "reading its attempt limit", lambda: self.ledger.attempt_limit(
                 lease.job_id, lease.episode_id, job.max_attempts))
         close = closing.decide(exc, lease.attempt, limit, outage_seen, max_attempts=job.max_attempts)
-        if close.action == closing.ABANDON:
+        if close.action == CloseAction.ABANDON:
             log.warning("episode %s attempt %d abandoned: %s", lease.episode_id, lease.attempt, message)
             return errors.LEASE_LOST
         error_class = type(exc.__cause__ or exc).__name__
         if close.uncounted:  # ended by a server going down (or by what its restart lost), or handed back
             self._through_outage(lease, "granting an uncounted attempt", lambda: self.ledger.grant_extra_attempt(
                 lease.job_id, lease.episode_id, job.max_attempts))
-        if close.action == closing.HAND_BACK:
-            record = AttemptRecord(**base, status=ABANDONED, reason=exc.reason, error_class=error_class, error=message)
-            if self._finish(lease, record, QUEUED):
+        if close.action == CloseAction.HAND_BACK:
+            record = AttemptRecord(**base, status=AttemptStatus.ABANDONED, reason=exc.reason, error_class=error_class, error=message)
+            if self._finish(lease, record, LedgerState.QUEUED):
                 send_episodes(self.redis, [(lease.job_id, lease.episode_id, self.settings.queue_for(spec))])
             return errors.WORKER_SHUTDOWN
         message = close.message(exc, message, lease.attempt)
-        if close.action == closing.RETRY:
-            record = AttemptRecord(**base, status=ATTEMPT_RETRYING, reason=exc.reason, error_class=error_class,
+        if close.action == CloseAction.RETRY:
+            record = AttemptRecord(**base, status=AttemptStatus.RETRYING, reason=exc.reason, error_class=error_class,
                                    error=message)
             retry_at = time.time() + retry_delay(self.settings, lease.attempt)
-            self._finish(lease, record, RETRYING, retry_at=retry_at)
+            self._finish(lease, record, LedgerState.RETRYING, retry_at=retry_at)
             log.warning("episode %s attempt %d/%d failed (%s); retrying", lease.episode_id, lease.attempt,
                         close.limit, exc)
-            return ATTEMPT_RETRYING
+            return AttemptStatus.RETRYING
         return self._close_failed(lease, base, spec, exc, tb, message=message, error_class=error_class)
 
     def _close_failed(self, lease, base, spec, exc, tb, *, message=None, error_class=None) -> str:
         message = self._redact(message if message is not None else str(exc.args[0]))
         error_class = error_class or type(exc).__name__
-        record = AttemptRecord(**base, status=ATTEMPT_FAILED, reason=exc.reason, error_class=error_class, error=message)
+        record = AttemptRecord(**base, status=AttemptStatus.FAILED, reason=exc.reason, error_class=error_class, error=message)
         letter = closing.dead_letter(record, spec, traceback=self._redact(tb))
-        self._finish(lease, record, FAILED, dead_letter=letter)
+        self._finish(lease, record, LedgerState.FAILED, dead_letter=letter)
         log.error("episode %s attempt %d dead-lettered: %s: %s", lease.episode_id, lease.attempt, exc.reason, message)
-        return ATTEMPT_FAILED
+        return AttemptStatus.FAILED
 
     def _traceback(self, exc: BaseException) -> str:
         return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-6))[-4000:]

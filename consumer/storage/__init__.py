@@ -14,17 +14,8 @@ from __future__ import annotations
 import os
 
 from consumer.storage.backend import ResultStore, StoreError, WriteResult
-from consumer.storage.plan import (
-    EP_COMPLETED,
-    EP_COMPLETING,
-    EP_FAILED,
-    EP_RETRYING,
-    EP_RUNNING,
-    EPISODE_STATUSES,
-)
 
-__all__ = ["open_store", "is_postgres", "ResultStore", "StoreError", "WriteResult", "EP_COMPLETED",
-           "EP_COMPLETING", "EP_FAILED", "EP_RETRYING", "EP_RUNNING", "EPISODE_STATUSES"]
+__all__ = ["open_store", "is_postgres", "ResultStore", "StoreError", "WriteResult"]
 
 
 def is_postgres(target: str) -> bool:

@@ -49,23 +49,13 @@ import orjson
 
 from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord
 from broker.settings import redact_url
+from broker.states import AttemptStatus, StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import schema
 from consumer.storage import tokens as step_tokens_table
 from consumer.storage.browse import StoreBrowse
 from consumer.storage.group_stats import reward_mean_std
-from consumer.storage.plan import (
-    EP_COMPLETED,
-    EP_COMPLETING,
-    EP_FAILED,
-    STEPS_LOST,
-    Batch,
-    EpisodeState,
-    Plan,
-    lost_completion,
-    plan_batch,
-    settle,
-)
+from consumer.storage.plan import STEPS_LOST, Batch, EpisodeState, Plan, lost_completion, plan_batch, settle
 from consumer.storage.reads import StoreReads
 from consumer.storage.sqltext import chunks, marks, values
 
@@ -162,7 +152,7 @@ class ResultStore(StoreReads, StoreBrowse):
                 result.session_steps = len(plan.session_steps)
                 result.superseded_steps = len(plan.superseded_steps)
                 result.completing = [(st.episode_id, st.completed_attempt_id, st.close_entry)
-                                     for st in plan.states.values() if st.status == EP_COMPLETING]
+                                     for st in plan.states.values() if st.status == StoredStatus.COMPLETING]
                 result.failed_after_completion = list(plan.failed_after_completion)
         return result
 
@@ -267,10 +257,9 @@ class ResultStore(StoreReads, StoreBrowse):
         self.executemany(
             f"INSERT INTO attempts ({cols}) VALUES ({marks(ATTEMPT_COLUMNS)}) "
             "ON CONFLICT (episode_id, attempt_id) DO UPDATE SET "
-            f"{updates} WHERE excluded.status = 'completed' AND attempts.status <> 'completed'",
-            [_clean((c.episode_id, c.attempt_id, c.attempt, c.job_id, c.status, c.reason, c.error_class, c.error,
-                     float(c.total_reward or 0.0), c.steps, c.ended_by or None, c.prompt_tokens, c.completion_tokens,
-                     c.started_at, c.finished_at, c.worker)) for c in closes],
+            f"{updates} WHERE excluded.status = '{AttemptStatus.COMPLETED}' "
+            f"AND attempts.status <> '{AttemptStatus.COMPLETED}'",
+            [_attempt_row(c) for c in closes],
         )
         # where each attempt's time went (records v5), kept by the same rule (consumer/storage/phases.py)
         phase_rows = attempt_phases_table.rows(closes)
@@ -304,14 +293,14 @@ class ResultStore(StoreReads, StoreBrowse):
             f"ON CONFLICT (episode_id) DO UPDATE SET {updates}",
             [_clean(st.row(now)) for st in plan.states.values()],
         )
-        flips = [(st.status == EP_COMPLETED, st.episode_id) for st in plan.states.values()
-                 if (st.status == EP_COMPLETED) != (st.loaded_status == EP_COMPLETED)]
+        flips = [(st.status == StoredStatus.COMPLETED, st.episode_id) for st in plan.states.values()
+                 if (st.status == StoredStatus.COMPLETED) != (st.loaded_status == StoredStatus.COMPLETED)]
         if flips:
             self.executemany("UPDATE job_environments SET finished = ? WHERE env_id = ?", flips)
         groups = {}
         for st in plan.states.values():
             if (st.new or st.status != st.loaded_status or st.group_size
-                    or (st.status == EP_COMPLETED and st.total_reward != st.loaded_reward)):
+                    or (st.status == StoredStatus.COMPLETED and st.total_reward != st.loaded_reward)):
                 g = groups.setdefault(st.group_id, [st.job_id, st.env_name, 0])
                 g[2] = max(g[2], st.group_size)
         groups.pop(None, None)
@@ -337,9 +326,9 @@ class ResultStore(StoreReads, StoreBrowse):
                 "SELECT group_id, episode_id, status, total_reward, reason FROM episodes "
                 f"WHERE group_id IN ({marks(chunk)}) ORDER BY group_id, episode_id", chunk,
             ):
-                if st == EP_COMPLETED:
+                if st == StoredStatus.COMPLETED:
                     members[gid][0].append(float(tr or 0.0))
-                elif st == EP_FAILED:
+                elif st == StoredStatus.FAILED:
                     members[gid][1].append((ep_id, reason))
         rows = []
         for gid in ids:
@@ -372,12 +361,12 @@ class ResultStore(StoreReads, StoreBrowse):
         with self.transaction():
             self.lock_episodes([episode_id])
             st = self._load_states([episode_id]).get(episode_id)
-            if st is None or st.status != EP_COMPLETING or st.completed_attempt_id != attempt_id:
+            if st is None or st.status != StoredStatus.COMPLETING or st.completed_attempt_id != attempt_id:
                 return ""
             now = time.time()
             self._move_steps(episode_id, attempt_id, STEPS_LOST, now)
             status = lost_completion(st, max_reopens=max_reopens, poisoned=poisoned)
-            if status == EP_FAILED:
+            if status == StoredStatus.FAILED:
                 st.finished_at = now
             self._save_states(Plan(states={episode_id: st}), now)
         return status
@@ -416,7 +405,15 @@ def _clean(row: tuple) -> tuple:
     return tuple(_nul_free(v) for v in row)
 
 
+def _attempt_row(c: AttemptRecord) -> tuple:
+    """An ``attempts`` row, in ATTEMPT_COLUMNS order (schema.ATTEMPTS)."""
+    return _clean((c.episode_id, c.attempt_id, c.attempt, c.job_id, c.status, c.reason, c.error_class, c.error,
+                   float(c.total_reward or 0.0), c.steps, c.ended_by or None, c.prompt_tokens, c.completion_tokens,
+                   c.started_at, c.finished_at, c.worker))
+
+
 def _step_row(s: StepRecord) -> tuple:
+    """A ``session_steps`` row, in STEP_COLUMNS order (schema.STEP_FIELDS)."""
     # the model server's version when it sent one, else the feed's (broker/records.py v4)
     wv = s.weight_version if s.weight_version is not None else s.policy_version
     mj = s.messages_json

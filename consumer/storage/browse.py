@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from consumer.storage.plan import EP_COMPLETED
+from broker.states import StoredStatus
 from consumer.storage.sqltext import chunks, marks
 
 
@@ -172,13 +172,13 @@ class StoreBrowse:
         ):
             out["statuses"][status] = int(n)
             out["steps"] += int(steps)
-            if status == EP_COMPLETED:
+            if status == StoredStatus.COMPLETED:
                 out["reward_sum"] = float(reward)
             if first is not None and (out["first_started"] is None or first < out["first_started"]):
                 out["first_started"] = first
             if last is not None and (out["last_finished"] is None or last > out["last_finished"]):
                 out["last_finished"] = last
-        done = out["statuses"].get(EP_COMPLETED, 0)
+        done = out["statuses"].get(StoredStatus.COMPLETED, 0)
         out["mean_reward"] = out["reward_sum"] / done if done else None
         rows = self.query("SELECT episodes, groups, model, created_at FROM jobs WHERE job_id = ?", (job_id,))
         out["episodes_expected"], out["groups_expected"], out["model"], out["created_at"] = (
@@ -213,5 +213,6 @@ class StoreBrowse:
     def reward_points(self, job_id: str) -> list[tuple[str, float, float | None]]:
         """(env_name, total reward, finished at) of every completed episode: distributions, trends."""
         return [(e, float(r or 0.0), f) for e, r, f in self.query(
-            "SELECT env_name, total_reward, finished_at FROM episodes WHERE job_id = ? AND status = 'completed' "
+            "SELECT env_name, total_reward, finished_at FROM episodes "
+            f"WHERE job_id = ? AND status = '{StoredStatus.COMPLETED}' "
             "ORDER BY finished_at", (job_id,))]

@@ -20,6 +20,7 @@ with the other tables' in schema.py.
 from __future__ import annotations
 
 from broker.records import AttemptRecord
+from broker.states import AttemptStatus
 from consumer.storage import schema
 
 TABLE = schema.ATTEMPT_PHASES.name
@@ -32,7 +33,8 @@ POSTGRES_DDL = schema.ATTEMPT_PHASES.ddl(schema.POSTGRES)
 INSERT = (f"INSERT INTO attempt_phases ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)}) "
           f"ON CONFLICT (episode_id, attempt_id) DO UPDATE SET "
           + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[2:])
-          + " WHERE excluded.status = 'completed' AND attempt_phases.status <> 'completed'")
+          + f" WHERE excluded.status = '{AttemptStatus.COMPLETED}'"
+          + f" AND attempt_phases.status <> '{AttemptStatus.COMPLETED}'")
 
 
 def rows(closes: list[AttemptRecord]) -> list[tuple]:

@@ -38,23 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from broker.errors import STEPS_LOST
-from broker.records import (
-    ABANDONED,
-    ATTEMPT_FAILED,
-    ATTEMPT_RETRYING,
-    COMPLETED,
-    AttemptRecord,
-    EpisodesEnqueued,
-    EpisodeSpec,
-    JobSpec,
-    StepRecord,
-)
+from broker.records import AttemptRecord, EpisodesEnqueued, EpisodeSpec, JobSpec, StepRecord
+from broker.states import AttemptStatus, StoredStatus
 
-# Episode statuses (episodes.status).
-EP_RUNNING, EP_COMPLETING, EP_COMPLETED, EP_RETRYING, EP_FAILED = (
-    "running", "completing", "completed", "retrying", "failed")
-EPISODE_STATUSES = (EP_RUNNING, EP_COMPLETING, EP_COMPLETED, EP_RETRYING, EP_FAILED)
-_CLOSED_STATUS = {ATTEMPT_FAILED: EP_FAILED, ATTEMPT_RETRYING: EP_RETRYING, ABANDONED: EP_RETRYING}
+# The row status an attempt's close (other than completed) leaves its episode in.
+_CLOSED_STATUS = {AttemptStatus.FAILED: StoredStatus.FAILED, AttemptStatus.RETRYING: StoredStatus.RETRYING,
+                  AttemptStatus.ABANDONED: StoredStatus.RETRYING}
 
 # Why rows are in superseded_steps (superseded_steps.superseded_reason).
 SUPERSEDED = "superseded"  # a newer attempt took over
@@ -79,7 +68,7 @@ class EpisodeState:
     group_id: str = ""
     env_name: str = ""
     llm_model: str = ""
-    status: str = EP_RUNNING
+    status: str = StoredStatus.RUNNING
     attempt: int = 0  # the current attempt's number (0: none seen)
     attempt_id: str = ""
     attempt_started: float | None = None
@@ -213,7 +202,7 @@ class _Planner:
     def _switch(self, st: EpisodeState, number: int, attempt_id: str, started: float | None, same_number: bool) -> None:
         if st.attempt_id:
             self._set_aside_current(st, ROLLED_BACK if same_number else SUPERSEDED)
-        if st.status == EP_FAILED:
+        if st.status == StoredStatus.FAILED:
             # A failed episode taken over (a re-drive; or an attempt that was running when a
             # lower-numbered dead letter was processed after its rows and set them aside): any
             # rows of the attempt set aside so far are its trajectory again.
@@ -248,7 +237,7 @@ class _Planner:
         """The episode runs under this attempt now: whatever ended the previous one is forgotten."""
         st.attempt, st.attempt_id, st.attempt_started = number, attempt_id, started
         st.attempt_closed = ""
-        st.status = EP_RUNNING
+        st.status = StoredStatus.RUNNING
         st.reason = st.error_class = st.error = st.ended_by = None
         st.finished_at = None
 
@@ -269,7 +258,7 @@ class _Planner:
         if st.started_at is None or (s.created_at and s.created_at < st.started_at):
             st.started_at = s.created_at
         why = self._route(st, s.attempt, attempt_id, s.created_at)
-        if why is None and st.attempt_closed and st.attempt_closed != COMPLETED:
+        if why is None and st.attempt_closed and st.attempt_closed != AttemptStatus.COMPLETED:
             why = f"closed:{st.attempt_closed}"
         if why is not None:
             self.plan.superseded_steps.append((s, why))
@@ -289,13 +278,13 @@ class _Planner:
         if c.started_at and c.started_at > 0 and (st.started_at is None or c.started_at < st.started_at):
             st.started_at = c.started_at
         why = self._route(st, c.attempt, attempt_id, c.started_at or None)
-        if why in (STALE, ROLLED_BACK) and c.status in (COMPLETED, ATTEMPT_FAILED):
-            self._adopt(st, c.attempt, attempt_id, c.started_at or None, completed=c.status == COMPLETED)
+        if why in (STALE, ROLLED_BACK) and c.status in (AttemptStatus.COMPLETED, AttemptStatus.FAILED):
+            self._adopt(st, c.attempt, attempt_id, c.started_at or None, completed=c.status == AttemptStatus.COMPLETED)
             why = None
         if why is not None:
             # An older attempt's close, or a close after another attempt's completion: recorded,
             # no effect. A dead letter after a completion means Redis forgot the completion.
-            if why == COMPLETED_BY_OTHER and c.status == ATTEMPT_FAILED:
+            if why == COMPLETED_BY_OTHER and c.status == AttemptStatus.FAILED:
                 self.plan.failed_after_completion.append((c.job_id, c.episode_id))
             return
         if st.completed_attempt_id:
@@ -303,7 +292,7 @@ class _Planner:
         if c.started_at and c.started_at > 0:
             st.attempt_started = c.started_at
         st.attempt_closed = c.status
-        if c.status == COMPLETED:
+        if c.status == AttemptStatus.COMPLETED:
             st.completed_attempt_id = attempt_id
             st.expected_steps = c.steps
             st.total_reward = float(c.total_reward or 0.0)
@@ -313,9 +302,9 @@ class _Planner:
             st.reason = st.error_class = st.error = None
             return
         self._set_aside_current(st, closed_reason(c))
-        st.status = _CLOSED_STATUS.get(c.status, EP_RETRYING)
+        st.status = _CLOSED_STATUS.get(c.status, StoredStatus.RETRYING)
         st.reason, st.error_class, st.error = c.reason or None, c.error_class or None, c.error or None
-        st.finished_at = c.finished_at if st.status == EP_FAILED else None
+        st.finished_at = c.finished_at if st.status == StoredStatus.FAILED else None
 
 
 def plan_batch(batch: Batch, loaded: dict[str, EpisodeState]) -> Plan:
@@ -348,12 +337,12 @@ def settle(st: EpisodeState, stored: tuple[int, float, int, int] | None) -> None
     if st.completed_attempt_id:
         st.steps = n
         st.prompt_tokens, st.completion_tokens = p_tokens, c_tokens
-        st.status = EP_COMPLETED if n >= st.expected_steps else EP_COMPLETING
+        st.status = StoredStatus.COMPLETED if n >= st.expected_steps else StoredStatus.COMPLETING
         return
-    if st.attempt_closed and st.attempt_closed != COMPLETED:
+    if st.attempt_closed and st.attempt_closed != AttemptStatus.COMPLETED:
         st.steps, st.total_reward = 0, 0.0
         return
-    st.status = EP_RUNNING
+    st.status = StoredStatus.RUNNING
     st.steps, st.total_reward = n, reward
     st.prompt_tokens, st.completion_tokens = p_tokens, c_tokens
 
@@ -382,11 +371,11 @@ def lost_completion(st: EpisodeState, *, max_reopens: int | None, poisoned: bool
                 + (f": {why}" if why else "")) if lost > 0 else why or None
     st.steps, st.total_reward, st.close_entry = 0, 0.0, ""
     if why:
-        st.status, st.attempt_closed = EP_FAILED, ATTEMPT_FAILED
-        return EP_FAILED
+        st.status, st.attempt_closed = StoredStatus.FAILED, AttemptStatus.FAILED
+        return StoredStatus.FAILED
     st.reopens += 1
-    st.status, st.attempt_closed, st.finished_at = EP_RETRYING, ATTEMPT_RETRYING, None
-    return EP_RETRYING
+    st.status, st.attempt_closed, st.finished_at = StoredStatus.RETRYING, AttemptStatus.RETRYING, None
+    return StoredStatus.RETRYING
 
 
 def now() -> float:

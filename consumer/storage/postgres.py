@@ -28,6 +28,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from broker.states import StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import schema
 from consumer.storage import tokens as step_tokens_table
@@ -238,7 +239,7 @@ class PostgresStore(ResultStore):
         # nothing seen yet.
         self.executemany(
             "INSERT INTO episodes (episode_id, job_id, status, attempt, attempt_id, attempts) "
-            "VALUES (?, '', 'running', 0, '', 0) ON CONFLICT (episode_id) DO NOTHING",
+            f"VALUES (?, '', '{StoredStatus.RUNNING}', 0, '', 0) ON CONFLICT (episode_id) DO NOTHING",
             [(e,) for e in episode_ids])
         for chunk in chunks(list(episode_ids)):
             self.query(f"SELECT 1 FROM episodes WHERE episode_id IN ({marks(chunk)}) ORDER BY episode_id FOR UPDATE",

@@ -16,10 +16,9 @@ from typing import Any, Sequence
 
 import orjson
 
-from broker.records import PHASES
+from broker.states import LedgerState, Phase, StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import tokens as step_tokens_table
-from consumer.storage.plan import EP_COMPLETED, EP_COMPLETING, EP_FAILED, EP_RETRYING, EP_RUNNING
 from consumer.storage.sqltext import chunks, marks
 
 
@@ -57,20 +56,21 @@ class StoreReads:
             "COALESCE(SUM(completion_tokens), 0), MIN(started_at), MAX(finished_at) FROM episodes WHERE job_id = ?",
             (job_id,))[0]
         (mean_reward,) = self.query(
-            "SELECT AVG(total_reward) FROM episodes WHERE job_id = ? AND status = 'completed'", (job_id,))[0]
+            f"SELECT AVG(total_reward) FROM episodes WHERE job_id = ? AND status = '{StoredStatus.COMPLETED}'", (job_id,))[0]
         (announced,) = self.query("SELECT COUNT(*) FROM job_environments WHERE job_id = ?", (job_id,))[0]
-        # Why the completed episodes ended (broker.records.ENDED_BY): a prompt outgrowing the
+        # Why the completed episodes ended (broker.states.EndedBy): a prompt outgrowing the
         # model's context shows here as context_length.
         ended_by = {why or "unknown": int(n) for why, n in self.query(
-            "SELECT ended_by, COUNT(*) FROM episodes WHERE job_id = ? AND status = 'completed' GROUP BY ended_by "
+            "SELECT ended_by, COUNT(*) FROM episodes "
+            f"WHERE job_id = ? AND status = '{StoredStatus.COMPLETED}' GROUP BY ended_by "
             "ORDER BY COUNT(*) DESC, ended_by", (job_id,))}
         by_env = {}
         for env, n, comp, fail, mean, lo, hi, pt, ct in self.query(
-            "SELECT env_name, COUNT(*), SUM(CASE WHEN status = 'completed' THEN 1 ELSE 0 END), "
-            "SUM(CASE WHEN status = 'failed' THEN 1 ELSE 0 END), "
-            "AVG(CASE WHEN status = 'completed' THEN total_reward END), "
-            "MIN(CASE WHEN status = 'completed' THEN total_reward END), "
-            "MAX(CASE WHEN status = 'completed' THEN total_reward END), "
+            f"SELECT env_name, COUNT(*), SUM(CASE WHEN status = '{StoredStatus.COMPLETED}' THEN 1 ELSE 0 END), "
+            f"SUM(CASE WHEN status = '{StoredStatus.FAILED}' THEN 1 ELSE 0 END), "
+            f"AVG(CASE WHEN status = '{StoredStatus.COMPLETED}' THEN total_reward END), "
+            f"MIN(CASE WHEN status = '{StoredStatus.COMPLETED}' THEN total_reward END), "
+            f"MAX(CASE WHEN status = '{StoredStatus.COMPLETED}' THEN total_reward END), "
             "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) "
             "FROM episodes WHERE job_id = ? GROUP BY env_name ORDER BY env_name",
             (job_id,),
@@ -97,15 +97,16 @@ class StoreReads:
                 "groups_expected": spec.get("groups"),
                 "episodes": started,
                 "announced": int(announced),
-                "queued": max(0, (expected or announced or 0) - started),
-                "completed": counts.get(EP_COMPLETED, 0),
-                "failed": counts.get(EP_FAILED, 0),
-                "running": counts.get(EP_RUNNING, 0),
-                "retrying": counts.get(EP_RETRYING, 0),
-                "completing": counts.get(EP_COMPLETING, 0),
+                # not started yet: the ledger's word for it, beside the stored rows' statuses
+                LedgerState.QUEUED: max(0, (expected or announced or 0) - started),
+                StoredStatus.COMPLETED: counts.get(StoredStatus.COMPLETED, 0),
+                StoredStatus.FAILED: counts.get(StoredStatus.FAILED, 0),
+                StoredStatus.RUNNING: counts.get(StoredStatus.RUNNING, 0),
+                StoredStatus.RETRYING: counts.get(StoredStatus.RETRYING, 0),
+                StoredStatus.COMPLETING: counts.get(StoredStatus.COMPLETING, 0),
                 "attempts": int(n_attempts),
                 "steps": int(n_steps),
-                "short_trajectories": counts.get(EP_COMPLETING, 0),
+                "short_trajectories": counts.get(StoredStatus.COMPLETING, 0),
                 "mean_reward": mean_reward,
                 "prompt_tokens": int(p_tok),
                 "completion_tokens": int(c_tok),
@@ -129,7 +130,7 @@ class StoreReads:
         }
 
     def phase_summary(self, job_id: str) -> dict | None:
-        """Where the job's attempts' time went (records v5, broker/records.py PHASES): per phase,
+        """Where the job's attempts' time went (records v5, broker/records.py Phase): per phase,
         the mean seconds per attempt over the attempts that timed it, how many did, and the
         total. None when no attempt of the job was timed (older records or store)."""
         if not self.has_table(attempt_phases_table.TABLE):
@@ -141,7 +142,7 @@ class StoreReads:
         if not row[0]:
             return None
         out: dict[str, Any] = {"attempts": int(row[0]), "mean_s": {}, "timed": {}, "total_s": {}}
-        for i, phase in enumerate(PHASES):
+        for i, phase in enumerate(Phase):
             mean, n, total = row[1 + 3 * i: 4 + 3 * i]
             out["mean_s"][phase] = None if mean is None else float(mean)
             out["timed"][phase] = int(n)
@@ -221,7 +222,8 @@ class StoreReads:
     def completing(self, limit: int = 1000) -> list[tuple[str, str, str, str]]:
         """Completions still waiting for steps: (episode, job, attempt_id, close entry id)."""
         return [tuple(r) for r in self.query(
-            "SELECT episode_id, job_id, completed_attempt_id, close_entry FROM episodes WHERE status = 'completing' "
+            "SELECT episode_id, job_id, completed_attempt_id, close_entry FROM episodes "
+            f"WHERE status = '{StoredStatus.COMPLETING}' "
             "ORDER BY updated_at LIMIT ?", (limit,))]
 
     def job_environment(self, env_id: str) -> dict | None:

@@ -15,8 +15,8 @@ its readers rely on. The migrations from older schemas stay with their backend (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from broker.states import Phase
 
-from broker.records import PHASES
 
 #: This code's schema. A store of a newer one is refused; an older one is migrated by a writer.
 SCHEMA_VERSION = 3
@@ -300,8 +300,8 @@ STEP_TOKENS = Table("step_tokens", (
 ), constraints=("UNIQUE (session_id, attempt_id, step_id)",),
     indexes=(Index("step_tokens_job", "step_tokens", "job_id, token_status"),))
 
-#: Column of each phase (broker/records.py PHASES): ``<phase>_s``, as AttemptRecord names it.
-PHASE_COLUMNS = tuple(f"{p}_s" for p in PHASES)
+#: Column of each phase (broker/records.py Phase): ``<phase>_s``, as AttemptRecord names it.
+PHASE_COLUMNS = tuple(f"{p}_s" for p in Phase)
 
 # consumer/storage/phases.py
 ATTEMPT_PHASES = Table("attempt_phases", (

@@ -20,6 +20,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from broker.states import StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import schema
 from consumer.storage import tokens as step_tokens_table
@@ -60,7 +61,7 @@ DROP INDEX IF EXISTS episodes_group;
 INSERT INTO session_steps ({_STEP_COLS})
     SELECT {_V1_STEP_SELECT} FROM v1_session_steps s
     WHERE s.superseded = 0 AND NOT EXISTS (
-        SELECT 1 FROM v1_episodes e WHERE e.episode_id = s.env_id AND e.status IN ('failed', 'retrying'));
+        SELECT 1 FROM v1_episodes e WHERE e.episode_id = s.env_id AND e.status IN ('{StoredStatus.FAILED}', '{StoredStatus.RETRYING}'));
 INSERT INTO superseded_steps ({_STEP_COLS}, superseded_reason, superseded_at)
     SELECT {_V1_STEP_SELECT},
         CASE WHEN s.superseded = 1 THEN 'superseded'
@@ -68,15 +69,15 @@ INSERT INTO superseded_steps ({_STEP_COLS}, superseded_reason, superseded_at)
         s.created_at
     FROM v1_session_steps s
     WHERE s.superseded = 1 OR EXISTS (
-        SELECT 1 FROM v1_episodes e WHERE e.episode_id = s.env_id AND e.status IN ('failed', 'retrying'));
+        SELECT 1 FROM v1_episodes e WHERE e.episode_id = s.env_id AND e.status IN ('{StoredStatus.FAILED}', '{StoredStatus.RETRYING}'));
 INSERT INTO episodes (episode_id, job_id, group_id, env_name, llm_model, status, attempt, attempt_id,
         attempt_started, attempt_closed, completed_attempt_id, attempts, total_reward, steps, expected_steps,
         reason, error_class, error, ended_by, prompt_tokens, completion_tokens, started_at, finished_at,
         group_size, close_entry, duration_s, updated_at)
     SELECT episode_id, job_id, group_id, env_name, llm_model, status, attempt, 'n' || attempt,
-        started_at, CASE status WHEN 'running' THEN '' ELSE status END,
-        CASE status WHEN 'completed' THEN 'n' || attempt ELSE '' END, attempts, total_reward,
-        CASE WHEN status IN ('failed', 'retrying') THEN 0 ELSE steps END, steps,
+        started_at, CASE status WHEN '{StoredStatus.RUNNING}' THEN '' ELSE status END,
+        CASE status WHEN '{StoredStatus.COMPLETED}' THEN 'n' || attempt ELSE '' END, attempts, total_reward,
+        CASE WHEN status IN ('{StoredStatus.FAILED}', '{StoredStatus.RETRYING}') THEN 0 ELSE steps END, steps,
         reason, error_class, error, NULL, 0, 0, started_at, finished_at,
         (SELECT g.size FROM groups g WHERE g.group_id = v1_episodes.group_id), '', duration_s, updated_at
     FROM v1_episodes;
@@ -86,7 +87,7 @@ INSERT INTO attempts (episode_id, attempt_id, attempt, job_id, status, reason, e
         NULL, 0, 0, started_at, finished_at, worker FROM v1_attempts;
 INSERT INTO job_environments (job_id, env_id, env_name, env_params, image, group_id, finished, is_deleted,
         created_at)
-    SELECT job_id, episode_id, env_name, '{{}}', NULL, group_id, CASE status WHEN 'completed' THEN 1 ELSE 0 END, 0,
+    SELECT job_id, episode_id, env_name, '{{}}', NULL, group_id, CASE status WHEN '{StoredStatus.COMPLETED}' THEN 1 ELSE 0 END, 0,
         strftime('%Y-%m-%d %H:%M:%f', COALESCE(started_at, updated_at), 'unixepoch')
     FROM v1_episodes ORDER BY COALESCE(started_at, updated_at), episode_id;
 DROP TABLE v1_session_steps;
@@ -125,7 +126,7 @@ class SQLiteStore(ResultStore):
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open {self.path}: {exc}") from None
         c = self._conn
-        # page_size only takes effect before the first table is created: 8 KiB pages hold a
+        # page_size only takes effect before the first table is created: 16 KiB pages hold a
         # few-KB step row without overflow pages.
         c.execute("PRAGMA page_size = 16384")
         c.execute("PRAGMA journal_mode = WAL")

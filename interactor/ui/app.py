@@ -33,7 +33,7 @@ from urllib.parse import urlencode
 
 from flask import Flask, abort, jsonify, redirect, render_template, request, url_for
 
-from broker.records import PHASES
+from broker.states import LedgerState, Phase, StoredStatus
 from consumer.storage import group_stats
 from interactor.ui import plots, transcript
 from interactor.ui.source import AGGREGATE_TTL_S, MAX_JOBS, Source
@@ -132,7 +132,7 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
             facets=facets, reasons={k: n for k, n in facets["reason"].items() if k},
             dist=plots.reward_distribution(by_env),
             trend=plots.reward_over_time(points),
-            letters=progress["failed"] if progress["counts_from"] == "redis" else None, tab="overview",
+            letters=progress[LedgerState.FAILED] if progress["counts_from"] == "redis" else None, tab="overview",
             feed=source.feed(job_id))
 
     @app.get("/jobs/<job_id>/episodes")
@@ -200,10 +200,10 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
                 "superseded_reason"), "steps": []})
             s["steps"].append(row)
         task = source.job_environment(episode_id)
-        letter = source.dead_letter(episode_id, ep["job_id"]) if ep["status"] == "failed" else None
+        letter = source.dead_letter(episode_id, ep["job_id"]) if ep["status"] == StoredStatus.FAILED else None
         attempts = source.attempts(episode_id)
-        for a in attempts:  # where each attempt's time went, in PHASES order (records v5)
-            a["phases"] = [(p, a[f"{p}_s"]) for p in PHASES if a.get(f"{p}_s") is not None]
+        for a in attempts:  # where each attempt's time went, in Phase order (records v5)
+            a["phases"] = [(p, a[f"{p}_s"]) for p in Phase if a.get(f"{p}_s") is not None]
         return render_template(
             "episode.html", ep=ep, chat=transcript.chat(steps), attempts=attempts,
             g=g, members=members, superseded=superseded, task=task, letter=letter, job_id=ep["job_id"],
@@ -263,7 +263,7 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
         got = source.dead_letters(job_id, reason, limit=MAX_LETTERS_SHOWN)
         failed = None
         if got is None:  # no Redis: what the store knows of failed episodes
-            failed = [(j, source.count_episodes(j, statuses=["failed"])) for j in source.job_ids()]
+            failed = [(j, source.count_episodes(j, statuses=[StoredStatus.FAILED])) for j in source.job_ids()]
             failed = [(j, n) for j, n in failed if n]
         letters, matched, complete = got or ([], 0, True)
         reasons: dict[str, int] = {}

@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 import redis
 
 from broker.settings import Settings, redact_url
+from broker.states import LedgerState, StoredStatus
 
 log = logging.getLogger("interactor.ui")
 T = TypeVar("T")
@@ -180,13 +181,14 @@ class Source:
         stored = sum(st.values())
         total = p["episodes_expected"] or (sum(ledger.values()) if ledger else stored)
         if ledger:
-            done, failed = ledger["done"], ledger["failed"]
-            running, queued, retrying = ledger["running"], ledger["queued"], ledger["retrying"]
+            done, failed = ledger[LedgerState.DONE], ledger[LedgerState.FAILED]
+            running, queued = ledger[LedgerState.RUNNING], ledger[LedgerState.QUEUED]
+            retrying = ledger[LedgerState.RETRYING]
             source = "redis"
         else:
-            done, failed = st.get("completed", 0), st.get("failed", 0)
-            running = st.get("running", 0) + st.get("completing", 0)
-            retrying = st.get("retrying", 0)
+            done, failed = st.get(StoredStatus.COMPLETED, 0), st.get(StoredStatus.FAILED, 0)
+            running = st.get(StoredStatus.RUNNING, 0) + st.get(StoredStatus.COMPLETING, 0)
+            retrying = st.get(StoredStatus.RETRYING, 0)
             queued = max(0, total - stored)
             source = "store"
         active = running + queued + retrying > 0 or (source == "store" and done + failed < total)
@@ -201,7 +203,8 @@ class Source:
             rate = p["steps"] / span if span and span > 0 else None
         return {
             "job_id": job_id, "model": p["model"], "created_at": p["created_at"], "total": total,
-            "done": done, "failed": failed, "running": running, "queued": queued, "retrying": retrying,
+            LedgerState.DONE: done, LedgerState.FAILED: failed, LedgerState.RUNNING: running,
+            LedgerState.QUEUED: queued, LedgerState.RETRYING: retrying,
             "progress": (done + failed) / total if total else 1.0, "steps": p["steps"], "steps_per_s": rate,
             "mean_reward": p["mean_reward"], "active": active, "counts_from": source,
         }
@@ -275,7 +278,8 @@ class Source:
         snap = self.live.call(self.live.fleet.snapshot, None)
         if snap is None:
             return None
-        return {"queued": sum(q["depth"] for q in snap["queues"].values()), "running": snap["running"],
+        return {LedgerState.QUEUED: sum(q["depth"] for q in snap["queues"].values()),
+                LedgerState.RUNNING: snap["episodes"][LedgerState.RUNNING],
                 "dead_letters": snap["dead_letters"], "steps_per_s": snap["steps_per_s"],
                 "breakers": snap.get("breakers", []), "redis": snap["redis"]}
 
