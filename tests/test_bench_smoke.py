@@ -6,6 +6,7 @@ Keeps `make bench` from rotting; asserts the shape of the report, never a timing
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,9 +74,12 @@ def test_bench_quick_produces_the_table(tmp_path):
         assert 0 < cp[k] < 1000, (k, cp[k])
     assert cp["cpu_ratio"] == pytest.approx(cp["cpu_ms_per_step_capped"] / cp["cpu_ms_per_step_uncapped"])
     assert 0.1 < cp["cpu_ratio"] < 10
-    # holding a slot is Redis work around every model and env call: the capped run does more per step
+    # The difference is the row the report judges. Its sign is not checked here: slots are taken in
+    # blocks and renewed once a second, so the caps add about 0.15 commands per step, far less than
+    # what a 3-second window at C=4 varies by between two runs (a busy CI machine once saw -3.97).
+    # `make bench` measures it at C=256 over a long window; this checks the figure is computed.
     assert cp["redis_extra_per_step"] == pytest.approx(cp["redis_per_step_capped"] - cp["redis_per_step_uncapped"])
-    assert cp["redis_extra_per_step"] > 0
+    assert math.isfinite(cp["redis_extra_per_step"])
     tok = res["token_storage"]
     assert not tok["errors"] and tok["sampled_tokens"] > 0
     assert tok["token_bytes"] == 4 * (tok["stored_ids"] + tok["sampled_tokens"])  # int32 ids, float32 logprobs
