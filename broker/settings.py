@@ -214,6 +214,10 @@ class Settings:
     feed_host: str = "127.0.0.1"
     feed_port: int = 8700
     feed_token: Secret = Secret("")  # required when feed_host is not loopback
+    # Folders (comma-separated) whose task files and datasets POST /start_rollout may name; ""
+    # = the feed server's working directory. Its own inline task files (run_dir/rollouts) are
+    # always allowed. Paths given on the command line are not bounded.
+    feed_task_roots: str = ""
 
     def __post_init__(self) -> None:
         if str(self.tokens).lower() in ("1", "true", "yes", "on"):  # --tokens with no server named

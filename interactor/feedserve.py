@@ -194,7 +194,8 @@ def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> tuple
       environment ``task_type`` over the rows of ``input_file``, groups of that many.
 
     Relative paths are the server's working directory's. Inline content is written under the
-    run folder, so the job's task file stays readable after the request."""
+    run folder, so the job's task file stays readable after the request. Which files these may
+    be is decided when they are read (``feed_task_roots``, producer/readroots.py)."""
     cwd = cwd or Path.cwd()
     epochs = body.get("epochs", 0)
     seed = body.get("seed", 0)
@@ -341,12 +342,13 @@ class Rollout:
         self.preflight = preflight
         self.thread: threading.Thread | None = None
 
-    def new_job(self, paths: list[str], epochs: int, seed: int):
-        """Create a continuous job from task files (checked, and their servers asked, first)."""
+    def new_job(self, paths: list[str], epochs: int, seed: int, roots=None):
+        """Create a continuous job from task files (checked, and their servers asked, first);
+        ``roots`` (a ReadRoots) bounds what a request's paths may read."""
         from producer.continuous import create_continuous_job
         from producer.enqueue import plan
 
-        planned = plan(self.settings, paths)  # TaskFileError / SettingsError name the fault
+        planned = plan(self.settings, paths, roots=roots)  # TaskFileError / SettingsError name the fault
         if self.preflight:
             from interactor.preflight import check, refusal
 
@@ -372,11 +374,15 @@ class Rollout:
 
     def from_request(self, body: dict):
         """``/start_rollout``: bad input is a 400 naming it, and nothing is created."""
+        from producer.readroots import ReadRoots
         from producer.taskfile import TaskFileError
 
-        paths, epochs, seed, ignored = rollout_request(body, Path(self.settings.run_dir) / "rollouts")
+        inline = Path(self.settings.run_dir) / "rollouts"
+        inline.mkdir(parents=True, exist_ok=True)  # a root must exist to be resolved
+        roots = ReadRoots.from_setting(self.settings.feed_task_roots, default=Path.cwd(), also=[inline])
+        paths, epochs, seed, ignored = rollout_request(body, inline)
         try:
-            service = self.new_job(paths, epochs, seed)
+            service = self.new_job(paths, epochs, seed, roots=roots)
         except (TaskFileError, SettingsError) as exc:
             raise feed.FeedError(f"start_rollout: {exc}") from None
         note = (f" ({', '.join(ignored)} ignored: the workers use their own settings)" if ignored else "")

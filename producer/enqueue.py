@@ -22,6 +22,7 @@ from broker.queueing import push_episodes
 from broker.records import JobSpec
 from broker.settings import Settings, SettingsError
 from envs.base import valid_object_path
+from producer.readroots import ReadRoots
 from producer.taskfile import PlannedJob, plan_job
 
 log = logging.getLogger("interactor.producer")
@@ -90,12 +91,12 @@ class Submitted:
     enqueue_s: float
 
 
-def plan(settings: Settings, paths: list[str], job_id: str | None = None) -> PlannedJob:
+def plan(settings: Settings, paths: list[str], job_id: str | None = None, roots: ReadRoots | None = None) -> PlannedJob:
     """Read and validate every task file and the job's settings; raises TaskFileError or
-    SettingsError naming the fault."""
+    SettingsError naming the fault. ``roots`` bounds what a request's paths may read."""
     check_job_settings(settings)
     return plan_job(paths, job_id=job_id or new_job_id(), default_base_url=settings.env_base_url,
-                    default_queue=settings.queue)
+                    default_queue=settings.queue, roots=roots)
 
 
 def submit_plan(client: redis.Redis, settings: Settings, planned: PlannedJob) -> Submitted:

@@ -46,6 +46,7 @@ from broker.settings import redact_url
 from broker.tokens import TOKEN_MODES, TOKENS_AUTO
 from broker.urls import url_problem
 from envs.base import valid_object_path
+from producer.readroots import OutsideRoots, ReadRoots
 
 __all__ = ["TaskFileError", "PlannedJob", "plan_job", "load_task_file", "derive_seed", "DATASET_FORMATS"]
 
@@ -284,7 +285,7 @@ _READERS = {".json": _read_json, ".jsonl": _read_jsonl, ".yaml": _read_yaml, ".y
 # --------------------------------------------------------------------------- task files
 
 def load_task_file(path, *, default_base_url: str = "", default_queue: str = "episodes",
-                   meta: dict | None = None) -> list[dict]:
+                   meta: dict | None = None, roots: ReadRoots | None = None) -> list[dict]:
     """Parse and validate one task file. Returns one normalized dict per entry::
 
         {"index": e, "line": yaml_line, "env_name": str, "env_params": dict, "env_num": int,
@@ -292,9 +293,15 @@ def load_task_file(path, *, default_base_url: str = "", default_queue: str = "ep
          "rows": list[dict] | None (None = no dataset), "dataset": abs path | "<inline>" | None,
          "transport": "http" | "inproc", "env_class": "module:Class" | ""}
 
-    Raises :class:`TaskFileError` naming file, entry, row and field.
+    Raises :class:`TaskFileError` naming file, entry, row and field. With ``roots`` (a path a
+    request named), the file and its datasets are read only inside them, by their resolved paths.
     """
     path = os.fspath(path)
+    if roots is not None:
+        try:
+            path = roots.resolve(path, "task file")
+        except OutsideRoots as exc:
+            raise TaskFileError(str(exc)) from None
     if not os.path.isfile(path):
         raise TaskFileError(f"{path}: task file not found" if not os.path.exists(path)
                             else f"{path}: not a regular file")
@@ -347,12 +354,12 @@ def load_task_file(path, *, default_base_url: str = "", default_queue: str = "ep
             meta["pause_after_failures"] = n
     base_dir = os.path.dirname(os.path.abspath(path))
     return [_load_entry(path, base_dir, e, raw, lines[e - 1] if e - 1 < len(lines) else None,
-                        default_base_url, default_queue)
+                        default_base_url, default_queue, roots)
             for e, raw in enumerate(envs, 1)]
 
 
 def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
-                default_base_url: str, default_queue: str) -> dict:
+                default_base_url: str, default_queue: str, roots: ReadRoots | None = None) -> dict:
     at_line = f" (line {line})" if line else ""
     at = f"{path}: entry {e}{at_line}"
 
@@ -446,6 +453,11 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
             rows = [_copy_tree(r) for r in rows]  # YAML aliases (*row) must not share objects
         elif isinstance(ds, str) and ds.strip():
             dataset = os.path.normpath(os.path.join(base_dir, os.path.expanduser(ds)))
+            if roots is not None:
+                try:
+                    dataset = roots.resolve(dataset, "the file")
+                except OutsideRoots as exc:
+                    raise fail("dataset", str(exc)) from None
             ext = os.path.splitext(dataset)[1].lower()
             reader = _READERS.get(ext)
             if reader is None:
@@ -477,12 +489,12 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
 # --------------------------------------------------------------------------- planning
 
 def plan_job(paths: list[str], *, job_id: str, default_base_url: str = "",
-             default_queue: str = "episodes") -> PlannedJob:
+             default_queue: str = "episodes", roots: ReadRoots | None = None) -> PlannedJob:
     """Validate every task file, then expand them into episode specs (no Redis).
 
     IDs: group ``{job_id}.{f}.{e}.{r}``, episode ``{group_id}.{k}`` (all 1-based: file in
     ``paths``, entry, dataset row, repeat). Seeds derive from (entry seed or 0, file basename,
-    e, r, k) unless the entry says ``seed: null``.
+    e, r, k) unless the entry says ``seed: null``. ``roots``: see :func:`load_task_file`.
     """
     if not isinstance(job_id, str) or not _JOB_ID_RE.fullmatch(job_id):
         raise ValueError(f"job_id must match [A-Za-z0-9_-]+, got {job_id!r}")
@@ -497,7 +509,8 @@ def plan_job(paths: list[str], *, job_id: str, default_base_url: str = "",
     try:
         # Validate the whole set first: nothing is returned unless every file is good.
         metas = [{} for _ in paths]
-        loaded = [load_task_file(p, default_base_url=default_base_url, default_queue=default_queue, meta=m)
+        loaded = [load_task_file(p, default_base_url=default_base_url, default_queue=default_queue, meta=m,
+                                 roots=roots)
                   for p, m in zip(paths, metas)]
         said = {m["tokens"] for m in metas if "tokens" in m}
         if len(said) > 1:  # one job, one way of asking the model server

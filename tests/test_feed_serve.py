@@ -28,12 +28,13 @@ def free_port() -> int:
 
 
 class FeedServer:
-    def __init__(self, tmp_path, mark, model_url, *args, env_url=""):
+    def __init__(self, tmp_path, mark, model_url, *args, env_url="", extra_env=None):
         self.run_dir = tmp_path / "runs"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = clean_env(mark)
         env["INTERACTOR_ENV_BASE_URL"] = env_url
+        env.update(extra_env or {})
         self.log = tmp_path / "feed-serve.log"
         with open(self.log, "wb") as out:
             self.p = subprocess.Popen(
@@ -112,14 +113,24 @@ def test_feed_serve_task_files_end_to_end_and_a_clean_stop(env_server, model_ser
 
 def test_start_rollout_submits_a_job_from_the_originals_config(env_server, model_server, tmp_path, mark):
     """Started without task files, the server waits for ``/start_rollout``; bad bodies are
-    refused naming the problem (and create nothing), the original buffer server's
-    ``{task_type, input_file, num_repeat_per_sample}`` starts a continuous job, and a second
-    start is refused while it runs."""
+    refused naming the problem (and create nothing), paths outside the folders the operator
+    allowed are refused however they are spelled and their content never shows, the original
+    buffer server's ``{task_type, input_file, num_repeat_per_sample}`` starts a continuous job,
+    and a second start is refused while it runs."""
     _, env_url = env_server
     _, model_url = model_server
-    data = tmp_path / "rows.jsonl"
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    data = allowed / "rows.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(3)))
-    server = FeedServer(tmp_path, mark, model_url, "--max-ahead", "3", env_url=env_url)
+    outside = tmp_path / "private.jsonl"  # readable by the server's process, outside its roots
+    outside.write_text(json.dumps({"question": "SECRET-ROW-TEXT", "answer": 1}) + "\n")
+    outside_tasks = tmp_path / "private.yaml"
+    outside_tasks.write_text(json.dumps({"environments": [{"env_name": "arithmetic", "dataset": str(outside)}]}))
+    (allowed / "link.jsonl").symlink_to(outside)
+    (allowed / "tasks-link.yaml").symlink_to(outside_tasks)
+    server = FeedServer(tmp_path, mark, model_url, "--max-ahead", "3", env_url=env_url,
+                        extra_env={"INTERACTOR_FEED_TASK_ROOTS": str(allowed)})
     try:
         assert server.health()["job_id"] is None
         f = Feed(server.url, trainer="t")
@@ -134,6 +145,20 @@ def test_start_rollout_submits_a_job_from_the_originals_config(env_server, model
             with pytest.raises(FeedHTTPError) as err:
                 f._call("POST", "/start_rollout", body)
             assert err.value.status == 400 and says in str(err.value), (body, str(err.value))
+        original = {"task_type": "arithmetic", "num_repeat_per_sample": 2}
+        for body in [{**original, "input_file": "/etc/passwd"},
+                     {**original, "input_file": str(outside)},
+                     {**original, "input_file": str(allowed / ".." / outside.name)},
+                     {**original, "input_file": str(allowed / "link.jsonl")},
+                     {"task_files": [str(outside_tasks)]},
+                     {"task_files": [str(allowed / "tasks-link.yaml")]},
+                     {"config": str(allowed / ".." / ".." / outside_tasks.parent.name / outside_tasks.name)},
+                     {"config": {"environments": [{"env_name": "arithmetic", "dataset": str(outside)}]}}]:
+            with pytest.raises(FeedHTTPError) as err:
+                f._call("POST", "/start_rollout", body)
+            text = str(err.value)
+            assert err.value.status == 400 and "outside the folders this server may read" in text, (body, text)
+            assert str(allowed) in text and "SECRET-ROW-TEXT" not in text and "root:" not in text, (body, text)
         assert Feed(server.url).health()["job_id"] is None  # nothing was started by them
         answer = f._call("POST", "/start_rollout", {
             "task_type": "arithmetic", "input_file": str(data), "num_repeat_per_sample": 2, "epochs": 1,
