@@ -80,6 +80,13 @@ def test_no_class_is_loaded_by_name_from_a_package_above(package):
     assert crossings == [], f"{package} may load only from {sorted(ALLOWED[package])}:\n" + "\n".join(crossings)
 
 
+def _last_line_of(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (nothing imported yet) and return its last line."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
 def test_importing_the_lower_packages_loads_nothing_of_interactor():
     code = ("import sys, importlib, pkgutil\n"
             "for pkg in ('broker', 'producer', 'workers', 'consumer', 'envs'):\n"
@@ -88,9 +95,7 @@ def test_importing_the_lower_packages_loads_nothing_of_interactor():
             "        if info.name != 'workers.tasks':  # the Celery app module reads settings at import\n"
             "            importlib.import_module(info.name)\n"
             "print(sorted(m for m in sys.modules if m == 'interactor' or m.startswith('interactor.')))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert _last_line_of(code) == "[]"
 
 
 def test_the_checker_sees_a_crossing(tmp_path):
@@ -108,9 +113,7 @@ def test_importing_interactor_loads_nothing_of_bench_examples_or_tests():
             "import interactor.cli\n"
             "interactor.cli.build_parser()\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('bench', 'examples', 'tests')))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert _last_line_of(code) == "[]"
 
 
 def test_the_checker_sees_a_class_named_from_above(tmp_path):
