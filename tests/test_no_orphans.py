@@ -109,6 +109,13 @@ def slow_model():
     server.shutdown()
 
 
+def _sighup_as_from_a_terminal() -> None:
+    """preexec_fn: SIGHUP at its default, as a command typed in a terminal has it. A test
+    runner started under ``nohup`` passes SIGHUP on ignored, and our commands rightly leave an
+    ignored SIGHUP alone (the nohup test below): without this, the SIGHUP tests would test nohup."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
 def test_run_stopped_by_a_signal_leaves_no_process_and_resume_finishes(env_server, slow_model, tmp_path, mark,
                                                                        sig):
@@ -121,7 +128,8 @@ def test_run_stopped_by_a_signal_leaves_no_process_and_resume_finishes(env_serve
     common = ["--llm-base-url", slow_model + "/v1", "--run-dir", str(run_dir), "--concurrency", "3",
               "--workers", "1", "--shutdown-grace", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "run", str(tasks), *common], env=env,
-                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_sighup_as_from_a_terminal)
     try:
         wait_for(lambda: steps_recorded(run_dir), 90, what="steps recorded")
         # Ourselves, Redis, the consumer and the worker (and its Celery process, the guard).
@@ -162,7 +170,8 @@ def test_demo_stopped_by_a_signal_leaves_no_process(tmp_path, mark, sig):
     run_dir = tmp_path / "runs"
     proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "demo", "--run-dir", str(run_dir),
                              "--workers", "1", "--concurrency", "2", "--shutdown-grace", "1"], env=clean_env(mark),
-                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_sighup_as_from_a_terminal)
     try:
         wait_for(lambda: steps_recorded(run_dir), 90, what="steps recorded")
         running = marked(mark, run_dir)
@@ -225,7 +234,8 @@ def test_worker_supervisor_stops_on_sighup_with_a_warm_shutdown(settings, tmp_pa
     env = {**clean_env(mark), **settings.as_environ()}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "worker", "--name", "w-hup@%h"], env=env,
-                                cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_sighup_as_from_a_terminal)
     try:
         wait_for(lambda: "ready." in log_path.read_text(errors="replace"), 90, what="the worker ready")
         proc.send_signal(signal.SIGHUP)
@@ -295,7 +305,7 @@ def test_autoscaler_stopped_by_a_signal_leaves_no_worker(settings, tmp_path, mar
     proc = subprocess.Popen([sys.executable, "-m", "interactor.cli", "autoscale", "--min", "1", "--max", "1",
                              "--interval", "0.5", "--log-dir", str(log_dir), "--name", "as-kill"], env=env,
                             cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sighup_as_from_a_terminal)
     try:
         wait_for(lambda: any("ready." in p.read_text(errors="replace") for p in log_dir.glob("*.log")), 90,
                  what="the autoscaler's worker ready")
