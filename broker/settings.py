@@ -195,7 +195,7 @@ class Settings:
     # which the consumer fails it as steps_lost instead of re-running it again.
     consumer_reopens_max: int = 3
 
-    # --- the online-RL feed (broker/feed.py, interactor/feedserve.py) --------------------
+    # --- the online-RL feed (broker/feed.py, interactor/feedserve.py, feedcmd.py) ----------
     # Groups queued, running or delivered-but-unacknowledged at once; the producer waits beyond.
     feed_max_ahead: int = 64
     # A group whose oldest step is more than this many versions behind the trainer's is not

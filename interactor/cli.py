@@ -337,7 +337,7 @@ def cmd_serve(module: str):
 # --- parser -------------------------------------------------------------------------------
 ALL = list(SETTING_FLAGS)
 EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.benchcli", "interactor.envcli", "interactor.ui.command",
-                         "interactor.feedserve"]
+                         "interactor.feedcmd"]
 
 
 def build_parser(commands=()) -> argparse.ArgumentParser:
