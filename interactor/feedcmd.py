@@ -12,12 +12,26 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from broker import feed
 from broker.settings import Settings, SettingsError
 from interactor.feedserve import FeedApp, make_server
 from interactor.rollout import Rollout, check_servable
+
+# A feed's configuration flags (broker/feed.py FeedConfig): the flag, its argparse name and the
+# setting it sets. Given, they set the new job's feed; with --job they are refused.
+FEED_FLAGS = (
+    ("--max-ahead", "max_ahead", "feed_max_ahead"),
+    ("--max-staleness", "max_staleness", "feed_max_staleness"),
+    ("--stale-policy", "stale_policy", "feed_stale_policy"),
+    ("--failed-policy", "failed_policy", "feed_failed_policy"),
+    ("--refill-max", "refill_max", "feed_refill_max"),
+    ("--ack-timeout", "ack_timeout", "feed_ack_timeout_s"),
+    ("--drop-uniform", "drop_uniform", "feed_drop_uniform"),
+    ("--filter", "filter", "feed_filter"),
+)
+
 
 def register(sub, add) -> None:
     from interactor.common import SETTING_FLAGS, add_setting_flags
@@ -51,24 +65,14 @@ def register(sub, add) -> None:
                     help="create the job without first asking the model endpoint and env servers whether they answer")
 
 
-def feed_flags(args) -> list[tuple[str, Any]]:
-    """The flags that set a feed's configuration (broker/feed.py FeedConfig), as given."""
-    return [("--max-ahead", args.max_ahead), ("--max-staleness", args.max_staleness),
-            ("--stale-policy", args.stale_policy), ("--failed-policy", args.failed_policy),
-            ("--refill-max", args.refill_max), ("--ack-timeout", args.ack_timeout),
-            ("--drop-uniform", args.drop_uniform), ("--filter", args.filter)]
-
-
 def cmd_feed(args) -> int:
     from interactor.common import settings_from_args
 
     settings = settings_from_args(args)
-    overrides = {k: v for k, v in dict(feed_host=args.host, feed_port=args.port, feed_max_ahead=args.max_ahead,
-                                       feed_max_staleness=args.max_staleness, feed_stale_policy=args.stale_policy,
-                                       feed_failed_policy=args.failed_policy,
-                                       feed_refill_max=args.refill_max, feed_ack_timeout_s=args.ack_timeout,
-                                       feed_drop_uniform=args.drop_uniform, feed_filter=args.filter).items()
-                 if v is not None}
+    given = {flag: (setting, getattr(args, name)) for flag, name, setting in FEED_FLAGS
+             if getattr(args, name) is not None}
+    overrides = {k: v for k, v in (("feed_host", args.host), ("feed_port", args.port)) if v is not None}
+    overrides.update(given.values())
     if overrides:
         settings = settings.replace(**overrides)
     if args.tasks and args.job:
@@ -81,7 +85,6 @@ def cmd_feed(args) -> int:
     # another, a filter the trainer never asked for): refused instead, and nothing is touched.
     if args.job and not settings.redis_url:
         raise SettingsError(f"--job {args.job} serves a job in a fleet's Redis: set REDIS_URL (or --redis-url)")
-    given = [flag for flag, v in feed_flags(args) if v is not None]
     if args.job and given:
         raise SettingsError(f"{', '.join(given)}: a feed's settings are fixed when its job is created (they live "
                             f"in Redis with the job); --job {args.job} serves the feed as it is. Leave them out, or "
@@ -95,7 +98,6 @@ def cmd_feed(args) -> int:
         raise SettingsError(str(exc)) from None
     return serve(settings, tasks=args.tasks, job_id=args.job, epochs=args.epochs, seed=args.seed,
                  workers=args.workers, fleet=not args.no_fleet, preflight=not args.no_preflight)
-
 
 
 def serve(settings: Settings, *, tasks: list[str] | None = None, job_id: str | None = None, epochs: int = 0,

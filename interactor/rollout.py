@@ -1,7 +1,7 @@
 """The job a feed server serves: the one it was started with, or the one a trainer's
 ``POST /start_rollout`` asks for (its body read here), with the producer thread of a
-continuous job. The HTTP server (interactor/feedserve.py) calls ``Rollout.from_request``;
-the command (interactor/feedcmd.py) makes the ``Rollout``.
+continuous job. The command (interactor/feedcmd.py) makes the ``Rollout`` and hands its
+``from_request`` to the HTTP server (interactor/feedserve.py) as the route's ``start``.
 """
 
 from __future__ import annotations
