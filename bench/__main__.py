@@ -1,9 +1,9 @@
 """``python -m bench [-v] ARGS``: the benchmark harness, as ``interactor [-v] bench ARGS`` ran it
-before (bench/cli.py); ``interactor bench`` runs this."""
+before (bench/bench_command.py); ``interactor bench`` runs this."""
 
 import sys
 
-from bench.cli import register
+from bench.bench_command import register
 from interactor.cli import main
 
 argv = sys.argv[1:]

@@ -1,19 +1,30 @@
 """One benchmark run: load levels, worker-process and pool comparisons, the rollout feed, ingest,
-enqueue; then the report."""
+enqueue, the comparison against the original driver; then the report (bench/benchmarks_page.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from bench import harness, report
+from bench import benchmarks_page
+from bench.benchmarks_plot import plot
+from bench.benchlog import log
+from bench.cluster import ROOT
+from bench.enqueue_run import run_enqueue
+from bench.feature_costs import caps_cost, resume_cost, run_commit_waits, waits_cost
+from bench.feed_run import run_feed
+from bench.ingest_run import run_fleet_ingest
+from bench.load_runs import LoadSpec, run_load
+from bench.measures import machine
+from bench.original_driver import run_comparison
+from bench.token_storage import run_token_storage
 from broker.settings import Settings
-
-ROOT = harness.ROOT
 
 
 @dataclass
@@ -39,14 +50,24 @@ class BenchConfig:
     enqueue_episodes: int = 100_000
     token_episodes: int = 200  # 5-turn full-history episodes written with and without token ids
     # the rollout feed: a continuous job at this concurrency served to a trainer that takes a
-    # batch, acknowledges it and trains for feed_train_s (bench/harness.py run_feed); 0: none
+    # batch, acknowledges it and trains for feed_train_s (bench/feed_run.py run_feed); 0: none
     feed_level: int = 1000
     feed_train_s: float = 1.0
     # the caps' cost: the load of this level again with a model cap and an env-server cap at
     # caps_factor x C (never binding), against the uncapped level of the same run; 0: none
     caps_level: int = 256
     caps_factor: float = 10.0
-    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, feed, caps, ingest, tokens, enqueue
+    # the replica waits' cost: the load of caps_level with a replica, waits off and on, and this
+    # many commit points timed one by one each way
+    wait_commits: int = 2000
+    # against the original driver (bench/original_driver.py): a checkout of it (None: skipped),
+    # at this concurrency and these episode lengths; its log level and reset concurrency (0: C)
+    original: str | None = None
+    original_level: int = 1000
+    original_steps: list[int] = field(default_factory=lambda: [1, 5, 20])
+    original_log_level: str = "WARNING"
+    original_reset_concurrency: int = 0
+    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, feed, caps, resume, waits, ingest, tokens, enqueue, original
     out: str = str(ROOT / "docs" / "benchmarks.md")
     png: str = str(ROOT / "docs" / "benchmarks.png")
     work: str = str(ROOT / "runs" / "bench")
@@ -57,7 +78,7 @@ class BenchConfig:
         base = dict(levels=[16], single_turn_levels=[16], pools=[], pool_level=16, process_counts=[],
                     model_latency_ms=200.0, steps=5,
                     window_s=5.0, warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000, token_episodes=20,
-                    feed_level=16, caps_level=16,
+                    feed_level=16, caps_level=16, wait_commits=200, original_level=16,
                     ingest_runs=[("sqlite", 1)],
                     out=str(ROOT / "runs" / "bench" / "benchmarks.md"), png=str(ROOT / "runs" / "bench" / "benchmarks.png"))
         base.update(kw)
@@ -70,11 +91,22 @@ class BenchConfig:
                              "measures what holding them costs); give one above 1")
 
     def spec(self, concurrency: int, pool: str, workers: int | None = None, steps: int | None = None,
-             caps_factor: float = 0.0) -> harness.LoadSpec:
-        return harness.LoadSpec(concurrency=concurrency, pool=pool, workers=workers or self.workers,
-                                model_latency_ms=self.model_latency_ms, env_latency_ms=self.env_latency_ms,
-                                steps=steps or self.steps, window_s=self.window_s, warmup_s=self.warmup_s,
-                                caps_factor=caps_factor)
+             caps_factor: float = 0.0) -> LoadSpec:
+        return LoadSpec(concurrency=concurrency, pool=pool, workers=workers or self.workers,
+                        model_latency_ms=self.model_latency_ms, env_latency_ms=self.env_latency_ms,
+                        steps=steps or self.steps, window_s=self.window_s, warmup_s=self.warmup_s,
+                        caps_factor=caps_factor)
+
+
+def to_json(obj) -> Any:
+    """A result as results.json holds it: its fields and the figures its properties compute."""
+    if hasattr(obj, "__dataclass_fields__"):
+        d = asdict(obj)
+        for name in ("orch_cpu_ms_per_step", "mem_mb_per_episode", "mem_total_mb_per_episode"):
+            if hasattr(obj, name):
+                d[name] = getattr(obj, name)
+        return d
+    return obj
 
 
 def _commit() -> str:
@@ -95,8 +127,8 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     res: dict = {
-        "machine": harness.machine(),
-        "started": report.now_text(),
+        "machine": machine(),
+        "started": benchmarks_page.now_text(),
         "commit": _commit(),
         "config": {"workers": cfg.workers, "model_latency_ms": cfg.model_latency_ms,
                    "env_latency_ms": cfg.env_latency_ms, "steps": cfg.steps, "window_s": cfg.window_s,
@@ -104,51 +136,58 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
                    "pool_level": cfg.pool_level, "process_counts": cfg.process_counts, "src": cfg.src,
                    "single_turn_levels": cfg.single_turn_levels, "feed_level": cfg.feed_level,
                    "feed_train_s": cfg.feed_train_s, "caps_level": cfg.caps_level,
-                   "caps_factor": cfg.caps_factor},
+                   "caps_factor": cfg.caps_factor, "original_level": cfg.original_level,
+                   "original_steps": cfg.original_steps},
         "load": [], "single_turn": [], "pools": [], "processes": [], "ingest_runs": [],
     }
     load_by_c: dict[int, dict] = {}
     if "load" not in cfg.skip:
         for c in cfg.levels:
-            r = harness.to_json(harness.run_load(cfg.spec(c, cfg.pool), work, src=cfg.src, base=base))
+            r = to_json(run_load(cfg.spec(c, cfg.pool), work, src=cfg.src, base=base))
             res["load"].append(r)
             load_by_c[c] = r
     if "single" not in cfg.skip:
         for c in cfg.single_turn_levels:
-            res["single_turn"].append(harness.to_json(harness.run_load(cfg.spec(c, cfg.pool, steps=1), work,
-                                                                       src=cfg.src, base=base)))
+            res["single_turn"].append(to_json(run_load(cfg.spec(c, cfg.pool, steps=1), work,
+                                                       src=cfg.src, base=base)))
     if "processes" not in cfg.skip:
         for n in cfg.process_counts:
             if n == cfg.workers and cfg.pool_level in load_by_c:
                 res["processes"].append(load_by_c[cfg.pool_level])  # the same load, already measured
                 continue
-            res["processes"].append(harness.to_json(harness.run_load(cfg.spec(cfg.pool_level, cfg.pool, n), work,
-                                                                     src=cfg.src, base=base)))
+            res["processes"].append(to_json(run_load(cfg.spec(cfg.pool_level, cfg.pool, n), work,
+                                                     src=cfg.src, base=base)))
     if "pools" not in cfg.skip:
         for pool in cfg.pools:
             if pool == cfg.pool and cfg.pool_level in load_by_c:
                 res["pools"].append(load_by_c[cfg.pool_level])  # the same load, already measured
                 continue
-            res["pools"].append(harness.to_json(harness.run_load(cfg.spec(cfg.pool_level, pool), work, src=cfg.src,
-                                                                 base=base)))
+            res["pools"].append(to_json(run_load(cfg.spec(cfg.pool_level, pool), work, src=cfg.src,
+                                                 base=base)))
     if "feed" not in cfg.skip and cfg.feed_level:
-        res["feed"] = harness.to_json(harness.run_feed(cfg.spec(cfg.feed_level, cfg.pool), work,
-                                                       train_s=cfg.feed_train_s, src=cfg.src, base=base))
+        res["feed"] = to_json(run_feed(cfg.spec(cfg.feed_level, cfg.pool), work,
+                                       train_s=cfg.feed_train_s, src=cfg.src, base=base))
     if "caps" not in cfg.skip and cfg.caps_level:
         res["caps"] = run_caps(cfg, load_by_c, base)
+    if "resume" not in cfg.skip and cfg.caps_level:
+        res["resume"] = run_resume(cfg, load_by_c, base)
+    if "waits" not in cfg.skip and cfg.caps_level:
+        res["waits"] = run_waits(cfg, base)
     if "ingest" not in cfg.skip:
         for backend, consumers in cfg.ingest_runs:
-            r = harness.to_json(harness.run_fleet_ingest(cfg.ingest_records, work, backend=backend,
-                                                         consumers=consumers, base=base))
+            r = to_json(run_fleet_ingest(cfg.ingest_records, work, backend=backend,
+                                         consumers=consumers, base=base))
             res["ingest_runs"].append(r)
         if res["ingest_runs"]:
             res["ingest"] = res["ingest_runs"][0]
     if "tokens" not in cfg.skip:
-        res["token_storage"] = harness.to_json(harness.run_token_storage(
+        res["token_storage"] = to_json(run_token_storage(
             work, episodes=cfg.token_episodes))
     if "enqueue" not in cfg.skip:
-        res["enqueue"] = harness.to_json(harness.run_enqueue(cfg.enqueue_episodes, work, base=base))
-    res["finished"] = report.now_text()
+        res["enqueue"] = to_json(run_enqueue(cfg.enqueue_episodes, work, base=base))
+    if "original" not in cfg.skip:
+        res["original"] = run_comparison(cfg, work, base)
+    res["finished"] = benchmarks_page.now_text()
     res["duration_s"] = time.monotonic() - t0
     return res
 
@@ -159,16 +198,50 @@ def run_caps(cfg: BenchConfig, load_by_c: dict[int, dict], base: Settings) -> di
     work = Path(cfg.work)
     uncapped = load_by_c.get(cfg.caps_level)
     if uncapped is None:
-        uncapped = harness.to_json(harness.run_load(cfg.spec(cfg.caps_level, cfg.pool), work, src=cfg.src,
-                                                    base=base))
-    capped = harness.to_json(harness.run_load(cfg.spec(cfg.caps_level, cfg.pool, caps_factor=cfg.caps_factor),
-                                              work, src=cfg.src, base=base))
-    cost = harness.caps_cost(uncapped, capped)
-    harness.log(f"  caps at {cfg.caps_factor:g}x C={cfg.caps_level}: orchestration CPU "
-                f"{cost['cpu_ms_per_step_uncapped']:.3f} -> {cost['cpu_ms_per_step_capped']:.3f} ms/step "
-                f"(x{cost['cpu_ratio']:.2f}); Redis {cost['redis_per_step_uncapped']:.2f} -> "
-                f"{cost['redis_per_step_capped']:.2f} commands/step ({cost['redis_extra_per_step']:+.2f})")
+        uncapped = to_json(run_load(cfg.spec(cfg.caps_level, cfg.pool), work, src=cfg.src,
+                                    base=base))
+    capped = to_json(run_load(cfg.spec(cfg.caps_level, cfg.pool, caps_factor=cfg.caps_factor),
+                              work, src=cfg.src, base=base))
+    cost = caps_cost(uncapped, capped)
+    log(f"  caps at {cfg.caps_factor:g}x C={cfg.caps_level}: orchestration CPU "
+        f"{cost['cpu_ms_per_step_uncapped']:.3f} -> {cost['cpu_ms_per_step_capped']:.3f} ms/step "
+        f"(x{cost['cpu_ratio']:.2f}); Redis {cost['redis_per_step_uncapped']:.2f} -> "
+        f"{cost['redis_per_step_capped']:.2f} commands/step ({cost['redis_extra_per_step']:+.2f})")
     return {"level": cfg.caps_level, "factor": cfg.caps_factor, "uncapped": uncapped, "capped": capped} | cost
+
+
+def run_resume(cfg: BenchConfig, load_by_c: dict[int, dict], base: Settings) -> dict:
+    """The progress snapshots' cost per step: the load at ``caps_level`` with resume off, against
+    the same load with it on (the default, as measured by the load level when it ran)."""
+    work = Path(cfg.work)
+    on = load_by_c.get(cfg.caps_level)
+    if on is None:
+        on = to_json(run_load(cfg.spec(cfg.caps_level, cfg.pool), work, src=cfg.src, base=base))
+    spec = dataclasses.replace(cfg.spec(cfg.caps_level, cfg.pool), resume=False)
+    off = to_json(run_load(spec, work, src=cfg.src, base=base))
+    cost = resume_cost(off, on)
+    log(f"  resume at C={cfg.caps_level}: orchestration CPU {cost['cpu_ms_per_step_off']:.3f} -> "
+        f"{cost['cpu_ms_per_step_on']:.3f} ms/step (x{cost['cpu_ratio']:.2f}); Redis "
+        f"{cost['redis_per_step_off']:.2f} -> {cost['redis_per_step_on']:.2f} commands/step "
+        f"({cost['redis_extra_per_step']:+.2f})")
+    return {"level": cfg.caps_level, "off": off, "on": on} | cost
+
+
+def run_waits(cfg: BenchConfig, base: Settings) -> dict:
+    """What waiting for a replica costs (broker/replicas.py): the load at ``caps_level`` with a
+    replica beside the primary, the commit points' waits off and on; and the commit points'
+    own latency each way, one at a time (what a wait adds to an episode's wall time)."""
+    work = Path(cfg.work)
+    runs = {mode: to_json(run_load(
+        dataclasses.replace(cfg.spec(cfg.caps_level, cfg.pool), replica=True, redis_wait=mode), work, src=cfg.src,
+        base=base)) for mode in ("off", "on")}
+    cost = waits_cost(runs["off"], runs["on"])
+    commits = to_json(run_commit_waits(work, commits=cfg.wait_commits, base=base))
+    log(f"  replica waits at C={cfg.caps_level}: orchestration CPU {cost['cpu_ms_per_step_off']:.3f} -> "
+        f"{cost['cpu_ms_per_step_on']:.3f} ms/step (x{cost['cpu_ratio']:.2f}); Redis "
+        f"{cost['redis_per_step_off']:.2f} -> {cost['redis_per_step_on']:.2f} commands/step; a commit point "
+        f"{commits['added_ms_p50']:+.3f} ms (median)")
+    return {"level": cfg.caps_level, **runs, "commits": commits} | cost
 
 
 def write(res: dict, cfg: BenchConfig) -> None:
@@ -178,11 +251,11 @@ def write(res: dict, cfg: BenchConfig) -> None:
     png_name = None
     if png is not None:
         try:
-            report.plot(res, str(png))
+            plot(res, str(png))
             png_name = os.path.relpath(png, out.parent)
         except Exception as exc:  # a broken matplotlib must not lose the table
-            harness.log(f"plot failed: {exc}")
-    out.write_text(report.render(res, png_name))
+            log(f"plot failed: {exc}")
+    out.write_text(benchmarks_page.render(res, png_name))
     js = Path(cfg.work) / "results.json"
     js.write_text(json.dumps(res, indent=1, default=str))
-    harness.log(f"wrote {out}" + (f" and {png}" if png_name else "") + f"; raw results in {js}")
+    log(f"wrote {out}" + (f" and {png}" if png_name else "") + f"; raw results in {js}")

@@ -224,7 +224,10 @@ class EnvApp(App):
                     return conn.respond_json(400, {"error": f"unknown env_name {name!r}"}, d)
                 try:
                     payload = json.loads(body) if body else {}
-                    env = Countdown(payload.get("env_param") or {}, self.system_cache)
+                    param = payload.get("env_param") or {}
+                    if isinstance(param, str):  # the original driver sends its DB column's JSON text as is
+                        param = json.loads(param)
+                    env = Countdown(param, self.system_cache)
                 except (ValueError, TypeError, AttributeError) as exc:
                     c["bad_request"] += 1
                     return conn.respond_json(400, {"error": f"bad reset: {exc}"}, d)

@@ -7,14 +7,43 @@ of workers, because its slots are counted in Redis. Per cap (``<kind>``, ``<name
 * ``<prefix>:cap-held:<kind>:<name>``: hash holder -> how many slots it holds;
 * ``<prefix>:cap:<kind>:<name>``: zset holder -> its lease's expiry (ms, Redis' clock);
 * ``<prefix>:cap-wanted:<kind>:<name>``: zset holder -> until when (ms) it waits for slots
-  the cap did not have.
+  the cap did not have;
+* ``<prefix>:cap-queue:<kind>:<name>``: zset holder -> since when (ms) it waits holding
+  none of the cap: the order in which such waiters are served.
+
+And for every cap, ``<prefix>:caps-clock`` (Redis' time of the last take or renewal) and
+``<prefix>:caps-hold`` (set for a while after an outage, see below).
 
 A holder is one worker process's pool for one set of caps (workers/fleetcaps.py). It takes
 slots in *blocks* and lends them to its own calls without asking Redis again, so that a call
 costs no round trip while the process keeps enough slots; it gives back what it has not
 needed for a while, and its share when another holder waits. It renews its lease; a
 SIGKILLed or frozen process's slots lapse within the lease TTL and are swept by the next
-take of anyone. The sum of every live holder's count never exceeds the cap.
+take of anyone. The sum of the holders' counts never exceeds the cap.
+
+**Every waiter is served, whatever the cap.** A holder that waits holding none of a cap is
+queued, and a take gets only the room left after one slot for each of those queued ahead of
+it (for each of them, when the taker holds some): the longest waiter is served first. A
+renewal tells a holder that another waits and its fair share (the cap over the holders and
+waiters taking part); a holder keeps no more than that, and when more take part than the
+cap has slots (share 0) it keeps one slot for a turn, then gives it back and queues again
+(workers/fleetcaps.py). So a process that waits is served once those ahead of it had their
+turn: within about one renewal (for the holders to learn that it waits) and ``processes /
+cap`` turns of a second each. A slot comes back only when its call ends (an env instance's,
+when the instance is closed), so a turn lasts at least one call.
+
+**A Redis outage frees no slot that is still in use.** When Redis is away (frozen,
+restarting, unreachable from everyone) for longer than the lease TTL, every lease lapses
+by Redis' clock while the holders' calls carry on. The ledger's rule applies
+(broker/ledger.py ``OUTAGE_FN``, lua/ledger_outage_fn.lua), on the caps' own clock: every take and renewal stamps it,
+and a gap of more than half the TTL (a live holder renews every third of it, so its lease
+lapses only after two thirds without Redis) holds the sweeps for two TTLs. Meanwhile lapsed
+slots still count against the cap, and a holder's renewal extends its lapsed lease (nobody
+took its slots). A gap can also mean nobody used the caps at all; then a dead holder's slots
+come back two TTLs later, no harm. What the rule cannot tell from a dead holder: a process
+frozen past the TTL, or cut off from Redis while the others reach it. Its slots are swept
+and taken by others while its calls in flight finish, so those calls may exceed the cap until
+they end.
 
 Kinds of cap (what a job's ``limits`` name, resolved at submit into :class:`Limits`):
 
@@ -36,6 +65,8 @@ from typing import Any, Iterable, Sequence
 import redis
 
 from broker.keys import Keys
+from broker.ledger import OUTAGE_FN
+from broker.lua_scripts import lua_file
 
 CAP_MODEL = "model"
 CAP_ENV = "env"
@@ -50,120 +81,14 @@ REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = "requests_per_minute", "tokens_per_minu
 _ALLOWED = {LIMIT_MODEL: (MAX_CONCURRENCY, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE), LIMIT_ENV_SERVERS: (MAX_CONCURRENCY, MAX_INSTANCES),
             LIMIT_ENV_NAMES: (MAX_CONCURRENCY,)}
 
-_NOW = """
-redis.replicate_commands()
-local _t = redis.call('TIME')
-local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
-"""
-
-# Every script takes a cap's keys as a triple: lease zset, held hash, wanted zset.
-# Lapsed holders of cap i swept (lease expired: count and lease gone), then its slots in use.
-_SWEEP = """
-local function sweep(z, h)
-  local lapsed = redis.call('ZRANGEBYSCORE', z, '-inf', now)
-  for _, m in ipairs(lapsed) do redis.call('HDEL', h, m) end
-  if #lapsed > 0 then redis.call('ZREMRANGEBYSCORE', z, '-inf', now) end
-  local used = 0
-  for _, v in ipairs(redis.call('HVALS', h)) do used = used + tonumber(v) end
-  return used
-end
-"""
-
-# KEYS: triples per cap   ARGV: holder, ttl_ms, want, wanted_ttl_ms, limit per cap
-# Grants up to ``want`` slots of every cap (the same number of each: what the fullest has
-# room for), extends the holder's lease, and notes it as waiting when it got fewer than it
-# wanted. Returns {granted, held before} (held before: the holder's count of the first cap
-# as Redis had it, so that a holder learns its slots lapsed).
-_TAKE = _NOW + _SWEEP + """
-local holder, ttl, want = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local n = #KEYS / 3
-local grant = want
-for i = 1, n do
-  local room = tonumber(ARGV[4 + i]) - sweep(KEYS[3 * i - 2], KEYS[3 * i - 1])
-  if room < grant then grant = room end
-end
-if grant < 0 then grant = 0 end
-local before = tonumber(redis.call('HGET', KEYS[2], holder) or '0')
-for i = 1, n do
-  local z, h, w = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-  if grant > 0 then
-    redis.call('HINCRBY', h, holder, grant)
-    redis.call('ZADD', z, now + ttl, holder)
-  end
-  if grant < want then
-    redis.call('ZADD', w, now + tonumber(ARGV[4]), holder)
-  else
-    redis.call('ZREM', w, holder)
-  end
-end
-return {grant, before}
-"""
-
-# KEYS: triples per cap   ARGV: holder, count   Gives ``count`` slots back (all: the holder is gone).
-_GIVE = """
-for i = 1, #KEYS / 3 do
-  local z, h = KEYS[3 * i - 2], KEYS[3 * i - 1]
-  if redis.call('HINCRBY', h, ARGV[1], -tonumber(ARGV[2])) <= 0 then
-    redis.call('HDEL', h, ARGV[1])
-    redis.call('ZREM', z, ARGV[1])
-  end
-end
-return 0
-"""
-
-# KEYS: triples, per holder its caps' in turn   ARGV: ttl_ms, then per holder: name, number of
-# caps, limit per cap.
-# Per holder: when its lease lapsed in any of its caps, whatever is left of it is removed and
-# {-1, 0, 0} returned (its slots are gone); else its lease is extended and {held, contended,
-# share} returned: contended 1 when another holder waits for one of its caps, share the
-# fewest slots a cap's limit gives each of those taking part in it (holders and waiters).
-_RENEW = _NOW + """
-local ttl = tonumber(ARGV[1])
-local out = {}
-local k, a = 0, 2
-while a <= #ARGV do
-  local holder, n = ARGV[a], tonumber(ARGV[a + 1])
-  local gone = false
-  for i = 1, n do
-    local s = redis.call('ZSCORE', KEYS[3 * (k + i) - 2], holder)
-    if not s or tonumber(s) <= now or not redis.call('HGET', KEYS[3 * (k + i) - 1], holder) then gone = true end
-  end
-  if gone then
-    for i = 1, n do
-      redis.call('ZREM', KEYS[3 * (k + i) - 2], holder)
-      redis.call('HDEL', KEYS[3 * (k + i) - 1], holder)
-    end
-    table.insert(out, {-1, 0, 0})
-  else
-    local contended, share = 0, nil
-    for i = 1, n do
-      local z, h, w = KEYS[3 * (k + i) - 2], KEYS[3 * (k + i) - 1], KEYS[3 * (k + i)]
-      redis.call('ZADD', z, now + ttl, holder)
-      local parts = redis.call('ZCOUNT', z, now, '+inf')
-      for _, m in ipairs(redis.call('ZRANGEBYSCORE', w, now, '+inf')) do
-        if m ~= holder then contended = 1 end
-        local ms = redis.call('ZSCORE', z, m)
-        if not ms or tonumber(ms) <= now then parts = parts + 1 end
-      end
-      local sh = math.floor(tonumber(ARGV[a + 1 + i]) / math.max(1, parts))
-      if share == nil or sh < share then share = sh end
-    end
-    table.insert(out, {tonumber(redis.call('HGET', KEYS[2 + 3 * k], holder)), contended, math.max(1, share)})
-  end
-  k = k + n
-  a = a + 2 + n
-end
-return out
-"""
-
-# KEYS: triples per cap   Lapsed holders swept, then the slots held of each (status, metrics).
-_USE = _NOW + _SWEEP + """
-local out = {}
-for i = 1, #KEYS / 3 do
-  out[i] = sweep(KEYS[3 * i - 2], KEYS[3 * i - 1])
-end
-return out
-"""
+# Its scripts' Lua: broker/lua/caps_*.lua (broker/lua_scripts.py), with the ledger's now.lua and
+# ledger_outage_fn.lua (the caps' clock and hold after an outage).
+_NOW = lua_file("now")
+_CAP = lua_file("caps_cap_fn")
+_TAKE = _NOW + OUTAGE_FN + _CAP + lua_file("caps_sweep_fn") + lua_file("caps_ahead_fn") + lua_file("caps_take")
+_GIVE = _CAP + lua_file("caps_give")
+_RENEW = _NOW + OUTAGE_FN + _CAP + lua_file("caps_renew")
+_USE = _NOW + _CAP + lua_file("caps_use")
 
 
 def server_name(url: str) -> str:
@@ -178,15 +103,17 @@ class Cap:
     key: str  # the holders' leases; also the cap's name in ``<prefix>:caps``
     held: str
     wanted: str
+    queue: str
     limit: int
 
     @classmethod
     def of(cls, keys: Keys, kind: str, name: str, limit: int) -> "Cap":
-        return cls(keys.cap(kind, name), keys.cap_held(kind, name), keys.cap_wanted(kind, name), int(limit))
+        return cls(keys.cap(kind, name), keys.cap_held(kind, name), keys.cap_wanted(kind, name),
+                   keys.cap_queue(kind, name), int(limit))
 
     @property
-    def triple(self) -> list[str]:
-        return [self.key, self.held, self.wanted]
+    def quadruple(self) -> list[str]:
+        return [self.key, self.held, self.wanted, self.queue]
 
 
 @dataclass
@@ -281,7 +208,8 @@ def check_limits(raw: Any) -> str:
 @dataclass(frozen=True)
 class Renewal:
     """What a renewal tells a holder: the slots Redis counts for it (-1: its lease lapsed and
-    they are gone), whether another holder waits for one of its caps, and its fair share."""
+    they were swept), whether another holder waits for one of its caps, and its fair share
+    (0: more take part than the cap has slots, so holders take turns)."""
 
     held: int
     contended: bool = False
@@ -297,20 +225,24 @@ class FleetSlots:
         self.k = keys
         self.ttl_ms = int(ttl_ms)
         self.wanted_ttl_ms = int(wanted_ttl_ms)  # a waiter that stopped asking is forgotten this soon
+        # The outage rule (module docstring): a live holder renews every third of the TTL at
+        # least, so its lease lapses only after two thirds of it without Redis; a gap of half
+        # the TTL in the caps' clock is an outage, and sweeps wait two TTLs after one.
+        self.outage_ms = (max(1, self.ttl_ms // 2), max(1, 2 * self.ttl_ms))
         self._take = client.register_script(_TAKE)
         self._give = client.register_script(_GIVE)
         self._renew = client.register_script(_RENEW)
         self._use = client.register_script(_USE)
 
-    @staticmethod
-    def _keys(caps: Sequence[Cap]) -> list[str]:
-        return [k for c in caps for k in c.triple]
+    def _keys(self, caps: Sequence[Cap]) -> list[str]:
+        return [self.k.caps_clock, self.k.caps_hold, *(k for c in caps for k in c.quadruple)]
 
     def take(self, caps: Sequence[Cap], holder: str, want: int = 1) -> tuple[int, int]:
         """Up to ``want`` slots of every cap in ``caps`` (the same number of each) for
         ``holder``: (granted, what Redis counted for the holder before)."""
         granted, before = self._take(keys=self._keys(caps),
-                                     args=[holder, self.ttl_ms, int(want), self.wanted_ttl_ms, *(c.limit for c in caps)])
+                                     args=[holder, self.ttl_ms, int(want), self.wanted_ttl_ms, *self.outage_ms,
+                                           *(c.limit for c in caps)])
         return int(granted), int(before)
 
     def give(self, caps: Sequence[Cap], holder: str, count: int) -> None:
@@ -321,10 +253,10 @@ class FleetSlots:
         """Extend each holder's lease on its caps; what each is told (:class:`Renewal`)."""
         if not holders:
             return []
-        keys: list[str] = []
-        args: list[Any] = [self.ttl_ms]
+        keys: list[str] = self._keys([])
+        args: list[Any] = [self.ttl_ms, *self.outage_ms]
         for holder, caps in holders:
-            keys += self._keys(caps)
+            keys += [k for c in caps for k in c.quadruple]
             args += [holder, len(caps), *(c.limit for c in caps)]
         return [Renewal(int(h), bool(c), int(s)) for h, c, s in self._renew(keys=keys, args=args)]
 

@@ -1,5 +1,5 @@
 """How an attempt that did not complete is closed: one pure rule, shared by the worker that ran
-it (workers/runner.py) and the sweeper that reclaims it from a lost worker (broker/recovery.py),
+it (workers/attempt.py) and the sweeper that reclaims it from a lost worker (broker/recovery.py),
 and the dead letter a failed episode leaves, built in one place.
 
 :func:`decide` reads no Redis: it takes the error, the attempt number, the attempt limit as the
@@ -46,7 +46,7 @@ class Close:
 def limit_matters(exc: errors.EpisodeError) -> bool:
     """Whether :func:`decide` needs the attempt limit for ``exc`` (a lost lease and a shutdown
     are closed without it: the caller need not read it)."""
-    return exc.reason not in (errors.LEASE_LOST, errors.WORKER_SHUTDOWN)
+    return exc.reason not in (errors.LEASE_LOST, errors.WORKER_SHUTDOWN, errors.CANCELLED)
 
 
 def decide(exc: errors.EpisodeError, attempt: int, limit: int, outage_seen: bool, *, max_attempts: int) -> Close:
@@ -57,12 +57,15 @@ def decide(exc: errors.EpisodeError, attempt: int, limit: int, outage_seen: bool
     ``Guard``). Redis away (``BROKER_OUTAGE``) is our own outage however the attempt noticed it,
     and is never counted against the episode either; an outage is not counted up to
     ``OUTAGE_EXTRA_ATTEMPTS`` beyond ``max_attempts``. A transient error retries while attempts
-    are left; a permanent one, or a transient one past the limit, fails the episode.
+    are left; a permanent one, or a transient one past the limit, fails the episode. An attempt
+    stopped because its job was cancelled ends the episode cancelled.
     """
     if exc.reason == errors.LEASE_LOST:
         return Close(CloseAction.ABANDON, limit=limit)
     if exc.reason == errors.WORKER_SHUTDOWN:
         return Close(CloseAction.HAND_BACK, uncounted=True, limit=limit)
+    if exc.reason == errors.CANCELLED:  # its job was cancelled (broker/cancel.py): not the episode's failure
+        return Close(CloseAction.CANCEL, limit=limit)
     outage_seen = outage_seen or exc.reason == errors.BROKER_OUTAGE
     uncounted = bool(exc.transient and outage_seen and attempt < max_attempts + OUTAGE_EXTRA_ATTEMPTS)
     if uncounted:

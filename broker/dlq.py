@@ -3,6 +3,9 @@
 Redis has no dead-letter exchange (a rejected Celery task is simply deleted), so dead letters
 are written by the same Lua script that marks the episode ``failed`` in the ledger
 (broker/ledger.py), and live in a hash keyed like the other episode sets, ``"<job> <episode>"``.
+
+The dead letters of a cancelled job (broker/cancel.py) are not re-driven: the job is never run
+again. They stay in the queue, to read or purge.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Iterable
 
 import redis
 
+from broker.cancel import JobCancel, JobCancelled
 from broker.keys import Keys, split_member
 from broker.ledger import Ledger
 from broker.pause import JobPause, resume_job
@@ -90,10 +94,15 @@ class DeadLetterQueue:
         """Send dead episodes back to the queue: same episode_id and group_id, new attempts.
 
         The ledger move failed -> queued is the guard: a letter whose episode is no longer
-        failed (re-driven by someone else meanwhile) is only removed from the queue.
+        failed (re-driven by someone else meanwhile) is only removed from the queue. A letter of
+        a cancelled job is left as it is (:meth:`cancelled_jobs` tells the caller which).
         """
+        letters = list(letters)
+        cancelled = self.cancelled_jobs(letters)
         sent, jobs = [], set()
         for letter in letters:
+            if letter.job_id in cancelled:
+                continue
             jobs.add(letter.job_id)
             if self._redrive(letter.job_id, letter.episode_id, letter.spec.get("queue") or ""):
                 sent.append(letter.episode_id)
@@ -105,7 +114,10 @@ class DeadLetterQueue:
 
     def redrive_failed(self, job_id: str) -> list[str]:
         """Re-drive every episode of a job that the ledger holds as failed, whether or not its
-        letter is still there (a purged letter does not make an episode un-re-drivable)."""
+        letter is still there (a purged letter does not make an episode un-re-drivable).
+        Refused for a cancelled job (:class:`~broker.cancel.JobCancelled`)."""
+        if JobCancel(self.r, self.settings).is_cancelled(job_id):
+            raise JobCancelled(job_id, "its failed episodes are not re-driven")
         failed = [e for e, st in self.ledger.states(job_id).items() if st == LedgerState.FAILED]
         specs = self.ledger.episode_specs(job_id, failed)
         sent = [e for e in failed if self._redrive(job_id, e, specs[e].queue if e in specs else "")]
@@ -115,6 +127,10 @@ class DeadLetterQueue:
             log.info("re-drove %d failed episodes of %s", len(sent), job_id)
         self._resume({job_id})
         return sent
+
+    def cancelled_jobs(self, letters: Iterable[DeadLetter]) -> set[str]:
+        """The jobs of ``letters`` that were cancelled: their letters are not re-driven."""
+        return JobCancel(self.r, self.settings).cancelled(sorted({d.job_id for d in letters}))
 
     def _resume(self, job_ids: set[str]) -> None:
         """A re-drive says "try again": a job that paused itself (broker/pause.py) continues,

@@ -4,7 +4,7 @@ pattern, ``celery/worker/consumer/heart.py``): lease renewal, sweeping, publishi
 Each duty runs on its own thread, so that a slow one (a long reconcile) never holds up
 another (lease renewal). Under the gevent pool the thread is a greenlet, which is fine for
 duties that wait on Redis; correctness never depends on a duty's timing (attempts fence
-themselves by their own clock, see workers/runner.py).
+themselves by their own clock, see workers/attempt.py).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ LEASE_LOST = "lease_lost"  # another attempt owns the episode now
 WORKER_LOST = "worker_lost"  # lease expired: the worker died (set by the sweeper)
 WORKER_SHUTDOWN = "worker_shutdown"  # handed back at SIGTERM after the grace period
 STEPS_LOST = "steps_lost"  # completed, but some step records never reached the database (set by the consumer)
+# Not a failure: the job was cancelled (`interactor cancel`, broker/cancel.py). The reason of a
+# cancelled episode and of the attempt stopped by it, and the incomplete_reason of its group.
+CANCELLED = "cancelled"
 
 # Outages: a server was down for longer than INTERACTOR_OUTAGE_BUDGET_S. While a server is down
 # its episodes wait (workers/breakers.py); only an outage past the budget ends an episode, and

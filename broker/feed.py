@@ -11,13 +11,14 @@ cursor and the pending entries are where Redis keeps them.
 
 Who writes what:
 
-* the consumer (consumer/feed.py) announces a group once all its members are settled
+* the consumer (consumer/announce.py) announces a group once all its members are settled
   (:func:`announce`: an HSETNX marker and the XADD in one script, so a batch re-processed after
   a crash announces nothing twice);
 * workers (workers/versions.py) read :func:`current_version` before each model call;
-* the feed server (interactor/feed.py) takes, settles, and publishes versions;
+* the feed server (interactor/feed_service.py) takes, settles, and publishes versions;
 * the continuous producer (producer/continuous.py) counts what it produces, so that at most
-  ``max_ahead`` groups are produced and not yet settled.
+  ``max_ahead`` groups are produced and not yet settled, and reports its state
+  (:func:`note_producer`), which ``/stats`` and ``interactor status`` show.
 """
 
 from __future__ import annotations
@@ -28,13 +29,20 @@ from dataclasses import asdict, dataclass, fields
 import redis
 
 from broker.keys import Keys
-from broker.states import LedgerState
+from broker.lua_scripts import lua_file
+from broker.replicas import ReplicaWait
+from broker.settings import FEED, FEED_FAILED_POLICIES, FEED_STALE_POLICIES, Settings
+from broker.states import LedgerState, ProducerState
 
 TRAINERS = "trainers"  # the consumer group of a feed's stream; trainers are its consumers
 
 # What becomes of a stale group (FeedConfig.stale_policy) and of a failed one (failed_policy).
-STALE_REQUEUE, STALE_DROP = "requeue", "drop"
-FAILED_REPORT, FAILED_REFILL = "report", "refill"
+STALE_REQUEUE, STALE_DROP = FEED_STALE_POLICIES
+FAILED_REPORT, FAILED_REFILL = FEED_FAILED_POLICIES
+
+# A feed's knobs: FeedConfig.<knob> is the setting feed_<knob>, described (with its default and
+# flag) in broker/settings.py.
+KNOBS = tuple(f.name.removeprefix("feed_") for f in fields(Settings) if FEED in f.metadata["read_by"])
 
 # Why a group was filtered (counted as ``filtered:<reason>``).
 FILTER_UNIFORM = "uniform"  # drop_uniform: every reward equal, no learning signal
@@ -58,6 +66,16 @@ C_WAIT_S = "wait_s"  # seconds trainers spent waiting inside take (sum)
 C_BEHIND = "versions_behind"  # sum over delivered groups of (current - oldest version)
 C_BEHIND_N = "versions_behind_n"  # delivered groups that had a version
 C_LAST_TAKE = "last_take_at"  # when a trainer last asked for groups (unix time): retention's clock
+C_VERSION_RESETS = "version_resets"  # times an operator reset the version (interactor feed version --reset)
+C_ANNOUNCE_ERRORS = "announce_errors"  # groups whose announcement failed on their data (reported failed instead)
+C_REDO_DROPPED = "redo_dropped"  # groups to run again that could not be (their episode specs gone), dropped
+
+# The producer's report of itself (Keys.feed_producer, a hash): what it is doing, how many rounds
+# failed, the last failure and when, and when it last wrote (every PRODUCER_BEAT_S while it runs).
+P_STATE, P_ERRORS, P_SEEN_AT = "state", "errors", "seen_at"
+P_LAST_ERROR, P_LAST_ERROR_AT = "last_error", "last_error_at"
+PRODUCER_BEAT_S = 5.0
+PRODUCER_SILENT_S = 60.0  # not heard from for this long: reported silent (its process is gone or stuck)
 
 FAILURES_KEPT = 1000  # the failures list (what the trainer reads of failed groups) is capped
 
@@ -65,23 +83,26 @@ FAILURES_KEPT = 1000  # the failures list (what the trainer reads of failed grou
 class FeedError(ValueError):
     """A request the feed refuses; ``status`` is the HTTP status it maps to."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, extra: dict | None = None):
         super().__init__(message)
         self.status = status
+        self.extra = extra or {}  # more of the answer (what an ack did settle beside what it refused)
 
 
 @dataclass
 class FeedConfig:
-    """A job's feed, as stored in ``Keys.feed_config`` (strings in Redis, typed here)."""
+    """A job's feed, as stored in ``Keys.feed_config`` (strings in Redis, typed here): its knobs
+    (:data:`KNOBS`, each the setting of that name, which says what it does; a hash written
+    before a knob existed reads as its default) and the job's own fields after them."""
 
-    max_ahead: int = 64
-    max_staleness: int = -1  # -1: no bound
-    stale_policy: str = STALE_REQUEUE
-    failed_policy: str = FAILED_REPORT
-    refill_max: int = 2  # failed_policy refill: re-runs of one group's tasks before it is reported
-    ack_timeout_s: float = 300.0
-    drop_uniform: bool = False
-    filter: str = ""  # module:function
+    max_ahead: int = Settings.feed_max_ahead
+    max_staleness: int = Settings.feed_max_staleness
+    stale_policy: str = Settings.feed_stale_policy
+    failed_policy: str = Settings.feed_failed_policy
+    refill_max: int = Settings.feed_refill_max
+    ack_timeout_s: float = Settings.feed_ack_timeout_s
+    drop_uniform: bool = Settings.feed_drop_uniform
+    filter: str = Settings.feed_filter  # module:function
     continuous: bool = False  # a producer draws groups from the templates (producer/continuous.py)
     epochs: int = 0  # continuous: 0 = without end
     seed: int = 0  # continuous: shuffles each epoch
@@ -89,11 +110,7 @@ class FeedConfig:
 
     @classmethod
     def from_settings(cls, settings, **kw) -> "FeedConfig":
-        return cls(max_ahead=settings.feed_max_ahead, max_staleness=settings.feed_max_staleness,
-                   stale_policy=settings.feed_stale_policy, failed_policy=settings.feed_failed_policy,
-                   refill_max=settings.feed_refill_max,
-                   ack_timeout_s=settings.feed_ack_timeout_s, drop_uniform=settings.feed_drop_uniform,
-                   filter=settings.feed_filter, **kw)
+        return cls(**{knob: getattr(settings, "feed_" + knob) for knob in KNOBS}, **kw)
 
     def to_hash(self) -> dict[str, str]:
         return {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
@@ -138,70 +155,84 @@ def has_feed(r: redis.Redis, keys: Keys, job_id: str) -> bool:
 
 
 # --- versions -------------------------------------------------------------------------------
-_SET_VERSION = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
-local new = tonumber(ARGV[1])
-if new < cur then return {0, cur} end
-redis.call('SET', KEYS[1], ARGV[1])
-return {1, cur}
-"""
+# The largest version the feed accepts: the set-version script compares versions as Lua numbers
+# (doubles, exact up to 2^53), and records carry them as msgpack integers. A value beyond it, a
+# negative one or digits other than ASCII's would compare wrongly or fail to pack.
+MAX_VERSION = 2**53 - 1
+_MAX_DIGITS = len(str(MAX_VERSION))
+
+_SET_VERSION = lua_file("feed_set_version")  # its Lua: broker/lua/feed_set_version.lua
+
+
+def parse_version(v) -> int | None:
+    """A version as an integer: ``7``, ``"7"`` or ``"v7"``, in ``[0, MAX_VERSION]``, written in
+    ASCII digits; None for anything else (a model server's own naming, or a value we cannot
+    order exactly: such a step is unversioned, never called stale)."""
+    if v is None or isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v if 0 <= v <= MAX_VERSION else None
+    if isinstance(v, bytes):
+        v = v.decode("utf-8", "replace")
+    if not isinstance(v, str) or len(v) > _MAX_DIGITS + 8:
+        return None
+    s = v.strip()
+    if s[:1] in ("v", "V"):
+        s = s[1:]
+    if not s or len(s) > _MAX_DIGITS or not (s.isascii() and s.isdigit()):
+        return None
+    n = int(s)
+    return n if n <= MAX_VERSION else None
 
 
 def current_version(r: redis.Redis, keys: Keys, job_id: str) -> int | None:
-    raw = r.get(keys.feed_version(job_id))
-    return int(raw) if raw is not None else None
+    """The trainer's published version; None before the first one (or when what Redis holds is
+    not a version: only an edit outside the feed can put one there, and
+    ``interactor feed version JOB --reset N`` repairs it)."""
+    return parse_version(r.get(keys.feed_version(job_id)))
+
+
+def checked_version(version) -> int:
+    """A version a trainer publishes: an integer (or its ASCII digits) in ``[0, MAX_VERSION]``,
+    else a FeedError naming what was sent."""
+    plain = (isinstance(version, int) and not isinstance(version, bool)) or (
+        isinstance(version, str) and version.strip()[:1] not in ("v", "V"))
+    n = parse_version(version) if plain else None
+    if n is None:
+        shown = repr(version)
+        raise FeedError(f"version must be an integer from 0 to {MAX_VERSION} (2^53 - 1), got "
+                        f"{shown if len(shown) <= 40 else shown[:40] + '...'}")
+    return n
 
 
 def set_version(r: redis.Redis, keys: Keys, job_id: str, version) -> int:
     """Publish the trainer's version. The same version again is fine (a retried call); a lower
-    one is refused (409): versions order the staleness bound, so they may not go back."""
-    if isinstance(version, bool) or not isinstance(version, int):
-        if isinstance(version, str) and version.strip().lstrip("-").isdigit():
-            version = int(version)
-        else:
-            raise FeedError(f"version must be an integer, got {version!r}")
-    if version < 0:
-        raise FeedError(f"version must be >= 0, got {version}")
+    one is refused (409): versions order the staleness bound, so they may not go back (an
+    operator can: :func:`reset_version`)."""
+    version = checked_version(version)
     ok, cur = r.eval(_SET_VERSION, 1, keys.feed_version(job_id), version)
     if not ok:
-        raise FeedError(f"version {version} is behind the current version {cur}: versions only go forward", 409)
+        cur = cur.decode("utf-8", "replace") if isinstance(cur, bytes) else cur
+        raise FeedError(f"version {version} is behind the current version {cur}: versions only go forward "
+                        f"(an operator can reset it: interactor feed version {job_id} --reset N)", 409)
     return version
 
 
-def parse_version(v) -> int | None:
-    """A step's version as an integer: ``7``, ``"7"`` or ``"v7"``; None when it is none of them
-    (a model server's own naming we cannot order: such a step is never called stale)."""
-    if v is None or isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    s = str(v).strip()
-    if s[:1] in ("v", "V"):
-        s = s[1:]
-    return int(s) if s.isdigit() else None
+def reset_version(r: redis.Redis, keys: Keys, job_id: str, version) -> str | None:
+    """Set a job's version to ``version`` whatever it was (an operator's repair after a wrong
+    jump), counted in the feed's stats; returns what it was before."""
+    version = checked_version(version)
+    pipe = r.pipeline(transaction=True)
+    pipe.getset(keys.feed_version(job_id), version)
+    pipe.hincrby(keys.feed_stats(job_id), C_VERSION_RESETS, 1)
+    before = pipe.execute()[0]
+    return before.decode("utf-8", "replace") if isinstance(before, bytes) else before
 
 
 # --- announce and settle --------------------------------------------------------------------
-_ANNOUNCE = """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return false end
-local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[1], id)
-redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
-return id
-"""
-
-# KEYS: stream, stats, redo, failures. ARGV: group, entry id, counter, redo payload, failure payload.
-_SETTLE = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
-redis.call('HINCRBY', KEYS[2], 'settled', 1)
-if ARGV[4] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[4]) end
-if ARGV[5] ~= '' then
-  redis.call('LPUSH', KEYS[4], ARGV[5])
-  redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
-end
-return 1
-"""
+# Their Lua: broker/lua/feed_announce.lua, feed_settle.lua (broker/lua_scripts.py).
+_ANNOUNCE = lua_file("feed_announce")
+_SETTLE = lua_file("feed_settle")
 
 
 def announce(r: redis.Redis, keys: Keys, packed_group: bytes, job_id: str, group_id: str) -> str | None:
@@ -213,11 +244,15 @@ def announce(r: redis.Redis, keys: Keys, packed_group: bytes, job_id: str, group
 
 
 def settle(r: redis.Redis, keys: Keys, job_id: str, entry_id: str, counter: str, *,
-           redo: bytes = b"", failure: bytes = b"") -> bool:
+           redo: bytes = b"", failure: bytes = b"", replicas: ReplicaWait | None = None) -> bool:
     """Finish with a feed entry: acknowledge it and count why, in one script, so that a group is
-    counted (and re-run, ``redo``) once even if two servers settle it. False: settled before."""
-    return bool(r.eval(_SETTLE, 4, keys.feed_stream(job_id), keys.feed_stats(job_id), keys.feed_redo(job_id),
-                       keys.feed_failures(job_id), TRAINERS, entry_id, counter, redo, failure, FAILURES_KEPT))
+    counted (and re-run, ``redo``) once even if two servers settle it. False: settled before.
+    ``replicas``: returns once a replica has it, when its waits are on (a trainer's ack)."""
+    args = (_SETTLE, 4, keys.feed_stream(job_id), keys.feed_stats(job_id), keys.feed_redo(job_id),
+            keys.feed_failures(job_id), TRAINERS, entry_id, counter, redo, failure, FAILURES_KEPT)
+    if replicas is None or not replicas.due():
+        return bool(r.eval(*args))
+    return bool(replicas.run(r, lambda pipe: pipe.eval(*args))[0])
 
 
 def counters(r: redis.Redis, keys: Keys, job_id: str) -> dict[str, float]:
@@ -235,11 +270,43 @@ def inflight(r: redis.Redis, keys: Keys, job_id: str) -> int:
     return int(produced or 0) - int(settled or 0)
 
 
+# --- the continuous producer's report (producer/continuous.py writes, status and /stats read) ------
+def note_producer(r: redis.Redis, keys: Keys, job_id: str, state: str, ttl_s: float, error: str = "") -> None:
+    """The producer says what it is doing; ``error``: a round failed (counted, kept as the last)."""
+    key = keys.feed_producer(job_id)
+    now = f"{time.time():.3f}"
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(key, mapping={P_STATE: str(state), P_SEEN_AT: now})
+    if error:
+        pipe.hincrby(key, P_ERRORS, 1)
+        pipe.hset(key, mapping={P_LAST_ERROR: error[:2000], P_LAST_ERROR_AT: now})
+    pipe.expire(key, max(1, int(ttl_s)))
+    pipe.execute()
+
+
+def producer_status(r: redis.Redis, keys: Keys, job_id: str, now: float | None = None) -> dict | None:
+    """The producer as it last reported itself, None before it ever did (no producer ran):
+    ``state`` (broker.states.ProducerState; ``silent`` when a running one has not written for
+    PRODUCER_SILENT_S), failed rounds, the last failure, and redo entries it had to drop."""
+    raw = {k.decode(): v.decode() for k, v in r.hgetall(keys.feed_producer(job_id)).items()}
+    if not raw:
+        return None
+    now = time.time() if now is None else now
+    seen = now - float(raw.get(P_SEEN_AT) or 0.0)
+    state = raw.get(P_STATE, "")
+    if state != ProducerState.STOPPED and seen > PRODUCER_SILENT_S:
+        state = ProducerState.SILENT
+    error_at = raw.get(P_LAST_ERROR_AT)
+    return {"state": state, "errors": int(raw.get(P_ERRORS) or 0), "last_error": raw.get(P_LAST_ERROR, ""),
+            "last_error_s_ago": round(now - float(error_at), 1) if error_at else None, "seen_s_ago": round(seen, 1),
+            "redo_dropped": int(r.hget(keys.feed_stats(job_id), C_REDO_DROPPED) or 0)}
+
+
 # --- retention (broker/recovery.py's housekeeping) -----------------------------------------------
 def holds(r: redis.Redis, keys: Keys, job_id: str, idle_s: float, now: float | None = None) -> bool:
     """Whether a feed keeps its job alive though none of the job's episodes runs: a group is
     ready or taken, or the producer has more to produce (a continuous job not through its
-    epochs, groups to run again, groups produced and not settled). A continuous job without end
+    epochs, groups to run again, groups produced and not settled; never a cancelled job). A continuous job without end
     would never finish: one no trainer asked anything of for ``idle_s`` (the job retention) is
     let go like a finished one, its position and counters expiring with its keys."""
     cfg = config(r, keys, job_id)
@@ -256,8 +323,8 @@ def holds(r: redis.Redis, keys: Keys, job_id: str, idle_s: float, now: float | N
             return True  # taken
     except redis.ResponseError:
         pass
-    if not cfg.continuous:
-        return False
+    if not cfg.continuous or r.exists(keys.job_cancel(job_id)):
+        return False  # nothing more to produce: a batch job's groups are all in, a cancelled job's producer stopped
     if r.llen(keys.feed_redo(job_id)) or int(c.get(C_PRODUCED, 0)) > int(c.get(C_SETTLED, 0)):
         return True
     epoch = int(r.hget(keys.feed_position(job_id), "epoch") or 0)
@@ -301,10 +368,14 @@ def trim(r: redis.Redis, keys: Keys, job_id: str, older_than_s: float, now: floa
 
 
 def summary(r: redis.Redis, keys: Keys, job_id: str) -> dict:
-    """The feed of a job at a glance (``interactor status``, the metrics, the results browser):
-    groups ready, taken, acknowledged, re-queued or dropped for staleness, filtered (in all and
-    by reason), failed (reported, or re-filled), the current version, how far behind delivered
-    groups were on average, and how long trainers waited inside take."""
+    """The feed of a job at a glance, one view for every reader (``GET /stats`` adds its recent
+    failures and config to it; ``interactor status``, the metrics and the results browser read
+    it as it is). Each counter under one name with one meaning: ``failed`` the groups reported
+    failed (a dead-lettered member, :data:`C_FAILED`), ``refilled`` those re-run instead,
+    ``stale_requeued`` / ``stale_dropped`` those past the staleness bound, ``filtered`` the
+    groups a filter dropped, by reason; ``ready``, ``taken`` and ``inflight`` are now; the mean
+    of how far behind delivered groups were, how long trainers waited inside take, and the
+    continuous producer's report of itself (``producer_status``)."""
     c = counters(r, keys, job_id)
     try:
         taken = int(r.xpending(keys.feed_stream(job_id), TRAINERS)["pending"])
@@ -312,14 +383,13 @@ def summary(r: redis.Redis, keys: Keys, job_id: str) -> dict:
         taken = 0
     n_behind = int(c.get(C_BEHIND_N, 0))
     return {"version": current_version(r, keys, job_id),
+            "ready": int(c.get(C_ANNOUNCED, 0)) - int(c.get(C_READ, 0)), "taken": taken,
+            "inflight": int(c.get(C_PRODUCED, 0)) - int(c.get(C_SETTLED, 0)),
+            "produced": int(c.get(C_PRODUCED, 0)), "announced": int(c.get(C_ANNOUNCED, 0)),
             "delivered": int(c.get(C_DELIVERED, 0)), "redelivered": int(c.get(C_REDELIVERED, 0)),
-            "failed_reported": int(c.get(C_FAILED, 0)), "refilled": int(c.get(C_REFILLED, 0)),
-            "filtered_by": {k.split(":", 1)[1]: int(v) for k, v in c.items() if k.startswith(C_FILTERED + ":")},
+            "acked": int(c.get(C_ACKED, 0)), "failed": int(c.get(C_FAILED, 0)), "refilled": int(c.get(C_REFILLED, 0)),
+            "stale_requeued": int(c.get(C_STALE_REQUEUED, 0)), "stale_dropped": int(c.get(C_STALE_DROPPED, 0)),
+            "filtered": {k.split(":", 1)[1]: int(v) for k, v in c.items() if k.startswith(C_FILTERED + ":")},
             "versions_behind_mean": int(c.get(C_BEHIND, 0)) / n_behind if n_behind else None,
             "trainer_wait_s": float(c.get(C_WAIT_S, 0.0)), "takes": int(c.get(C_TAKES, 0)),
-            "ready": int(c.get(C_ANNOUNCED, 0)) - int(c.get(C_READ, 0)), "taken": taken,
-            "acked": int(c.get(C_ACKED, 0)), "requeued": int(c.get(C_STALE_REQUEUED, 0)),
-            "dropped": int(c.get(C_STALE_DROPPED, 0)),
-            "filtered": sum(int(v) for k, v in c.items() if k.startswith(C_FILTERED + ":")),
-            "failed": int(c.get(C_FAILED, 0)) + int(c.get(C_REFILLED, 0)),
-            "inflight": int(c.get(C_PRODUCED, 0)) - int(c.get(C_SETTLED, 0))}
+            "producer": producer_status(r, keys, job_id)}

@@ -44,12 +44,28 @@ class Keys:
     def job_counts(self, job_id: str) -> str:  # hash state -> number of episodes in it
         return f"{self.prefix}:job:{job_id}:counts"
 
+    def job_suspects(self, job_id: str) -> str:  # hash episode_id -> when reconcile first found it lost (unix s)
+        return f"{self.prefix}:job:{job_id}:suspects"
+
+    def job_progress(self, job_id: str) -> str:  # hash episode_id -> msgpack Progress of its running trajectory
+        return f"{self.prefix}:job:{job_id}:progress"
+
+    def job_progress_seq(self, job_id: str) -> str:  # hash episode_id -> "<trajectory> <seq>" (write order)
+        return f"{self.prefix}:job:{job_id}:progress-seq"
+
+    def job_cancel(self, job_id: str) -> str:  # hash at: when the job was cancelled (broker/cancel.py)
+        return f"{self.prefix}:job:{job_id}:cancel"
+
+    def job_store(self, job_id: str) -> str:  # the results store its consumer writes (ResultStore.identity)
+        return f"{self.prefix}:job:{job_id}:store"
+
     def job_keys(self, job_id: str) -> list[str]:
         """Every per-job key (what retention expires once the job is finished)."""
         return [self.job_spec(job_id), self.job_episodes(job_id), self.job_state(job_id), self.job_attempts(job_id),
                 self.job_attempt_limit(job_id), self.job_attempt_ids(job_id), self.job_attempt_previous(job_id),
-                self.job_queues(job_id), self.job_counts(job_id),
-                self.job_pause(job_id), self.job_streak(job_id), self.job_parked(job_id)]
+                self.job_queues(job_id), self.job_counts(job_id), self.job_store(job_id),
+                self.job_progress(job_id), self.job_progress_seq(job_id), self.job_suspects(job_id),
+                self.job_pause(job_id), self.job_streak(job_id), self.job_parked(job_id), self.job_cancel(job_id)]
 
     # --- leases and scheduling --------------------------------------------------------
     def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt>:<nonce>", with a TTL
@@ -80,6 +96,18 @@ class Keys:
         return f"{self.prefix}:reclaim-hold"
 
     @property
+    def outages(self) -> str:  # zset "<start ms>:<end ms>" -> end: the last such gaps (leases lapsed in one cost no attempt)
+        return f"{self.prefix}:outages"
+
+    @property
+    def primary(self) -> str:  # the replication id of the primary the last sweep reached: a change is a failover
+        return f"{self.prefix}:primary"
+
+    @property
+    def replica_barrier(self) -> str:  # a counter written before a WAIT that confirms earlier writes (broker/replicas.py)
+        return f"{self.prefix}:replica-barrier"
+
+    @property
     def orphans(self) -> str:  # list of msgpack [base_url, env_name, instance id]: env instances to close
         return f"{self.prefix}:orphans"
 
@@ -104,7 +132,7 @@ class Keys:
     def dlq_index(self) -> str:  # zset "<job> <episode>" -> dead-lettered at (s)
         return f"{self.prefix}:dlq:index"
 
-    # --- fleet statistics (interactor/metrics.py) -------------------------------------
+    # --- fleet statistics (interactor/fleet_reader.py) --------------------------------
     @property
     def stats(self) -> str:  # hash: counters and histogram buckets folded from committed records
         return f"{self.prefix}:stats"
@@ -148,6 +176,11 @@ class Keys:
     def feed_refills(self, job_id: str) -> str:  # hash group_id -> re-runs for failed members it descends from
         return f"{self.prefix}:feed:{job_id}:refills"
 
+    def feed_producer(self, job_id: str) -> str:  # hash: the producer's state, errors, last error, last seen
+        # Not among feed_keys: each write gives it the job retention as its own expiry, so a
+        # producer that stopped leaves its last word for that long and no key behind.
+        return f"{self.prefix}:feed:{job_id}:producer"
+
     def feed_keys(self, job_id: str) -> list[str]:
         return [self.feed_config(job_id), self.feed_stream(job_id), self.feed_seen(job_id), self.feed_stats(job_id),
                 self.feed_version(job_id), self.feed_position(job_id), self.feed_templates(job_id),
@@ -171,6 +204,17 @@ class Keys:
 
     def cap_wanted(self, kind: str, name: str) -> str:  # zset holder -> until (ms): holders waiting for slots
         return f"{self.prefix}:cap-wanted:{kind}:{name}"
+
+    def cap_queue(self, kind: str, name: str) -> str:  # zset holder -> since (ms): waiters holding none, in turn
+        return f"{self.prefix}:cap-queue:{kind}:{name}"
+
+    @property
+    def caps_clock(self) -> str:  # Redis time (ms) of the caps' last take or renewal: outages show as a gap
+        return f"{self.prefix}:caps-clock"
+
+    @property
+    def caps_hold(self) -> str:  # set (with a TTL) after such a gap: no lapsed cap slot is swept while it lives
+        return f"{self.prefix}:caps-hold"
 
     @property
     def caps(self) -> str:  # hash cap key -> limit: every cap a job set, for status and metrics

@@ -21,7 +21,8 @@ same moment count exactly; parking and resuming are scripts too, so that an epis
 parked after the pause that made it park was lifted (it would wait forever).
 
 Attempts that ended for reasons that are not the job's doing (a worker shut down or lost, a
-lease taken over, Redis away) are neither counted nor reset the streak.
+lease taken over, Redis away), or because the job was cancelled, are neither counted nor reset
+the streak.
 """
 
 from __future__ import annotations
@@ -34,58 +35,18 @@ import redis
 from broker import errors
 from broker.keys import Keys
 from broker.ledger import Ledger
+from broker.lua_scripts import lua_file
 from broker.queueing import send_episodes
-from broker.states import LedgerState, lua
+from broker.states import LedgerState
 
 # Not the job's doing: these neither count towards a streak nor end one.
-NOT_COUNTED = frozenset({errors.WORKER_SHUTDOWN, errors.WORKER_LOST, errors.LEASE_LOST, errors.BROKER_OUTAGE})
-PARKED = "parked"  # what a delivery of a paused job's episode came to (the runtime's answer)
+NOT_COUNTED = frozenset({errors.WORKER_SHUTDOWN, errors.WORKER_LOST, errors.LEASE_LOST, errors.BROKER_OUTAGE,
+                         errors.CANCELLED})
 
-# KEYS: streak, pause   ARGV: reason ('' = a success), threshold, now_s, detail, episode
-# The streak hash: reason, count, and a field ``e:<episode>`` per episode counted.
-# Returns {count, paused_now}: the streak after this attempt, and 1 when this attempt paused the job.
-_RECORD = """
-if ARGV[1] == '' then
-  redis.call('DEL', KEYS[1])
-  return {0, 0}
-end
-local count
-if redis.call('HGET', KEYS[1], 'reason') == ARGV[1] then
-  if redis.call('HSETNX', KEYS[1], 'e:' .. ARGV[5], 1) == 1 then
-    count = redis.call('HINCRBY', KEYS[1], 'count', 1)
-  else
-    count = tonumber(redis.call('HGET', KEYS[1], 'count'))
-  end
-else
-  redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], 'reason', ARGV[1], 'count', 1, 'e:' .. ARGV[5], 1)
-  count = 1
-end
-local threshold = tonumber(ARGV[2])
-if threshold > 0 and count >= threshold and redis.call('EXISTS', KEYS[2]) == 0 then
-  redis.call('HSET', KEYS[2], 'reason', ARGV[1], 'streak', count, 'since', ARGV[3], 'detail', ARGV[4])
-  return {count, 1}
-end
-return {count, 0}
-"""
-
-# KEYS: pause, parked, reserved, state   ARGV: episode, member
-# Parks a delivered episode while its job is paused: 1 parked, 0 the job is not paused (run it).
-_PARK = lua("""
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('ZREM', KEYS[3], ARGV[2])
-local st = redis.call('HGET', KEYS[4], ARGV[1])
-if st == $QUEUED then redis.call('SADD', KEYS[2], ARGV[1]) end
-return 1
-""")
-
-# KEYS: pause, streak, parked   Lifts the pause; returns the parked episode ids (now to be sent).
-_RESUME = """
-redis.call('DEL', KEYS[1], KEYS[2])
-local parked = redis.call('SMEMBERS', KEYS[3])
-redis.call('DEL', KEYS[3])
-return parked
-"""
+# Its scripts' Lua: broker/lua/pause_*.lua (broker/lua_scripts.py).
+_RECORD = lua_file("pause_record")
+_PARK = lua_file("pause_park")
+_RESUME = lua_file("pause_resume")
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ Layout (kombu.transport.redis; ``tests/test_metrics.py`` holds us to it):
 
 * queue ``q`` is the list ``q``; priority ``p`` (3, 6, 9) of it is ``q\x06\x16p``
   (:func:`sub_queues`). Producers LPUSH, workers BRPOP: the oldest message is at index -1.
-* ``unacked`` (hash tag -> [message, exchange, routing key]) and ``unacked_index`` (zset tag ->
-  delivered at) hold delivered, unacknowledged messages: global keys, not prefixed.
+* no ``unacked`` hash: the transport runs without kombu's ack emulation (broker/kombu_redis.py),
+  so a delivered message is gone from Redis; the ledger knows where its episode is.
 * ``_kombu.binding.<exchange>`` sets name the queues a worker declared.
 
 Sending: tens of thousands of tasks per second.
@@ -34,12 +34,10 @@ from typing import Iterable
 import msgpack
 import redis
 
-from broker.app import EPISODE_TASK
+from broker.celery_app import EPISODE_TASK
 
 PRIORITY_SEP = "\x06\x16"  # kombu's Channel.sep
 PRIORITY_STEPS = (0, 3, 6, 9)
-UNACKED_KEY = "unacked"
-UNACKED_INDEX_KEY = "unacked_index"
 BINDING_PREFIX = "_kombu.binding."
 
 _ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
@@ -202,50 +200,31 @@ def declared_queues(client: redis.Redis) -> set[str]:
     return found
 
 
-def inflight_per_queue(client: redis.Redis, keys=None) -> dict[str, int]:
-    """Episode tasks delivered to a worker and not acknowledged yet (reserved or running), per
-    queue (routing key); other Celery apps' messages in the same Redis are not counted.
-
-    With ``keys`` (the ledger's), a delivery counts only while its episode holds a live lease
-    or reservation, and each episode once: a SIGKILLed worker's deliveries stay in kombu's
-    ``unacked`` hash until the visibility timeout although the sweeper has re-run their
-    episodes elsewhere, and counting them showed work in flight after the job was done (and
-    kept autoscaled workers up)."""
-    live: set[str] | None = None
-    if keys is not None:
-        now_ms = int(time.time() * 1000)
-        pipe = client.pipeline(transaction=False)
-        pipe.zrangebyscore(keys.running, now_ms, "+inf")
-        pipe.zrangebyscore(keys.reserved, now_ms, "+inf")
-        live = {m.decode() if isinstance(m, bytes) else m for part in pipe.execute() for m in part}
+def inflight_per_queue(client: redis.Redis, keys, queue_of) -> dict[str, int]:
+    """Episodes delivered to a worker and not finished (reserved or running), per queue: the
+    ledger's live leases and reservations, each episode once (a delivered message leaves no
+    copy in Redis: broker/kombu_redis.py). ``queue_of(job_id, episode_ids)`` names the queue of
+    each (the ledger's episode specs)."""
+    now_ms = int(time.time() * 1000)
+    pipe = client.pipeline(transaction=False)
+    pipe.zrangebyscore(keys.running, now_ms, "+inf")
+    pipe.zrangebyscore(keys.reserved, now_ms, "+inf")
+    by_job: dict[str, set[str]] = {}
+    for part in pipe.execute():
+        for m in part:
+            job_id, _, episode_id = (m.decode() if isinstance(m, bytes) else m).partition(" ")
+            by_job.setdefault(job_id, set()).add(episode_id)
     out: dict[str, int] = {}
-    seen: set[str] = set()
-    for _, raw in client.hscan_iter(UNACKED_KEY, count=1000):
-        try:
-            msg, _exchange, routing_key = json.loads(raw)
-            ours = msg["headers"]["task"] == EPISODE_TASK
-        except (ValueError, TypeError, KeyError):
-            continue
-        if not (ours and routing_key):
-            continue
-        if live is not None:
-            args = task_args(msg)
-            member = f"{args[0]} {args[1]}" if args else None
-            if member not in live or member in seen:
-                continue
-            seen.add(member)
-        out[routing_key] = out.get(routing_key, 0) + 1
+    for job_id, episodes in by_job.items():
+        for q in queue_of(job_id, sorted(episodes)):
+            out[q] = out.get(q, 0) + 1
     return out
 
 
-def waiting_episodes(client: redis.Redis, queues: list[str], *, unacked_grace_s: float) -> set[tuple[str, str]]:
-    """``(job_id, episode_id)`` of every task message that will be delivered or is being started.
-
-    Counted: messages in the queue lists (every priority sub-queue) and messages delivered to
-    a worker less than ``unacked_grace_s`` ago. An older unacked message whose episode never
-    started belongs to a worker that died before its reservation was written; kombu would only
-    restore it after the visibility timeout, so it does not count.
-    """
+def waiting_episodes(client: redis.Redis, queues: list[str]) -> set[tuple[str, str]]:
+    """``(job_id, episode_id)`` of every task message waiting in these queues (every priority
+    sub-queue). A message a worker took is not here: its episode is reserved, running, or
+    found by reconcile."""
     found: set[tuple[str, str]] = set()
     names = set(queues)
     for q in queues:
@@ -255,16 +234,4 @@ def waiting_episodes(client: redis.Redis, queues: list[str], *, unacked_grace_s:
             args = decode_task_args(raw)
             if args:
                 found.add(args)
-    delivered_at = {tag.decode(): score for tag, score in client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True)}
-    cutoff = time.time() - unacked_grace_s
-    for tag, raw in client.hscan_iter(UNACKED_KEY):
-        if delivered_at.get(tag.decode(), 0.0) < cutoff:
-            continue
-        try:
-            envelope = json.loads(raw)[0]
-        except (ValueError, IndexError, TypeError, KeyError):
-            continue
-        args = task_args(envelope)
-        if args:
-            found.add(args)
     return found

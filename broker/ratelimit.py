@@ -28,75 +28,19 @@ import re
 import redis
 
 from broker.keys import Keys
+from broker.lua_scripts import lua_file
 
 RPM_BURST_S = 0.0  # the bucket's depth in seconds of requests beyond one: none
 RPM_PACE = 0.97  # the share of a requests-per-minute limit the fleet sends at
 
-_NOW = """
-redis.replicate_commands()
-local _t = redis.call('TIME')
-local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
-"""
-
-_REFILL_FN = """
-local function refill(level, at, per_min, cap)
-  if not level then return cap end
-  return math.min(cap, level + (now - at) * per_min / 60000)
-end
-"""
-
-# KEYS: bucket hash, hold   ARGV: rpm, tpm, rpm_burst_s (0 = that limit is off)
-# 0: go (one request taken); else: milliseconds to wait before asking again.
-_TAKE = _NOW + _REFILL_FN + """
-local hold = tonumber(redis.call('GET', KEYS[2]) or '0')
-if hold > now then return hold - now end
-local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
-local h = redis.call('HMGET', KEYS[1], 'r', 'rt', 't', 'tt')
-local wait = 0
-local r, t
-if rpm > 0 then
-  r = refill(tonumber(h[1]), tonumber(h[2]), rpm, math.max(1, rpm / 60 * tonumber(ARGV[3])))
-  if r < 1 then wait = math.ceil((1 - r) * 60000 / rpm) end
-end
-if tpm > 0 then
-  t = refill(tonumber(h[3]), tonumber(h[4]), tpm, math.max(1, tpm / 60))
-  if t <= 0 then wait = math.max(wait, math.ceil((1 - t) * 60000 / tpm)) end
-end
-if wait > 0 then return wait end
-if rpm > 0 then redis.call('HSET', KEYS[1], 'r', r - 1, 'rt', now) end
-if tpm > 0 then redis.call('HSET', KEYS[1], 't', t, 'tt', now) end
-redis.call('PEXPIRE', KEYS[1], 120000)
-return 0
-"""
-
-# KEYS: bucket hash   ARGV: tpm, tokens used
-_CHARGE = _NOW + _REFILL_FN + """
-local h = redis.call('HMGET', KEYS[1], 't', 'tt')
-local tpm = tonumber(ARGV[1])
-local t = refill(tonumber(h[1]), tonumber(h[2]), tpm, math.max(1, tpm / 60))
-redis.call('HSET', KEYS[1], 't', t - tonumber(ARGV[2]), 'tt', now)
-redis.call('PEXPIRE', KEYS[1], 120000)
-return 0
-"""
-
-# KEYS: hold   ARGV: ms from now. Moves the mark later, never earlier.
-_HOLD = _NOW + """
-local due = now + tonumber(ARGV[1])
-local hold = tonumber(redis.call('GET', KEYS[1]) or '0')
-if due > hold then redis.call('SET', KEYS[1], due, 'PX', tonumber(ARGV[1]) + 1000) end
-return 0
-"""
-
-# KEYS: bucket hash, hold   ARGV: rpm, tpm, rpm_burst_s. For status: {requests left, tokens left, hold ms}.
-_LEVELS = _NOW + _REFILL_FN + """
-local h = redis.call('HMGET', KEYS[1], 'r', 'rt', 't', 'tt')
-local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
-local r, t = -1, -1
-if rpm > 0 then r = refill(tonumber(h[1]), tonumber(h[2]), rpm, math.max(1, rpm / 60 * tonumber(ARGV[3]))) end
-if tpm > 0 then t = refill(tonumber(h[3]), tonumber(h[4]), tpm, math.max(1, tpm / 60)) end
-local hold = tonumber(redis.call('GET', KEYS[2]) or '0')
-return {tostring(r), tostring(t), math.max(0, hold - now)}
-"""
+# Its scripts' Lua: broker/lua/ratelimit_*.lua (broker/lua_scripts.py), after the ledger's
+# now.lua (Redis' clock).
+_NOW = lua_file("now")
+_REFILL_FN = lua_file("ratelimit_refill_fn")
+_TAKE = _NOW + _REFILL_FN + lua_file("ratelimit_take")
+_CHARGE = _NOW + _REFILL_FN + lua_file("ratelimit_charge")
+_HOLD = _NOW + lua_file("ratelimit_hold")
+_LEVELS = _NOW + _REFILL_FN + lua_file("ratelimit_levels")
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 

@@ -51,6 +51,10 @@ model or the queue holds episodes up:
   ``env_step_s``, ``close_s``, and ``queue_wait_s``: for a first attempt, from the job's
   submit to its start (None for later attempts, whose wait the ledger does not time).
 
+Added within version 5: :class:`EpisodesCancelled`, the episodes a cancel ended while they
+waited (broker/cancel.py). A reader that does not know the kind parks the record as poison; the
+episodes stay as that store last had them.
+
 Added within version 3, optional (a reader that does not know them ignores them, and a record
 without them reads as the defaults, so no version bump was needed):
 
@@ -70,7 +74,7 @@ import msgpack
 import orjson
 
 from broker.settings import redact_url
-from broker.states import Phase
+from broker.states import Phase, ProgressPhase
 
 SCHEMA_VERSION = 5
 SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5})
@@ -105,6 +109,12 @@ def _shape(cls: type) -> tuple:
             tuple((f.name, f.default_factory) for f in fs if f.default_factory is not MISSING),
         )
     return shape
+
+
+def attempt_key(value: str) -> tuple[int, str] | None:
+    """``"<attempt>:<attempt_id>"`` as (number, attempt_id); None when it is not one."""
+    number, _, attempt_id = (value or "").partition(":")
+    return (int(number), attempt_id) if number.isdigit() and attempt_id else None
 
 
 def new_attempt_id() -> str:
@@ -184,6 +194,7 @@ class JobSpec(_Record):
     tokens: str = ""  # v3: broker/tokens.py TOKEN_MODES; "" = do not ask the server for tokens
     pause_after_failures: int = 20  # broker/pause.py; 0 = never pause
     limits: dict[str, Any] = field(default_factory=dict)  # broker/caps.py Limits.to_dict(); {} = no caps
+    resume: bool = True  # a new attempt may continue its predecessor's env instance (broker/resume.py)
 
 
 @dataclass
@@ -305,6 +316,18 @@ class AttemptRecord(_Record):
     model_s: float | None = None
     env_step_s: float | None = None
     close_s: float | None = None
+    # A resumed attempt (broker/resume.py) records its steps under the trajectory it continues:
+    # ``trajectory`` is that trajectory's "<attempt>:<attempt_id>" ("": its own), ``resumed_at``
+    # the first step it ran itself (0: it did not resume), ``resume_note`` why it did not
+    # (broker.states.ResumeNote; "": nothing to resume, or it resumed).
+    trajectory: str = ""
+    resumed_at: int = 0
+    resume_note: str = ""
+
+    @property
+    def trajectory_key(self) -> tuple[int, str]:
+        """(attempt number, attempt_id) of the trajectory its steps are recorded under."""
+        return attempt_key(self.trajectory) or (self.attempt, self.attempt_id or f"n{self.attempt}")
 
     def phases(self) -> dict[str, float]:
         """The timed phases of the attempt, by name (broker.states.Phase)."""
@@ -329,7 +352,24 @@ class EpisodesEnqueued(_Record):
     created_at: float = field(default_factory=time.time)
 
 
-_KINDS = {cls.KIND: cls for cls in (JobSpec, EpisodeSpec, StepRecord, AttemptRecord, EpisodesEnqueued)}
+@dataclass
+class EpisodesCancelled(_Record):
+    """Episodes of a job that ended cancelled while they waited, queued or retrying (no attempt
+    ran them when the job was cancelled: broker/cancel.py), a chunk per record. ``episodes``:
+    ``[episode_id, group_id, group_size, env_name, attempt, attempt_id]`` each, the attempt the
+    ledger last started (0 and "" for one never started): the cancel closes it for the store.
+    An episode that ran when the job was cancelled ends with its attempt's own close instead
+    (an :class:`AttemptRecord` of status ``cancelled``)."""
+
+    KIND: ClassVar[str] = "episodes_cancelled"
+    job_id: str
+    episodes: list[list[Any]]
+    llm_model: str = ""
+    cancelled_at: float = field(default_factory=time.time)
+
+
+_KINDS = {cls.KIND: cls for cls in (JobSpec, EpisodeSpec, StepRecord, AttemptRecord, EpisodesEnqueued,
+                                     EpisodesCancelled)}
 
 
 def unpack(data: bytes) -> _Record:
@@ -402,6 +442,50 @@ class FeedGroup(_Record):
 
 
 _KINDS[FeedGroup.KIND] = FeedGroup
+
+
+@dataclass
+class Progress(_Record):
+    """Where a running attempt stands (``Keys.job_progress``, written fenced by its lease): what a
+    successor needs to continue its env instance instead of resetting a fresh one
+    (broker/resume.py decides whether it may). A snapshot, rewritten at each point of the loop:
+
+    * ``trajectory``: "<attempt>:<attempt_id>" of the attempt whose env instance this is and
+      whose number and id its steps are recorded under (the attempt that reset it);
+    * ``phase`` (broker.states.ProgressPhase) and ``step``: step ``step``'s prompt or step call
+      is not sent yet (ready, prompted), or may be in flight (prompting, stepping);
+    * the totals over the steps recorded so far, the raw prompt of a ``prompted`` step (before the
+      episode hook and message_cut, which the successor applies as the loop does), the last
+      answer's weight version, and the token ids of the last turn (prompt + completion, packed
+      int32) that the next turn's prompt ids must extend;
+    * ``writer``: the attempt_id that wrote it."""
+
+    KIND: ClassVar[str] = "progress"
+    trajectory: str
+    phase: str
+    step: int
+    total_reward: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_json: bytes | None = None
+    weight_version: str | None = None
+    prev_tokens: bytes | None = None
+    writer: str = ""
+
+    #: Order of the phases within a step: a snapshot is newer than another of its trajectory
+    #: when its ``seq`` is larger (writes may reach Redis out of order, the later must win).
+    PHASE_ORDER: ClassVar[tuple[str, ...]] = tuple(ProgressPhase)
+
+    @property
+    def seq(self) -> int:
+        return 4 * self.step + (self.PHASE_ORDER.index(self.phase) if self.phase in self.PHASE_ORDER else 0)
+
+    @property
+    def trajectory_key(self) -> tuple[int, str]:
+        return attempt_key(self.trajectory) or (0, "")
+
+
+_KINDS[Progress.KIND] = Progress
 
 
 @dataclass

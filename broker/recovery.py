@@ -1,9 +1,11 @@
 """Bringing episodes back: dead workers' leases, due retries, and reconcile.
 
-A killed worker's Celery message only returns after the broker's visibility timeout, which is
-longer than the episode budget (hours). Its lease expires within ``lease_ttl_s`` instead, and
-the sweeper re-queues the episode from a fresh reset. If the old message comes back later,
-the ledger drops it (the episode is running under another lease, or done).
+A killed worker's Celery messages are gone with it (the transport keeps no copy of a delivered
+message: broker/kombu_redis.py). Its leases expire within ``lease_ttl_s``, and the sweeper
+re-queues those episodes; the reservations of the episodes it received and had not started
+expire too, and the sweeper sends them again; reconcile sends any episode the ledger holds as
+queued or retrying that no queue, reservation or schedule accounts for. A message sent twice is
+harmless: the ledger drops the delivery of an episode running under another lease, or done.
 
 Every worker process and the consumer run ``Sweeper.tick`` every ``sweep_interval_s``; a Redis
 lock lets any number of them run it without doing the work twice, and recovery does not
@@ -20,9 +22,11 @@ from dataclasses import dataclass, field
 import redis
 
 from broker import closing, errors, feed
+from broker.cancel import JobCancel
 from broker.duty import Duty
 from broker.keys import Keys, env_instance_id, member, split_member
 from broker.ledger import Ledger
+from broker.lua_scripts import lua_file
 from broker.pause import JobPause
 from broker.queueing import push_episodes, send_episodes, waiting_episodes
 from broker.records import AttemptRecord, OrphanInstance
@@ -31,11 +35,7 @@ from broker.states import AttemptStatus, CloseAction, LedgerState
 
 log = logging.getLogger("interactor.recovery")
 
-# KEYS: lock   ARGV: token. Deletes the lock only while it is still this holder's.
-_RELEASE_LOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+_RELEASE_LOCK = lua_file("recovery_release_lock")  # its Lua: broker/lua/recovery_release_lock.lua
 
 
 @dataclass
@@ -45,9 +45,12 @@ class SweepReport:
     retried: list[str] = field(default_factory=list)  # members enqueued after their backoff
     resent: list[str] = field(default_factory=list)  # received by a dead worker, never started
     reconciled: list[str] = field(default_factory=list)  # episode ids lost on the way, sent again
+    cancelled: list[str] = field(default_factory=list)  # members of cancelled jobs ended cancelled (lost workers)
+    stragglers: int = 0  # waiting episodes of cancelled jobs cancelled (broker/cancel.py)
 
     def __bool__(self) -> bool:
-        return bool(self.reclaimed or self.dead or self.retried or self.resent or self.reconciled)
+        return bool(self.reclaimed or self.dead or self.retried or self.resent or self.reconciled or self.cancelled
+                    or self.stragglers)
 
 
 class Sweeper:
@@ -56,6 +59,7 @@ class Sweeper:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.ledger = Ledger.for_settings(client, settings)
+        self.cancels = JobCancel(client, settings)
         self._last_reconcile = time.monotonic()
         self._last_housekeeping = 0.0
         self._reconcile_rounds = 0
@@ -113,36 +117,69 @@ class Sweeper:
             job = self.ledger.job_spec(job_id)
             spec = self.ledger.episode_spec(job_id, episode_id)
             if job is None or spec is None:
-                self.r.zrem(self.keys.running, m)
+                self.ledger.forget_running(m)
                 continue
             attempt, attempt_id = self.ledger.latest_attempt(job_id, episode_id)
             attempt = attempt or self.ledger.attempts(job_id, episode_id)
+            if self.cancels.is_cancelled(job_id):
+                self._reclaim_cancelled(m, job, spec, attempt, attempt_id, report)
+                continue
             limit = self.ledger.attempt_limit(job_id, episode_id, job.max_attempts)
-            lost = errors.EpisodeError(errors.WORKER_LOST, "worker lost (lease expired)", transient=True)
-            # outage_seen=False: a lease that expired says nothing about a server's outage (a Redis
-            # outage holds reclaims instead, see tick).
-            close = closing.decide(lost, attempt, limit, False, max_attempts=job.max_attempts)
+            # A lease that lapsed while Redis was away, and that its holder did not take back in
+            # the hold that followed: the holder died during the outage (stopped while it waited
+            # to hand the episode back, killed at its shutdown deadline). Redis being away is not
+            # the episode's doing: the attempt is not counted (closing's outage rule, capped).
+            # Any other expired lease says nothing about an outage.
+            in_outage = self.ledger.lapsed_in_outage(m)
+            what = "worker lost (lease expired" + (" while Redis was unreachable)" if in_outage else ")")
+            lost = errors.EpisodeError(errors.WORKER_LOST, what, transient=True)
+            close = closing.decide(lost, attempt, limit, in_outage, max_attempts=job.max_attempts)
+            # Its trajectory may be continued by the next attempt (broker/resume.py): the close
+            # names it, so that the store keeps its steps for that attempt to add to.
+            progress = self.ledger.progress(job_id, episode_id)
+            trajectory = progress.trajectory if progress is not None else ""
             base = dict(job_id=job_id, episode_id=episode_id, attempt=attempt, group_id=spec.group_id,
                         group_size=spec.group_size, env_name=spec.env_name, llm_model=job.model,
-                        reason=errors.WORKER_LOST, error_class="LeaseExpired", attempt_id=attempt_id)
+                        reason=errors.WORKER_LOST, error_class="LeaseExpired", attempt_id=attempt_id,
+                        trajectory=trajectory if trajectory != f"{attempt}:{attempt_id}" else "")
             if close.action == CloseAction.FAIL:
-                message = f"worker lost (lease expired) on attempt {attempt} of {limit}"
+                message = f"{what} on attempt {attempt} of {close.limit}"
+                message += closing.OUTAGE_NOTE if close.uncounted else ""
                 record = AttemptRecord(**base, status=AttemptStatus.FAILED, error=message)
                 letter = closing.dead_letter(record, spec)
                 if self.ledger.reclaim(job_id, episode_id, LedgerState.FAILED, record, letter, outage=self.outage):
                     report.dead.append(m)
-                    self._orphaned(spec, attempt, attempt_id)
+                    self._orphaned(spec, *(progress.trajectory_key if progress is not None else (attempt, attempt_id)))
                     log.error("episode %s dead-lettered: %s", episode_id, message)
             else:
-                record = AttemptRecord(**base, status=AttemptStatus.ABANDONED, error="worker lost (lease expired)")
-                if self.ledger.reclaim(job_id, episode_id, LedgerState.QUEUED, record, outage=self.outage):
+                message = close.message(lost, what, attempt)
+                record = AttemptRecord(**base, status=AttemptStatus.ABANDONED, error=message)
+                if self.ledger.reclaim(job_id, episode_id, LedgerState.QUEUED, record, outage=self.outage,
+                                       uncounted_default=job.max_attempts if close.uncounted else None):
                     send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
                     report.reclaimed.append(m)
-                    self._orphaned(spec, attempt, attempt_id)
-                    log.warning("episode %s: worker lost on attempt %d; re-queued", episode_id, attempt)
+                    # its env instance is left to the next attempt: continued, or closed by it
+                    log.warning("episode %s: %s on attempt %d; re-queued%s", episode_id, what, attempt,
+                                closing.OUTAGE_NOTE if close.uncounted else "")
+
+    def _reclaim_cancelled(self, m: str, job, spec, attempt: int, attempt_id: str, report: SweepReport) -> None:
+        """A lost worker's episode of a cancelled job (broker/cancel.py) ends cancelled: not run
+        again, no attempt counted against it, no dead letter."""
+        job_id, episode_id = split_member(m)
+        record = AttemptRecord(job_id=job_id, episode_id=episode_id, attempt=attempt, group_id=spec.group_id,
+                               group_size=spec.group_size, env_name=spec.env_name, llm_model=job.model,
+                               status=AttemptStatus.CANCELLED, reason=errors.CANCELLED, error_class="LeaseExpired",
+                               error="its job was cancelled; its worker was lost (lease expired) before it stopped",
+                               attempt_id=attempt_id)
+        progress = self.ledger.progress(job_id, episode_id)  # read before the reclaim drops it
+        if self.ledger.reclaim(job_id, episode_id, LedgerState.CANCELLED, record, outage=self.outage):
+            report.cancelled.append(m)
+            self._orphaned(spec, *(progress.trajectory_key if progress is not None else (attempt, attempt_id)))
+            log.warning("episode %s of cancelled job %s: its worker was lost; ended cancelled", episode_id, job_id)
 
     def _orphaned(self, spec, attempt: int, attempt_id: str) -> None:
-        """The lost attempt's env instance: a worker closes it (workers/orphans.py)."""
+        """The env instance of a trajectory nobody will continue (its episode dead-lettered): a
+        worker closes it (workers/orphans.py). ``attempt``, ``attempt_id``: the attempt that reset it."""
         if spec.transport != "inproc" and spec.base_url and attempt:
             orphan = OrphanInstance(base_url=spec.base_url, env_name=spec.env_name,
                                     instance_id=env_instance_id(spec.episode_id, attempt, attempt_id))
@@ -169,13 +206,22 @@ class Sweeper:
         self._last_reconcile = now
         self._reconcile_rounds += 1
         job_ids = self.ledger.job_ids()
-        for job_id, counts in zip(job_ids, self.ledger.counts_many(job_ids)):
-            if not (counts[LedgerState.QUEUED] or counts[LedgerState.RETRYING]):
+        waiting = [j for j, counts in zip(job_ids, self.ledger.counts_many(job_ids))
+                   if counts[LedgerState.QUEUED] or counts[LedgerState.RETRYING]]
+        cancelled = self.cancels.cancelled(waiting)
+        for job_id in waiting:
+            if job_id in cancelled:
+                # Not sent again: what a cancel left waiting (an attempt that closed handed back
+                # or retrying in its very moment) ends cancelled.
+                report.stragglers += self.cancels.cancel_waiting(job_id)
                 continue
             queues = set(self.settings.served_queues) | self.ledger.job_queues(job_id)
             if sum(self.r.llen(q) for q in queues) > max_queue and self._reconcile_rounds % big_every:
                 continue
-            report.reconciled.extend(reconcile(self.r, self.settings, job_id))
+            # confirmed over two rounds: a reservation is written within a renewal round of the
+            # message being taken (workers/renewer.py), so one missing for longer is lost
+            report.reconciled.extend(reconcile(self.r, self.settings, job_id,
+                                               confirm_after_s=2 * self.settings.renewal_interval_s))
 
     def _housekeeping(self) -> None:
         """Retention, so that Redis memory does not grow with every job ever run: a finished job's keys expire ``job_retention_s`` after it
@@ -253,6 +299,8 @@ class Sweeper:
             if not self.ledger.take_retry(m):
                 continue
             job_id, episode_id = split_member(m)
+            if self.cancels.is_cancelled(job_id):
+                continue  # left retrying: the reconcile's pass over cancelled jobs ends it cancelled
             if not self.ledger.move(job_id, episode_id, LedgerState.QUEUED, [LedgerState.RETRYING]):
                 continue  # started early by a duplicate delivery, or finished meanwhile
             spec = self.ledger.episode_spec(job_id, episode_id)
@@ -284,34 +332,75 @@ class SweepDuty(Duty):
             raise
 
 
-def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: bool = False) -> list[str]:
+def _confirmed(client: redis.Redis, keys: Keys, job_id: str, lost: list, after_s: float) -> list:
+    """Those of ``lost`` found lost at least ``after_s`` ago; the others are remembered, and the
+    episodes no longer lost forgotten."""
+    now = time.time()
+    key = keys.job_suspects(job_id)
+    seen = {k.decode(): float(v) for k, v in client.hgetall(key).items()}
+    lost_ids = {e for e, _ in lost}
+    pipe = client.pipeline(transaction=False)
+    gone = [e for e in seen if e not in lost_ids]
+    if gone:
+        pipe.hdel(key, *gone)
+    new = {e: now for e in lost_ids if e not in seen}
+    if new:
+        pipe.hset(key, mapping=new)
+    confirmed = [(e, st) for e, st in lost if e in seen and now - seen[e] >= after_s]
+    if confirmed:
+        pipe.hdel(key, *(e for e, _ in confirmed))
+    pipe.execute()
+    return confirmed
+
+
+def reconcile(client: redis.Redis, settings: Settings, job_id: str, *, dry_run: bool = False,
+              confirm_after_s: float | None = None) -> list[str]:
     """Re-enqueue episodes of a job that nothing will ever run again.
 
-    An episode is accounted for when it is done or failed (dead-lettered), running (a dead
-    worker's lease is the sweeper's business), waiting in the retry schedule, reserved by a
-    live worker, parked while its job is paused (broker/pause.py), or has a task message waiting
-    (see ``broker.queueing.waiting_episodes``). Anything else was lost
+    ``confirm_after_s`` (the sweeper's): an episode is sent again only once it has been found
+    lost for that long (``Keys.job_suspects``, kept in Redis so that any process's next sweep
+    confirms it). A worker takes a message from its queue before the reservation of its episode
+    is written (the renewer writes them in rounds, and most episodes start first), so a sweep in
+    that moment sees an episode with no message and no reservation; sent again at once, it would
+    run as a duplicate delivery (dropped by the ledger, but a message and a START for nothing).
+
+    An episode is accounted for when it is done, failed (dead-lettered) or cancelled, running
+    (a dead worker's lease is the sweeper's business), waiting in the retry schedule, reserved by
+    a live worker, parked while its job is paused (broker/pause.py), or has a task message waiting
+    (see ``broker.queueing.waiting_episodes``). A cancelled job has nothing to send again
+    (broker/cancel.py: what it left waiting ends cancelled). Anything else was lost
     on the way: a worker killed between receiving and reserving, a message popped by BRPOP
     while Redis went down, a crash between a ledger write and a send, a flushed queue. It is
     sent again; a duplicate message, should the old one resurface, is dropped by the ledger.
     """
     keys = Keys(settings.key_prefix)
     ledger = Ledger.for_settings(client, settings)
+    if JobCancel(client, settings).is_cancelled(job_id):
+        return []
     # Order matters: schedules first, queues next, states last, so that an episode moving
     # along meanwhile is seen in at least one place.
     scheduled = {m.decode() for m in client.zrange(keys.retry, 0, -1)}
     scheduled |= {m.decode() for m in client.zrange(keys.reserved, 0, -1)}
     scheduled |= {member(job_id, e) for e in JobPause(client, keys).parked(job_id)}  # waiting for a resume
-    queues = sorted(set(settings.served_queues) | ledger.job_queues(job_id))
-    waiting = waiting_episodes(client, queues, unacked_grace_s=settings.lease_ttl_s)
-    accounted = {member(*w) for w in waiting} | scheduled
-    lost = [(episode_id, state) for episode_id, state in ledger.states(job_id).items()
+    queues = set(settings.served_queues) | ledger.job_queues(job_id)
+    states = ledger.states(job_id)
+    accounted = {member(*w) for w in waiting_episodes(client, sorted(queues))}
+    accounted |= scheduled
+    lost = [(episode_id, state) for episode_id, state in states.items()
             if state in (LedgerState.QUEUED, LedgerState.RETRYING) and member(job_id, episode_id) not in accounted]
+    specs = ledger.episode_specs(job_id, [e for e, _ in lost]) if lost else {}
+    # An episode's own queue is looked in too, scanned or not by this process and recorded or
+    # not for the job (jobs made before their queues were recorded): one waiting there is not lost.
+    unscanned = {specs[e].queue for e, _ in lost if e in specs and specs[e].queue} - queues
+    if unscanned:
+        accounted |= {member(*w) for w in waiting_episodes(client, sorted(unscanned))}
+        lost = [(e, st) for e, st in lost if member(job_id, e) not in accounted]
     if dry_run:
         return [e for e, _ in lost]
+    if confirm_after_s is not None:
+        lost = _confirmed(client, keys, job_id, lost, confirm_after_s)
     # Batched: a guarded move each (pipelined), the specs in one read, one push per queue.
     moved = [e for (e, _), ok in zip(lost, ledger.move_many(job_id, lost, LedgerState.QUEUED)) if ok]
-    specs = ledger.episode_specs(job_id, moved)
     push_episodes(client, ((job_id, e, settings.queue_for(specs.get(e))) for e in moved))
     if moved:
         log.warning("reconcile %s: re-enqueued %d lost episodes", job_id, len(moved))

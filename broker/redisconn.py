@@ -1,14 +1,27 @@
-"""Redis connections for every role: one place for timeouts, retries and TLS."""
+"""Redis connections for every role: one place for timeouts, retries, TLS and Sentinel.
+
+``connect(settings)`` reads the URL once (broker/redisurl.py): a one-server URL gets a blocking
+pool of its own; a ``redis+sentinel://`` URL a client of the primary the Sentinels name, whose
+pool asks them again whenever a connection to it fails (redis-py's ``master_for``), with the
+same pool size, timeouts and retries. A failover is then what a restart is to the clients: the
+commands in flight fail with connection errors, :class:`OutageRetry` retries them with
+backoff, and the retries reach the promoted replica. The Celery broker gets the same address
+(``broker_transport_options``, broker/kombu_redis.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import redis
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+from redis.exceptions import AuthenticationError, BusyLoadingError, ConnectionError, TimeoutError
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from broker.ospoll import ReadyCheck
-from broker.settings import Settings
+from broker.redisurl import RedisUrlError, SentinelAddress, parse_redis_url
+from broker.settings import Settings, SettingsError
 
 try:  # redis-py's C reply parser, present with the hiredis extra (pyproject)
     from redis._parsers import _HiredisParser
@@ -67,6 +80,20 @@ def pool_size(settings: Settings) -> int:
     return max(1, settings.concurrency) + POOL_HEADROOM
 
 
+class OutageRetry(Retry):
+    """Retries what an outage looks like, never a refused login: a wrong or missing password
+    would fail the same way however long we waited (redis-py's AuthenticationError is a
+    ConnectionError, and its Retry would back off a dozen times before saying so)."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, AuthenticationError):
+                return False
+            return is_retryable(error) if is_retryable is not None else True
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
 def connect(settings: Settings, *, retries: int = 12, max_connections: int | None = None) -> redis.Redis:
     """A client whose pool is sized from the concurrency it serves and *blocks* when full.
 
@@ -74,26 +101,63 @@ def connect(settings: Settings, *, retries: int = 12, max_connections: int | Non
     concurrency 1,000 failed episodes under plain load; a blocking pool makes the caller wait.
     """
     if not settings.redis_url:
-        raise ValueError("no Redis URL: set REDIS_URL (or let `interactor run` start an embedded Redis)")
-    tls = {}
-    if settings.redis_url.startswith("rediss://"):
-        tls = {"ssl_cert_reqs": "required"}
-        if settings.redis_tls_ca:
-            tls["ssl_ca_certs"] = settings.redis_tls_ca
-    pool = redis.BlockingConnectionPool.from_url(
-        settings.redis_url,
-        **tls,
+        raise SettingsError("no Redis URL: set REDIS_URL (or --redis-url), or --run-dir naming the folder of a "
+                            "running `interactor run`, `feed serve` or `demo` (its embedded Redis)")
+    common = dict(
         max_connections=max_connections or pool_size(settings),
         timeout=POOL_WAIT_S,
         socket_connect_timeout=5,
         socket_timeout=30,
         socket_keepalive=True,
         health_check_interval=15,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
+        retry=OutageRetry(ExponentialBackoff(cap=2.0, base=0.05), retries),
         retry_on_error=list(_RETRY_ERRORS),
         **parser_options(),
     )
+    address = sentinel_address(settings)
+    if address is not None:
+        return sentinels_of(address).master_for(
+            address.service, redis_class=redis.Redis, connection_pool_class=BlockingSentinelPool, db=address.db,
+            username=address.username or None, password=address.password or None, **common)
+    tls = {}
+    if settings.redis_url.startswith("rediss://"):
+        tls = {"ssl_cert_reqs": "required"}
+        if settings.redis_tls_ca:
+            tls["ssl_ca_certs"] = settings.redis_tls_ca
+    pool = redis.BlockingConnectionPool.from_url(settings.redis_url, **tls, **common)
     return redis.Redis(connection_pool=pool)
+
+
+class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """redis-py's pool of a Sentinel-managed primary, blocking when full as our other pools do.
+    Its connections ask the Sentinels for the primary when they connect, and one still open to
+    a primary that was replaced is dropped when it comes back to the pool."""
+
+
+def sentinel_address(settings: Settings) -> SentinelAddress | None:
+    """The Sentinel address of ``settings.redis_url`` (with the Sentinels' own password), or
+    None for a one-server URL."""
+    try:
+        address = parse_redis_url(settings.redis_url)
+    except RedisUrlError as exc:  # Settings.validated refuses these first; a hand-made Settings may not
+        raise SettingsError(f"redis_url: {exc}") from None
+    if address is None:
+        return None
+    return dataclasses.replace(address, sentinel_password=settings.redis_sentinel_password.reveal())
+
+
+def sentinel_options(address: SentinelAddress) -> dict:
+    """How to talk to the Sentinels themselves: their password, and short timeouts with one
+    quick retry each, so that a Sentinel that is down costs a moment before the next is asked."""
+    opts = dict(socket_connect_timeout=2, socket_timeout=5, socket_keepalive=True,
+                retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1))
+    if address.sentinel_password:
+        opts["password"] = address.sentinel_password
+    return opts
+
+
+def sentinels_of(address: SentinelAddress) -> Sentinel:
+    return Sentinel(list(address.sentinels), min_other_sentinels=0, sentinel_kwargs=sentinel_options(address))
 
 
 def broker_use_ssl(settings: Settings) -> dict | None:
@@ -109,8 +173,12 @@ def broker_use_ssl(settings: Settings) -> dict | None:
 
 
 def broker_transport_options(settings: Settings) -> dict:
-    return {
-        "visibility_timeout": settings.visibility_timeout_s,
+    """kombu's transport options; with a Sentinel URL also where the primary is (the address
+    this module's parser read: broker/kombu_redis.py connects by it, not by the broker URL)."""
+    address = sentinel_address(settings)
+    sentinel = {} if address is None else {
+        "sentinel_address": address, "master_name": address.service, "sentinel_kwargs": sentinel_options(address)}
+    return sentinel | {
         # kombu's own pool (acks come from the pool's threads at once); its default is 10.
         "max_connections": pool_size(settings),
         "global_keyprefix": "",

@@ -1,8 +1,11 @@
 """One settings object for every role, read from the environment and then from flags.
 
 Every field maps to an environment variable ``INTERACTOR_<FIELD>`` (upper case); ``REDIS_URL``
-and ``OPENAI_API_KEY`` are also honoured because users already have them set. Secrets are
-held in :class:`Secret` so that they never show up in ``repr``, logs or task payloads.
+and ``OPENAI_API_KEY`` are also honoured because users already have them set. Each field carries
+its description (:func:`setting`): what it does, its group and its command-line flag, from which
+the command line makes its flags and their help. Secrets are held in :class:`Secret` so that they
+never show up in ``repr``, logs or task payloads (broker/redact.py; read from here by every role,
+with ``redact_url``, beside the settings they guard).
 """
 
 from __future__ import annotations
@@ -10,214 +13,339 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
-from urllib.parse import urlsplit, urlunsplit
 
-from broker.tokens import TOKEN_MODES, TOKENS_AUTO
-from broker.urls import origin_of as _origin_of, url_problem
+from broker.redact import Secret, redact_url
+from broker.redisurl import redis_url_problem
+from broker.tokens import TOKEN_MODES, TOKEN_SERVERS, TOKENS_AUTO
+from broker.urls import origin_of, url_problem
 
 ENV_PREFIX = "INTERACTOR_"
 
 
-class Secret(str):
-    """A string that never prints itself (repr, str formatting in logs)."""
-
-    def __repr__(self) -> str:
-        return "Secret('***')" if self else "Secret('')"
-
-    def reveal(self) -> str:
-        return str.__str__(self)
-
-
-# Query (and fragment) parameters whose values are secrets: passwords, tokens, API keys, OAuth
-# codes, signed-URL signatures and credentials.
-_SECRET_QUERY_RE = re.compile(
-    r"(?i)((?:^|[&;])[^=&;]*(?:password|passwd|pwd|token|secret|key|auth|code|sig|credential|session)[^=&;]*=)"
-    r"[^&;]*")
-
-
-def redact_url(url: str) -> str:
-    """``redis://:pw@host/0`` -> ``redis://:***@host/0``, ``https://TOKEN@host`` ->
-    ``https://***@host``, ``...?password=pw`` -> ``...?password=***``: URLs are logged and
-    stored, secrets are not. A username alone is hidden too: it is often a token."""
-    if "@" not in url and "?" not in url and "#" not in url:  # nothing to hide (the common case)
-        return url
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user, has_password, _ = userinfo.partition(":")
-        if has_password:
-            netloc = f"{user}:***@{host}"
-        else:
-            netloc = f"***@{host}"
-    query = _SECRET_QUERY_RE.sub(r"\1***", parts.query) if parts.query else parts.query
-    fragment = _SECRET_QUERY_RE.sub(r"\1***", parts.fragment) if parts.fragment else parts.fragment
-    if netloc == parts.netloc and query == parts.query and fragment == parts.fragment:
-        return url
-    return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
-
-
-def origin_of(url: str) -> str:
-    """``scheme://host:port`` of a URL that broker.urls accepts (lower case, default port
-    explicit), else "": a URL the connecting client could read differently has no origin."""
-    return _origin_of(url)
+def store_identity(target: str) -> str:
+    """Which results store a target names, comparable across processes and free of secrets:
+    ``sqlite:<real path>`` for a file, the URL without password or query for PostgreSQL. A feed
+    server compares its own with the one its job's consumer writes (``Keys.job_store``)."""
+    target = str(target)
+    if target.startswith(("postgresql://", "postgres://")):
+        return redact_url(target).split("?", 1)[0]
+    if target.startswith("sqlite://"):
+        target = target[len("sqlite://"):]
+        if target.startswith("//"):
+            target = target[1:]
+    return "sqlite:" + os.path.realpath(target)
 
 
 class SettingsError(ValueError):
     pass
 
 
+# --- what describes a setting ------------------------------------------------------------------
+# Each field of Settings says, beside its default, what it does (its help), the group it belongs
+# to and, when it has one, its command-line flag with the parts of the system that read it. The
+# command line derives its flags from this (interactor/common.py); nothing describes a setting
+# twice.
+
+# Groups of settings, in the order `--help` shows them: name -> what they are about.
+GROUPS = {
+    "storage": "where the fleet's Redis and the results are",
+    "model": "the model endpoint and what every request asks of it",
+    "env": "the environment servers",
+    "episodes": "the step loop",
+    "delivery": "leases, attempts, outages and shutdown",
+    "limits": "fleet-wide, across every worker process (a task file's own win)",
+    "fleet": "each worker process",
+    "trust": "what a job (anyone who can write a task) may make workers do",
+    "consumer": "the results stream and its consumer",
+    "feed": "a job's rollout feed, fixed when the job is created (refused with --job)",
+    "feed server": "the HTTP server trainers take groups from",
+}
+
+# The parts of the system that read a flagged setting; a command offers the flags of the parts
+# it runs or reads (interactor/common.py).
+JOB = "job"  # copied into each job when it is created (submit, run, feed serve); workers use the job's copy
+WORKER = "worker"  # each worker process's own
+REDIS = "redis"  # where the fleet's Redis is and how its keys and queues are named: whatever reads or writes it
+STORE = "store"  # where the results are: whatever writes or reads them
+REDRIVE = "redrive"  # re-driving dead letters (interactor dlq, the results browser's actions)
+FEED = "feed"  # a feed job's own (broker/feed.py FeedConfig: the setting feed_<knob>)
+FEED_SERVER = "feed server"  # the feed's HTTP server
+
+
+def setting(default: Any, help: str, group: str, *, flag: str = "", read_by: tuple[str, ...] = (),
+            env: str = "", bare: str = "", typed: bool = False, choices: tuple[str, ...] = ()) -> Any:
+    """A field of :class:`Settings` with its description.
+
+    ``help``: what it does (the flag's help; its default and variable are added where shown).
+    ``flag``: its command-line flag, offered by commands that run a part in ``read_by``.
+    ``env``: another variable honoured when ``INTERACTOR_<FIELD>`` is unset (users have it set).
+    ``bare``: the value the flag stands for when given without one (``--flag=VALUE`` otherwise).
+    ``typed``: the flag's value is checked when the command line is read (its type, ``choices``);
+    otherwise as the variable's, when the settings are made (a SettingsError naming it)."""
+    if group not in GROUPS or bool(flag) != bool(read_by):
+        raise TypeError(f"setting {help!r}: unknown group {group!r}, or a flag without its readers")
+    return dataclasses.field(default=default, metadata={
+        "help": help, "group": group, "flag": flag, "read_by": frozenset(read_by), "env": env, "bare": bare,
+        "typed": typed, "choices": choices})
+
+
+FEED_STALE_POLICIES = ("requeue", "drop")  # broker/feed.py STALE_REQUEUE, STALE_DROP
+FEED_FAILED_POLICIES = ("report", "refill")  # broker/feed.py FAILED_REPORT, FAILED_REFILL
+POOLS = ("gevent", "threads", "prefork", "solo")
+REDIS_WAITS = ("auto", "on", "off")  # broker/replicas.py
+
+
 @dataclass(frozen=True)
 class Settings:
-    # --- where things live -------------------------------------------------------------
-    redis_url: str = ""  # empty: `interactor run` starts an embedded Redis
-    redis_tls_ca: str = ""  # CA file for rediss:// URLs (default: the system's trust store)
-    key_prefix: str = "ix"  # every Redis key this system writes starts with it
-    queue: str = "episodes"  # Celery queue that episode tasks go to by default
-    queues: str = ""  # comma-separated queues a worker serves ("" = the default queue)
-    run_dir: str = "runs"  # embedded Redis data, results database, exports
-    db_path: str = ""  # SQLite results file; default <run_dir>/results.sqlite
-    store_url: str = ""  # results store: postgresql://... (or a SQLite path); default the SQLite file
+    # --- storage ---------------------------------------------------------------------------
+    redis_url: str = setting(
+        "", "the fleet's Redis: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// or unix://, or a primary behind "
+            "Sentinels: redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]; unset, `run`, `demo` and "
+            "`feed serve` start an embedded Redis in the run folder", "storage",
+        flag="--redis-url", read_by=(REDIS,), env="REDIS_URL")
+    redis_tls_ca: str = setting("", "CA file for rediss:// URLs (unset: the system's trust store)", "storage")
+    redis_sentinel_password: Secret = setting(Secret(""), "the Sentinels' own password (their requirepass), for a "
+                                                          "redis+sentinel:// URL; the URL's is the primary's", "storage")
+    # broker/replicas.py; docs/guarantees.md "Failover" says what it buys and costs.
+    redis_wait: str = setting(REDIS_WAITS[0], "an attempt's START and FINISH, a feed's takes and acks, and a job's "
+                                              "submit wait until a replica has them (WAIT 1): auto = with a "
+                                              "redis+sentinel:// URL",
+                              "storage", choices=REDIS_WAITS)
+    redis_wait_timeout_ms: int = setting(500, "milliseconds such a wait lasts at most; after one that timed out, "
+                                              "the waits stop for 10 s (a replica down must not slow the fleet)",
+                                         "storage")
+    key_prefix: str = setting("ix", "every Redis key this system writes starts with it", "storage",
+                              flag="--key-prefix", read_by=(REDIS,))
+    queue: str = setting(
+        "episodes", "the queue episodes go to when their task-file entry names none; workers serve it unless "
+                    "--queues names others", "storage", flag="--queue", read_by=(REDIS,))
+    queues: str = setting("", "comma-separated queues a worker serves (unset: --queue)", "storage",
+                          flag="--queues", read_by=(REDIS,))
+    run_dir: str = setting("runs", "folder of the embedded Redis's data, the results database, logs and exports; "
+                           "without REDIS_URL, the commands that read Redis use the embedded Redis of a local run "
+                           "still running there", "storage", flag="--run-dir", read_by=(STORE, REDIS))
+    db_path: str = setting("", "SQLite results file (unset: RUN_DIR/results.sqlite)", "storage",
+                           flag="--db", read_by=(STORE,))
+    store_url: str = setting("", "the results store: postgresql://... or a SQLite path (unset: the SQLite file)",
+                             "storage", flag="--store", read_by=(STORE,))
 
-    # --- policy (model endpoint); the key never leaves the worker ----------------------
-    llm_base_url: str = "http://127.0.0.1:8000/v1"
-    llm_api_key: Secret = Secret("")
-    model: str = "stand-in"
-    temperature: float = 0.3
-    llm_connect_timeout_s: float = 10.0
-    llm_read_timeout_s: float = 600.0
-    llm_retries: int = 6  # extra tries after the first, for 429/5xx/connection/timeout
-    llm_backoff_initial_s: float = 1.0
-    llm_backoff_max_s: float = 30.0
-    llm_session_routing: bool = False  # base URL becomes {llm_base_url}/{episode_id}
-    llm_params: str = ""  # JSON object merged into every request body: max_tokens, top_p, stop, ...
+    # --- model: the key never leaves the worker ------------------------------------------------
+    llm_base_url: str = setting(
+        "http://127.0.0.1:8000/v1", "the model endpoint (OpenAI-compatible, ending in /v1); a worker sends the "
+                                    "API key only to the origin of its own and to INTERACTOR_LLM_TRUSTED_ORIGINS",
+        "model", flag="--llm-base-url", read_by=(JOB, WORKER))
+    llm_api_key: Secret = setting(Secret(""), "API key sent to the model endpoint; never in tasks, records or logs",
+                                  "model", env="OPENAI_API_KEY")
+    model: str = setting("stand-in", "the model name every request asks for; `run` and `submit` first check that the "
+                                     "endpoint serves it", "model", flag="--model", read_by=(JOB,))
+    temperature: float = setting(0.3, "sampling temperature of every request", "model", flag="--temperature",
+                                 read_by=(JOB,))
+    llm_connect_timeout_s: float = setting(10.0, "seconds to connect to the model endpoint", "model",
+                                           flag="--llm-connect-timeout", read_by=(WORKER,))
+    llm_read_timeout_s: float = setting(600.0, "seconds to wait for the model's answer", "model",
+                                        flag="--llm-timeout", read_by=(WORKER,))
+    llm_retries: int = setting(6, "extra tries of a model request after the first, for 429/5xx/connection/timeout",
+                               "model", flag="--llm-retries", read_by=(WORKER,))
+    llm_backoff_initial_s: float = setting(1.0, "seconds before the first model retry (doubling after)", "model")
+    llm_backoff_max_s: float = setting(30.0, "longest wait between model retries, seconds", "model")
+    llm_session_routing: bool = setting(False, "the model base URL becomes {llm-base-url}/{episode_id} (a "
+                                               "session-routing proxy)", "model",
+                                        flag="--llm-session-routing", read_by=(JOB,))
+    llm_params: str = setting("", "JSON object merged into every request body: max_tokens, top_p, stop, ...",
+                              "model", flag="--llm-params", read_by=(JOB,))
     # Convenience fields, merged into llm_params (and winning over the same keys there):
-    llm_max_tokens: int = 0  # > 0: "max_tokens" (--max-tokens)
-    llm_top_p: float = 0.0  # > 0: "top_p" (--top-p)
-    llm_stop: str = ""  # "stop": one stop string, or a JSON list of strings (--stop)
-    llm_max_concurrency: int = 0  # model requests in flight per worker process; 0 = up to `concurrency`
-    llm_max_connections: int = 0  # kept-alive connections to the model per worker process; 0 = auto
-    llm_startup_jitter_s: float = 0.0  # each of a worker's first `concurrency` episodes waits U(0, this)
-    # Ask the model server for token ids and logprobs (broker/tokens.py TOKEN_MODES: "" off,
-    # "auto", or the server's name; "1"/"true" = auto). A task file's "tokens" key when unset.
-    tokens: str = ""
+    llm_max_tokens: int = setting(0, '"max_tokens" of every request, merged into --llm-params (0: not sent)',
+                                  "model", flag="--max-tokens", read_by=(JOB,))
+    llm_top_p: float = setting(0.0, '"top_p" of every request, merged into --llm-params (0: not sent)', "model",
+                               flag="--top-p", read_by=(JOB,))
+    llm_stop: str = setting("", '"stop" of every request: one stop string, or a JSON list of strings, merged into '
+                                "--llm-params (unset: not sent)", "model", flag="--stop", read_by=(JOB,))
+    llm_max_concurrency: int = setting(0, "model requests in flight per worker process (0: up to --concurrency)",
+                                       "model", flag="--llm-max-concurrency", read_by=(WORKER,))
+    llm_max_connections: int = setting(0, "kept-alive connections to the model per worker process (0: twice the "
+                                          "requests in flight, at least 10)", "model",
+                                       flag="--llm-max-connections", read_by=(WORKER,))
+    llm_startup_jitter_s: float = setting(
+        0.0, "seconds: each of a worker process's first --concurrency episodes first waits a random part of it, "
+             "so that a fleet starting at once does not hit the model in one burst", "model",
+        flag="--llm-startup-jitter", read_by=(WORKER,))
+    # broker/tokens.py TOKEN_MODES: "" off, "auto", or the server's name; "1"/"true" = auto.
+    tokens: str = setting(
+        "", "store the token ids and logprobs the model sampled: bare, in the way the answers show, or "
+            "--tokens=" + "|".join(TOKEN_SERVERS) + ", the server's way (unset: off, or a task file's `tokens:`)",
+        "model", flag="--tokens", read_by=(JOB,), bare=TOKENS_AUTO)
 
-    # --- environment servers -----------------------------------------------------------
-    env_base_url: str = ""  # default for task entries that name no base_url
-    env_connect_timeout_s: float = 5.0
-    env_read_timeout_s: float = 120.0
-    env_retries: int = 3  # extra tries, for what is safe to retry (see workers/envclient.py)
-    env_backoff_initial_s: float = 0.5
-    env_backoff_max_s: float = 10.0
-    max_response_bytes: int = 32 * 1024 * 1024  # a larger env/model answer is malformed
-    # Plain http:// calls (env and model) through the worker's own HTTP/1.1 client
-    # (workers/plainhttp.py, a tenth of urllib3's CPU per call); off: urllib3 for every call.
-    http_plain_client: bool = True
+    # --- env -------------------------------------------------------------------------------
+    env_base_url: str = setting("", "the env server of task-file entries that name no base_url", "env",
+                                flag="--env-base-url", read_by=(JOB,))
+    env_connect_timeout_s: float = setting(5.0, "seconds to connect to an env server", "env")
+    env_read_timeout_s: float = setting(120.0, "seconds to wait for an env server's answer (an inproc env's call)",
+                                        "env")
+    env_retries: int = setting(3, "extra tries of an env call that is safe to retry (workers/envclient.py: one "
+                                  "that provably never reached the server)", "env",
+                               flag="--env-retries", read_by=(WORKER,))
+    env_backoff_initial_s: float = setting(0.5, "seconds before the first env retry (doubling after)", "env")
+    env_backoff_max_s: float = setting(10.0, "longest wait between env retries, seconds", "env")
+    max_response_bytes: int = setting(32 * 1024 * 1024, "a larger env or model answer is malformed", "env")
+    # workers/plainhttp.py: a tenth of urllib3's CPU per call.
+    http_plain_client: bool = setting(True, "plain http:// env and model calls through the worker's own HTTP/1.1 "
+                                            "client; off: urllib3 for every call", "env")
 
-    # --- the step loop (docs/protocol.md#step-loop) -----------------------------------------
-    max_steps: int = 1000
-    message_cut: int = 3
-    episode_budget_s: float = 3600.0  # wall clock per attempt, enforced by the loop itself
-    episode_hook: str = ""  # "module:factory"
-    experience_dir: str = ""  # the built-in hook workers.experience:template reads skills from here
-    experience_top_k: int = 3  # ... and injects this many, best success rate first
+    # --- episodes (docs/protocol.md#step-loop) -------------------------------------------------
+    max_steps: int = setting(1000, "steps of an episode at most", "episodes", flag="--max-steps", read_by=(JOB,))
+    message_cut: int = setting(
+        3, "prompt trimming: each prompt is a leading system message plus the last 2*N-1 messages (3: the last "
+           "5); 0 sends the whole history, the usual setting for multi-turn RL", "episodes",
+        flag="--message-cut", read_by=(JOB,))
+    episode_budget_s: float = setting(3600.0, "seconds of wall clock per attempt, enforced by the step loop",
+                                      "episodes", flag="--episode-budget", read_by=(JOB, WORKER))
+    episode_hook: str = setting("", "module:factory of a hook around each episode; a worker may load its own one",
+                                "episodes", flag="--episode-hook", read_by=(JOB, WORKER))
+    experience_dir: str = setting("", "folder the built-in hook workers.experience:template reads skills from",
+                                  "episodes", flag="--experience-dir", read_by=(WORKER,))
+    experience_top_k: int = setting(3, "skills that hook injects, best success rate first", "episodes",
+                                    flag="--experience-top-k", read_by=(WORKER,))
 
-    # --- delivery guarantees -----------------------------------------------------------
-    lease_ttl_s: float = 30.0  # a dead worker's episode is re-run at most ~this + sweep later
-    sweep_interval_s: float = 5.0
-    reconcile_interval_s: float = 30.0  # how often the sweeper looks for lost messages of quiet jobs
-    max_attempts: int = 3
-    retry_backoff_initial_s: float = 2.0
-    retry_backoff_max_s: float = 60.0
-    shutdown_grace_s: float = 30.0  # after SIGTERM, running episodes get this long to finish
-    # ... and the process this much longer to exit, or the kernel ends it (SIGALRM): Celery's
-    # warm shutdown waits on its broker, forever if Redis is gone for good.
-    shutdown_hard_exit_s: float = 60.0
-    # A worker process whose Celery consumer takes no task for this long while episodes wait in
-    # its queues and it has free slots is replaced (workers/consumer_watch.py); 0 turns it off.
-    worker_stall_s: float = 60.0
-    # Celery's remote control (`celery inspect`, `control`), off: nothing here uses it, and under
-    # the gevent pool its broadcast loop can block for good on a pub/sub socket after a Redis
-    # restart, so that a warm shutdown never ends (workers/tasks.py: the kernel ends it at
-    # shutdown_grace_s + shutdown_hard_exit_s; a container is killed before that).
-    worker_remote_control: bool = False
-    # A server that is down (refused, reset, 429/502/503/504 with its readiness route down too)
-    # holds its episodes, their budgets paused, for up to this long before they are
-    # dead-lettered as env_outage/model_outage (workers/breakers.py). Redis too (broker_outage).
-    outage_budget_s: float = 900.0
-    job_retention_s: float = 7 * 24 * 3600.0  # finished jobs' Redis keys expire this long after the end
+    # --- delivery ----------------------------------------------------------------------------
+    lease_ttl_s: float = setting(30.0, "seconds an episode's lease lasts unrenewed: a dead worker's episode runs "
+                                       "again about this (plus a sweep) later", "delivery",
+                                 flag="--lease-ttl", read_by=(REDIS,))
+    sweep_interval_s: float = setting(5.0, "seconds between the sweeps that re-run episodes whose lease expired",
+                                      "delivery")
+    reconcile_interval_s: float = setting(30.0, "how often the sweeper looks for lost messages of quiet jobs, "
+                                                "seconds", "delivery")
+    max_attempts: int = setting(3, "attempts of an episode before it is dead-lettered; a re-drive gives as many "
+                                   "more", "delivery",
+                                flag="--max-attempts", read_by=(JOB, REDRIVE))
+    retry_backoff_initial_s: float = setting(2.0, "seconds before an episode's second attempt (doubling after)",
+                                             "delivery")
+    retry_backoff_max_s: float = setting(60.0, "longest wait before an episode's next attempt, seconds", "delivery")
+    shutdown_grace_s: float = setting(30.0, "seconds running episodes get to finish after SIGTERM; then they are "
+                                            "handed back", "delivery", flag="--shutdown-grace", read_by=(WORKER,))
+    # Celery's warm shutdown waits on its broker, forever if Redis is gone for good.
+    shutdown_hard_exit_s: float = setting(60.0, "seconds after the grace until the kernel ends the worker process "
+                                                "(SIGALRM)", "delivery")
+    # workers/consumer_watch.py
+    worker_stall_s: float = setting(60.0, "a worker process whose Celery consumer takes no task this long while "
+                                          "episodes wait in its queues and it has free slots is replaced (0: never)",
+                                    "delivery")
+    # Off: nothing here uses it, and under the gevent pool its broadcast loop can block for good
+    # on a pub/sub socket after a Redis restart, so that a warm shutdown never ends
+    # (workers/tasks.py: the kernel ends it at shutdown_grace_s + shutdown_hard_exit_s; a
+    # container is killed before that).
+    worker_remote_control: bool = setting(False, "Celery's remote control (celery inspect, control)", "delivery")
+    # workers/breakers.py; Redis too (broker_outage).
+    outage_budget_s: float = setting(
+        900.0, "seconds a down server (refused, reset, 429/502/503/504 with its readiness route down too) holds "
+               "its episodes, budgets paused, before they are dead-lettered as env_outage/model_outage", "delivery")
+    job_retention_s: float = setting(7 * 24 * 3600.0, "seconds after its end that a finished job's Redis keys "
+                                                      "expire", "delivery")
 
-    # --- trust boundaries: what a job (anyone who can write a task) may make workers do ----
-    # The API key goes only to the origin of llm_base_url and these (comma-separated
-    # scheme://host:port); a job naming another model host gets its calls without the key.
-    llm_trusted_origins: str = ""
-    # Inproc env classes a worker may import ("module:Class", "module:*", "package.*"), comma-
-    # separated; "" = the bundled adapters. Anything else is dead-lettered as bad_task unimported.
-    env_classes: str = ""
-    # Episode hooks a worker may load, as for env_classes; "" = the built-in hooks and this
-    # worker's own episode_hook.
-    episode_hooks: str = ""
-    # Env servers workers may call (comma-separated host, host:port or scheme://host:port);
-    # "" = any. Keeps a job from pointing workers at internal services (SSRF).
-    env_hosts: str = ""
+    # --- trust boundaries ------------------------------------------------------------------
+    llm_trusted_origins: str = setting(
+        "", "comma-separated scheme://host:port that also get the API key besides --llm-base-url's origin; a job "
+            "naming another model host gets its calls without it", "trust")
+    env_classes: str = setting(
+        "", 'inproc env classes a worker may import ("module:Class", "module:*", "package.*"), comma-separated '
+            "(unset: the bundled adapters); anything else is dead-lettered as bad_task unimported", "trust")
+    episode_hooks: str = setting("", "episode hooks a worker may load, as for env_classes (unset: the built-in "
+                                     "hooks and the worker's own episode_hook)", "trust")
+    env_hosts: str = setting("", "env servers workers may call: comma-separated host, host:port or "
+                                 "scheme://host:port (unset: any); keeps a job from pointing workers at internal "
+                                 "services (SSRF)", "trust")
 
-    # --- fleet-wide limits (broker/caps.py, broker/pause.py); a task file's own win ----------
-    # A job pauses once this many of its episodes in a row failed with the same reason (0 = never).
-    pause_after_failures: int = 20
-    # Calls in flight across every worker process (0 = no cap): to the job's model endpoint, to
-    # each env server it uses; live env instances (reset, not yet closed) per env server.
-    llm_fleet_max_concurrency: int = 0
-    # Rate limits of the job's model endpoint, fleet-wide (broker/ratelimit.py; 0 = none).
-    llm_fleet_rpm: int = 0  # requests per minute
-    llm_fleet_tpm: int = 0  # tokens per minute, charged from the answers' usage
-    env_fleet_max_concurrency: int = 0
-    env_fleet_max_instances: int = 0
+    # --- fleet-wide limits (broker/caps.py, broker/pause.py, broker/ratelimit.py) ----------------
+    no_resume: bool = setting(False, "a new attempt never continues its predecessor's env instance: every attempt "
+                                     "resets a fresh one and starts from turn one (also `resume: false` in a task "
+                                     "file); for env servers whose instances must not outlive the worker that made "
+                                     "them", "episodes", flag="--no-resume", read_by=(JOB,))
+    pause_after_failures: int = setting(20, "a job pauses once this many of its episodes in a row failed with the "
+                                            "same reason (0: never)", "limits",
+                                        flag="--pause-after-failures", read_by=(JOB,))
+    llm_fleet_max_concurrency: int = setting(0, "calls in flight to the job's model endpoint across every worker "
+                                                "process (0: no cap)", "limits",
+                                             flag="--llm-fleet-max-concurrency", read_by=(JOB,))
+    llm_fleet_rpm: int = setting(0, "requests per minute to the job's model endpoint, fleet-wide (0: no limit)",
+                                 "limits", flag="--llm-fleet-rpm", read_by=(JOB,))
+    llm_fleet_tpm: int = setting(0, "tokens per minute to the job's model endpoint, fleet-wide, charged from the "
+                                    "answers' usage (0: no limit)", "limits", flag="--llm-fleet-tpm", read_by=(JOB,))
+    env_fleet_max_concurrency: int = setting(0, "calls in flight to each env server the job uses, fleet-wide "
+                                                "(0: no cap)", "limits",
+                                             flag="--env-fleet-max-concurrency", read_by=(JOB,))
+    env_fleet_max_instances: int = setting(0, "live env instances (reset, not yet closed) on each env server the "
+                                              "job uses, fleet-wide (0: no cap)", "limits",
+                                           flag="--env-fleet-max-instances", read_by=(JOB,))
 
-    # --- workers -----------------------------------------------------------------------
-    concurrency: int = 16  # episodes at once per worker process
+    # --- fleet: each worker process ----------------------------------------------------------
+    concurrency: int = setting(16, "episodes at once per worker process", "fleet", flag="--concurrency",
+                               read_by=(WORKER,))
     # gevent: an episode is a greenlet; at hundreds of episodes per process it costs about half
     # the CPU per step of OS threads (no GIL hand-offs, fewer syscalls: docs/benchmarks.md).
     # threads remains available (e.g. for C extensions that block without releasing the GIL).
-    pool: str = "gevent"
+    pool: str = setting("gevent", "how a worker process runs its episodes: " + ", ".join(POOLS), "fleet",
+                        flag="--pool", read_by=(WORKER,))
 
-    # --- results stream and consumer ---------------------------------------------------
-    stream_backlog_max: int = 100_000  # unacked records above which workers slow down
-    consumer_batch: int = 2000  # records per transaction at most (a commit's fixed cost is shared)
-    consumer_block_ms: int = 1000
-    consumer_claim_idle_ms: int = 30_000
-    # Re-runs of one episode whose completed attempt's steps were lost (a Redis failover), after
-    # which the consumer fails it as steps_lost instead of re-running it again.
-    consumer_reopens_max: int = 3
+    # --- consumer ------------------------------------------------------------------------------
+    stream_backlog_max: int = setting(100_000, "unacknowledged records in the results stream above which workers "
+                                               "slow down", "consumer")
+    consumer_batch: int = setting(2000, "records per transaction at most (a commit's fixed cost is shared)",
+                                  "consumer")
+    consumer_block_ms: int = setting(1000, "milliseconds a read of the results stream waits for records",
+                                     "consumer")
+    consumer_claim_idle_ms: int = setting(30_000, "milliseconds after which another consumer's unacknowledged "
+                                                  "records are claimed", "consumer")
+    consumer_reopens_max: int = setting(3, "re-runs of an episode whose completed attempt's steps were lost (a "
+                                           "Redis failover), after which the consumer fails it as steps_lost",
+                                        "consumer")
 
     # --- the online-RL feed (broker/feed.py, interactor/feedserve.py, feedcmd.py) ----------
-    # Groups queued, running or delivered-but-unacknowledged at once; the producer waits beyond.
-    feed_max_ahead: int = 64
-    # A group whose oldest step is more than this many versions behind the trainer's is not
-    # delivered (-1: no bound); feed_stale_policy says what becomes of it.
-    feed_max_staleness: int = -1
-    feed_stale_policy: str = "requeue"  # requeue (fresh episodes of the same tasks) | drop
-    feed_failed_policy: str = "report"  # a group with a dead-lettered member: report | refill
-    # refill: a group runs again at most this many times for failed members (a task that fails
-    # every time, say its env is gone, would otherwise be re-run without end); then reported.
-    feed_refill_max: int = 2
-    feed_ack_timeout_s: float = 300.0  # a group taken and not acknowledged this long goes to the next taker
-    feed_drop_uniform: bool = False  # drop groups whose rewards are all equal (no learning signal)
-    feed_filter: str = ""  # "module:function" called with each group before delivery; False drops it
-    # Filters the feed server may import, as episode_hooks ("" = none but feed_filter itself).
-    feed_filters: str = ""
-    feed_host: str = "127.0.0.1"
-    feed_port: int = 8700
-    feed_token: Secret = Secret("")  # required when feed_host is not loopback
-    # Folders (comma-separated) whose task files and datasets POST /start_rollout may name; ""
-    # = the feed server's working directory. Its own inline task files (run_dir/rollouts) are
-    # always allowed. Paths given on the command line are not bounded.
-    feed_task_roots: str = ""
+    feed_max_ahead: int = setting(64, "groups queued, running or delivered-but-unacknowledged at once; the "
+                                      "producer waits beyond", "feed", flag="--max-ahead", read_by=(FEED,),
+                                  typed=True)
+    feed_max_staleness: int = setting(-1, "a group whose oldest step is more than this many versions behind the "
+                                          "trainer's is not delivered (-1: no bound); --stale-policy says what "
+                                          "becomes of it", "feed", flag="--max-staleness", read_by=(FEED,),
+                                      typed=True)
+    feed_stale_policy: str = setting(
+        FEED_STALE_POLICIES[0], "a stale group runs again as fresh episodes of the same tasks (requeue) or is "
+                                "dropped", "feed", flag="--stale-policy", read_by=(FEED,), typed=True,
+        choices=FEED_STALE_POLICIES)
+    feed_failed_policy: str = setting(
+        FEED_FAILED_POLICIES[0], "a group with a dead-lettered member is reported failed (report), or its tasks run "
+                                 "again as a fresh group (refill)", "feed", flag="--failed-policy",
+        read_by=(FEED,), typed=True, choices=FEED_FAILED_POLICIES)
+    # A task that fails every time (say its env is gone) would otherwise be re-run without end.
+    feed_refill_max: int = setting(2, "re-runs of a group's tasks, for a failed member (--failed-policy refill) or "
+                                      "staleness (--stale-policy requeue), after which it is reported", "feed",
+                                   flag="--refill-max", read_by=(FEED,), typed=True)
+    feed_ack_timeout_s: float = setting(300.0, "seconds: a group taken and not acknowledged this long goes to the "
+                                               "next taker", "feed", flag="--ack-timeout", read_by=(FEED,),
+                                        typed=True)
+    feed_drop_uniform: bool = setting(False, "drop groups whose rewards are all equal (no learning signal)", "feed",
+                                      flag="--drop-uniform", read_by=(FEED,))
+    feed_filter: str = setting("", "module:function called with each group before delivery; False drops it "
+                                   "(allow-listed by INTERACTOR_FEED_FILTERS)", "feed", flag="--filter",
+                               read_by=(FEED,))
+    feed_filters: str = setting("", "filters the feed server may import, as for episode_hooks (unset: none but "
+                                    "feed_filter itself)", "feed server")
+    feed_host: str = setting("127.0.0.1", "address the feed server listens on (beyond loopback it requires "
+                                          "INTERACTOR_FEED_TOKEN)", "feed server", flag="--host",
+                             read_by=(FEED_SERVER,))
+    feed_port: int = setting(8700, "port of the feed server (0 picks a free one)", "feed server", flag="--port",
+                             read_by=(FEED_SERVER,), typed=True)
+    feed_token: Secret = setting(Secret(""), "the token trainers must send; required when the feed server listens "
+                                             "beyond loopback", "feed server")
+    feed_max_connections: int = setting(64, "connections the feed server serves at once (a long-polling take holds "
+                                            "one while it waits); one more is answered 503", "feed server")
+    feed_request_timeout_s: float = setting(20.0, "seconds a request's head and body have to arrive, in all (a "
+                                                  "client trickling bytes holds its connection no longer); also "
+                                                  "each write of an answer", "feed server")
+    # The feed server's own inline task files (run_dir/rollouts) are always allowed; paths given
+    # on the command line are not bounded.
+    feed_task_roots: str = setting("", "comma-separated folders whose task files and datasets POST /start_rollout "
+                                       "may name (unset: the feed server's working directory)", "feed server")
 
     def __post_init__(self) -> None:
         if str(self.tokens).lower() in ("1", "true", "yes", "on"):  # --tokens with no server named
@@ -257,10 +385,8 @@ class Settings:
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None and f.name == "redis_url":
-                raw = env.get("REDIS_URL")
-            if raw is None and f.name == "llm_api_key":
-                raw = env.get("OPENAI_API_KEY")
+            if raw is None and f.metadata["env"]:
+                raw = env.get(f.metadata["env"])
             if raw is not None:
                 values[f.name] = _coerce(f, raw, source=ENV_PREFIX + f.name.upper())
         for name, value in overrides.items():
@@ -296,7 +422,7 @@ class Settings:
             problems.append("lease_ttl_s must be > 1")
         if self.episode_budget_s <= 0:
             problems.append("episode_budget_s must be > 0")
-        if self.pool not in ("threads", "prefork", "gevent", "solo"):
+        if self.pool not in POOLS:
             problems.append(f"pool must be threads, prefork, gevent or solo, not {self.pool!r}")
         if self.llm_params:
             try:
@@ -333,14 +459,18 @@ class Settings:
             problems.append("job_retention_s must be > 0")
         if self.feed_max_ahead < 1:
             problems.append("feed_max_ahead must be >= 1")
-        if self.feed_stale_policy not in ("requeue", "drop"):
+        if self.feed_stale_policy not in FEED_STALE_POLICIES:
             problems.append(f"feed_stale_policy must be requeue or drop, not {self.feed_stale_policy!r}")
-        if self.feed_failed_policy not in ("report", "refill"):
+        if self.feed_failed_policy not in FEED_FAILED_POLICIES:
             problems.append(f"feed_failed_policy must be report or refill, not {self.feed_failed_policy!r}")
         if self.feed_refill_max < 0:
             problems.append("feed_refill_max must be >= 0")
         if self.feed_ack_timeout_s <= 0:
             problems.append("feed_ack_timeout_s must be > 0")
+        if self.feed_max_connections < 1:
+            problems.append("feed_max_connections must be >= 1")
+        if self.feed_request_timeout_s <= 0:
+            problems.append("feed_request_timeout_s must be > 0")
         # URLs the workers connect to: the same check a task file's base_url gets (broker/urls.py).
         for name in ("llm_base_url", "env_base_url"):
             value = getattr(self, name)
@@ -352,8 +482,13 @@ class Settings:
             problem = url_problem(origin) if origin else ""
             if problem:
                 problems.append(f"llm_trusted_origins entry {redact_url(origin)!r}: {problem}")
-        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            problems.append(f"redis_url must start with redis://, rediss:// or unix://, not {redact_url(self.redis_url)!r}")
+        problem = redis_url_problem(self.redis_url) if self.redis_url else ""
+        if problem:
+            problems.append(f"redis_url {redact_url(self.redis_url)!r}: {problem}")
+        if self.redis_wait not in REDIS_WAITS:
+            problems.append(f"redis_wait must be auto, on or off, not {self.redis_wait!r}")
+        if self.redis_wait_timeout_ms < 1:
+            problems.append("redis_wait_timeout_ms must be >= 1 (a WAIT without timeout would never end)")
         if problems:
             raise SettingsError("invalid settings: " + "; ".join(problems))
         return self
@@ -378,20 +513,20 @@ class Settings:
         return own or self.queue
 
     @property
-    def served_queues(self) -> list[str]:
-        return [q.strip() for q in self.queues.split(",") if q.strip()] or [self.queue]
+    def renewal_interval_s(self) -> float:
+        """How often a worker renews its leases and writes the reservations of what it received
+        (workers/renewer.py): often enough that a lease outlives two missed rounds."""
+        return min(self.lease_ttl_s / 3, self.sweep_interval_s)
 
     @property
-    def visibility_timeout_s(self) -> int:
-        # Above the episode budget, so the broker never redelivers an episode that is still
-        # running; a dead worker's episode comes back much sooner through its lease.
-        return int(self.episode_budget_s + self.shutdown_grace_s + 300)
+    def served_queues(self) -> list[str]:
+        return [q.strip() for q in self.queues.split(",") if q.strip()] or [self.queue]
 
     def __repr__(self) -> str:
         """Secrets hidden (a repr ends up in logs and tracebacks): the API key left out, passwords
         in URLs starred."""
         shown = {k: (redact_url(v) if k in _URL_FIELDS else v) for k, v in self.as_dict().items()
-                 if k not in ("llm_api_key", "feed_token")}
+                 if k not in ("llm_api_key", "feed_token", "redis_sentinel_password")}
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     def trusted_model_origins(self) -> frozenset[str]:

@@ -1,6 +1,7 @@
 """Every state and outcome the system names, in one place: the vocabulary of the ledger, of an
 attempt's close, of a stored episode row, of an episode's end, of an attempt's phases, of the
-close policy and of a feed group.
+close policy, of a resumable attempt's progress, of a feed group and of a continuous job's
+producer.
 
 Each vocabulary is a :class:`~enum.StrEnum`. A member *is* its string (``LedgerState.FAILED ==
 "failed"``, same hash), so it goes unchanged into Redis, msgpack, JSON, SQL parameters and
@@ -32,10 +33,12 @@ class LedgerState(StrEnum):
     RETRYING = "retrying"  # an attempt failed transiently; the next one waits for its back-off
     DONE = "done"  # an attempt completed it
     FAILED = "failed"  # failed for good: dead-lettered
+    CANCELLED = "cancelled"  # its job was cancelled before it ended (broker/cancel.py); never runs again
 
 
-#: The ledger's states that end an episode (re-driving a failed one starts it over).
-LEDGER_FINAL = frozenset({LedgerState.DONE, LedgerState.FAILED})
+#: The ledger's states that end an episode (re-driving a failed one starts it over; a cancelled
+#: one stays cancelled).
+LEDGER_FINAL = frozenset({LedgerState.DONE, LedgerState.FAILED, LedgerState.CANCELLED})
 #: The ledger's states of an episode not yet running: counted as the job's backlog.
 LEDGER_WAITING = frozenset({LedgerState.QUEUED, LedgerState.RETRYING})
 
@@ -47,6 +50,7 @@ class AttemptStatus(StrEnum):
     RETRYING = "retrying"  # transient failure; a fresh attempt is scheduled
     FAILED = "failed"  # permanent failure or attempts exhausted: dead-lettered
     ABANDONED = "abandoned"  # lease lost or handed back at shutdown; another attempt takes over
+    CANCELLED = "cancelled"  # its job was cancelled: stopped at a call boundary; not a failure, no dead letter
 
 
 class StoredStatus(StrEnum):
@@ -57,6 +61,7 @@ class StoredStatus(StrEnum):
     COMPLETED = "completed"  # every step of the completed attempt is stored
     RETRYING = "retrying"  # its last attempt closed without completing; another one follows
     FAILED = "failed"  # dead-lettered
+    CANCELLED = "cancelled"  # its job was cancelled before it ended (waiting, or stopped while it ran)
 
 
 class EndedBy(StrEnum):
@@ -83,6 +88,40 @@ class Phase(StrEnum):
     CLOSE = "close"
 
 
+class ProgressPhase(StrEnum):
+    """Where a running attempt stands in its step loop, as the ledger keeps it for a successor
+    (``Progress.phase``, broker/resume.py): whether its last env call is known to have ended.
+    ``get_task_prompt`` and ``step`` are not idempotent, so only a point where no env call can
+    be in flight is one a successor may continue from."""
+
+    READY = "ready"  # step k's get_task_prompt not sent yet (the step before it is recorded)
+    PROMPTING = "prompting"  # step k's get_task_prompt may be in flight
+    PROMPTED = "prompted"  # step k's prompt answered and kept with the progress; its step not sent
+    STEPPING = "stepping"  # step k's step may be in flight
+
+
+class ResumeNote(StrEnum):
+    """Why an attempt did not continue its predecessor's env instance (``AttemptRecord.resume_note``):
+    it started a fresh one from turn one, as every attempt did before episodes were resumable."""
+
+    CALL_IN_FLIGHT = "call_in_flight"  # the predecessor died inside get_task_prompt or step: outcome unknown
+    INSTANCE_GONE = "instance_gone"  # the env server no longer has the instance (it restarted)
+    NOT_RESUMABLE = "not_resumable"  # nothing to continue from: resume off, an inproc env, no progress kept
+
+
+class StartStatus(StrEnum):
+    """What became of a delivery before any attempt ran: the ledger's START answer
+    (``Ledger.start``), or ``parked`` when the worker did not send it (its job is paused,
+    broker/pause.py). Anything but ``ok`` drops the delivery and counts nothing."""
+
+    OK = "ok"  # an attempt started under a fresh lease
+    BUSY = "busy"  # another attempt holds the episode's lease
+    FINISHED = "finished"  # the episode ended already: a stale message
+    UNKNOWN = "unknown"  # the ledger has no such episode
+    REFUSED = "refused"  # its job was cancelled: nothing of it starts
+    PARKED = "parked"  # its job is paused: handed back before START, until `interactor resume`
+
+
 class CloseAction(StrEnum):
     """What the close policy (broker/closing.py ``decide``) says to do with an attempt that did
     not complete."""
@@ -91,6 +130,7 @@ class CloseAction(StrEnum):
     HAND_BACK = "hand_back"  # the worker is shutting down: queued again at once, the attempt not counted
     RETRY = "retry"  # another attempt (the runner after a back-off, the sweeper at once)
     FAIL = "fail"  # failed for good: the attempt failed, the episode dead-lettered
+    CANCEL = "cancel"  # the job was cancelled: the episode ends cancelled, the attempt neither failed nor counted
 
 
 class FeedGroupStatus(StrEnum):
@@ -98,6 +138,16 @@ class FeedGroupStatus(StrEnum):
 
     READY = "ready"  # every member completed
     FAILED = "failed"  # a member was dead-lettered
+
+
+class ProducerState(StrEnum):
+    """A continuous job's producer as it reports itself (``Keys.feed_producer``, broker/feed.py
+    ``producer_status``)."""
+
+    RUNNING = "running"  # producing, or waiting for the trainer to take
+    BACKING_OFF = "backing_off"  # its last round failed (logged, counted); it tries again after a pause
+    STOPPED = "stopped"  # its feed server stopped it (or its job's feed is gone)
+    SILENT = "silent"  # not heard from for a while: the process that ran it is gone or stuck (read side only)
 
 
 _LUA_NAME = re.compile(r"\$([A-Z][A-Z_]*)\b")
@@ -119,4 +169,4 @@ def lua(script: str) -> str:
 
 
 __all__ = ["LEDGER_FINAL", "LEDGER_WAITING", "AttemptStatus", "CloseAction", "EndedBy", "LedgerState",
-           "FeedGroupStatus", "Phase", "StoredStatus", "lua"]
+           "FeedGroupStatus", "Phase", "ProducerState", "StartStatus", "StoredStatus", "lua"]

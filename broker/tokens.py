@@ -15,14 +15,13 @@ worker packs once and nothing in between decodes them.
 
 from __future__ import annotations
 
-import math
 import struct
 from array import array
 from typing import Sequence
 
 # The job's ``tokens`` setting: which server's way of answering to ask for. "" = off;
 # "auto" = ask in the way vLLM, SGLang and llama.cpp all accept and tell the server from the
-# answer (workers/tokens.py TOKEN_SERVERS); the others force one row of that table.
+# answer (workers/token_answers.py TOKEN_SERVERS); the others force one row of that table.
 TOKENS_OFF = ""
 TOKENS_AUTO = "auto"
 SERVER_VLLM = "vllm"
@@ -42,14 +41,18 @@ TOKEN_STATUSES = (TOKENS_OK, TOKENS_NO_IDS, TOKENS_INVALID, TOKENS_MISSING)
 # token_error reason codes (a code, then ": " and the detail).
 TOK_IDS_NOT_TEXT = "ids_not_text"  # the completion ids do not spell the answer text
 TOK_LENGTH_MISMATCH = "length_mismatch"  # ids, logprobs and token strings of different lengths
-TOK_NOT_INTEGER = "not_integer"  # an id that is not an int in [0, 2**31)
-TOK_BAD_LOGPROB = "bad_logprob"  # a logprob that is not a finite number <= 0
+TOK_NOT_INTEGER = "not_integer"  # an id that is not an int in [0, MAX_ID]
+TOK_BAD_LOGPROB = "bad_logprob"  # a logprob that is not a number in [MIN_LOGPROB, 0]
 TOK_PROMPT_IDS = "prompt_ids"  # the prompt's ids could not be had or disagree with the usage count
 TOKEN_ERRORS = (TOK_IDS_NOT_TEXT, TOK_LENGTH_MISMATCH, TOK_NOT_INTEGER, TOK_BAD_LOGPROB, TOK_PROMPT_IDS)
 
 ID_BYTES = 4
 LOGPROB_BYTES = 4
-_MAX_ID = 2**31
+# What the packing can hold, which is what the checks accept (valid_id, valid_logprob): a value
+# past these would pass a check and then fail the step when packed. Ids are signed int32 (no
+# id is negative); a logprob below -float32's largest finite value overflows float32.
+MAX_ID = 2**31 - 1
+MIN_LOGPROB = -struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]  # -3.4028234663852886e+38
 
 
 def pack_ids(ids: Sequence[int]) -> bytes:
@@ -76,11 +79,15 @@ def unpack_logprobs(data: bytes | memoryview | None) -> list[float] | None:
 
 
 def valid_id(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_ID
+    """An id :func:`pack_ids` stores: an int (not a bool) in [0, MAX_ID]."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID
 
 
 def valid_logprob(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= 0.0)
+    """A logprob :func:`pack_logprobs` stores: a number (not a bool) in [MIN_LOGPROB, 0]. NaN
+    and infinities fail the comparison; so does an int of any size (compared exactly, never
+    converted to float, which would overflow)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and MIN_LOGPROB <= v <= 0.0
 
 
 def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int | None:

@@ -38,8 +38,8 @@ from broker.settings import Settings
 from broker.errors import STEPS_LOST
 from broker.states import LedgerState, StoredStatus
 from consumer.storage import ResultStore, StoreError
-from consumer.storage.errors import StoreUnavailable, classify
-from consumer.feed import FeedAnnouncer
+from consumer.storage.write_errors import StoreUnavailable, classify
+from consumer.announce import FeedAnnouncer
 
 log = logging.getLogger("interactor.consumer")
 
@@ -71,9 +71,10 @@ class Ingestor:
         self.sweeper = SweepDuty(Sweeper(client, settings), settings.sweep_interval_s) if sweep else None
         # Called with each committed batch of records (metrics); their errors never stop ingest.
         self.observers = list(observers or [])
-        # Groups of jobs with an online-RL feed are announced once settled (consumer/feed.py).
+        # Groups of jobs with an online-RL feed are announced once settled (consumer/announce.py).
         self.feed = FeedAnnouncer(client, self.keys, store)
-        self.stats = {"records": 0, "batches": 0, "poison": 0, "claimed": 0, "store_waits": 0, "reopened": 0}
+        self.stats = {"records": 0, "batches": 0, "poison": 0, "claimed": 0, "store_waits": 0, "reopened": 0,
+                      "feed_errors": 0}
         self._last_claim = 0.0
         self._last_read = 0.0
         self._last_partial = False
@@ -172,7 +173,7 @@ class Ingestor:
         self._wait_s = 0.0
         if records:
             # after the commit, before the XACK: a crash in between re-delivers, and announcing is idempotent
-            self.feed.after_commit(records)
+            self._announce(records)
         if poison:
             self._park(poison)
         self.r.xack(self.stream, GROUP, *(e[0] for e in entries))
@@ -186,6 +187,18 @@ class Ingestor:
         self.stats["records"] += len(records)
         self.stats["batches"] += 1
         return len(records)
+
+    def _announce(self, records: list) -> None:
+        """The feed's announcements of a committed batch. An outage leaves the batch
+        unacknowledged (it comes back); any other error is the batch's data, and is contained:
+        logged and counted, the batch acknowledged, the rest of the fleet's records go on."""
+        try:
+            self.feed.after_commit(records)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception:  # noqa: BLE001 - never a crash loop over what a server sent
+            self.stats["feed_errors"] += 1
+            log.exception("announcing the groups of a batch of %d records failed; the batch is kept", len(records))
 
     def _store(self, records: list, ids: list[str], poison: list) -> list[tuple[str, str]]:
         """Commit the batch; if the store rejects it, find the record(s) at fault one by one and
@@ -274,6 +287,7 @@ class Ingestor:
                 # The ledger follows, so that the job's count of finished episodes is complete;
                 # its failed state is what `interactor dlq redrive --job J --failed` re-drives.
                 self.ledger.move(job_id, episode_id, LedgerState.FAILED, [LedgerState.DONE])
+                self.feed.after_failure(job_id, episode_id)  # its group may be settled now
                 log.error("episode %s: attempt %s completed but some of its steps never reached the database; "
                           "failed as %s (%s)", episode_id, attempt_id, STEPS_LOST,
                           (self.store.episode(episode_id) or {}).get("error"))
@@ -367,6 +381,11 @@ class Ingestor:
                 except (StoreError, redis.RedisError) as exc:
                     delay = min(_MAX_WAIT_S, max(1.0, delay * 2))
                     log.error("consumer round failed (%s: %s); retrying in %.0fs", type(exc).__name__, exc, delay)
+                    stop.wait(delay)
+                except Exception:  # noqa: BLE001 - a bug of ours or data we did not foresee: said, never an exit
+                    delay = min(_MAX_WAIT_S, max(1.0, delay * 2))
+                    self.stats["round_errors"] = self.stats.get("round_errors", 0) + 1
+                    log.exception("consumer round failed unexpectedly; retrying in %.0fs", delay)
                     stop.wait(delay)
         finally:
             if self.sweeper is not None:

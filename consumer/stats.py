@@ -41,6 +41,11 @@ COUNTERS = {
     "attempt_failures": ("reason", "outcome"),
     "prompt_tokens": ("model",),
     "completion_tokens": ("model",),
+    # attempts that continued their predecessor's env instance, and the steps that saved; and
+    # those that had a predecessor and started afresh, by why (broker/resume.py)
+    "resumes": ("env_name",),
+    "resume_steps_saved": ("env_name",),
+    "resume_fallbacks": ("env_name", "reason"),
 }
 HISTOGRAMS = {
     "step_latency_seconds": (("part", "env_name"), LATENCY_BUCKETS),
@@ -114,8 +119,15 @@ class StatsRecorder:
                         observe("episode_duration_seconds", (env, rec.status), rec.finished_at - rec.started_at)
                 for phase, seconds in rec.phases().items():
                     observe("phase_seconds", (phase, env), max(0.0, float(seconds)))
-                if rec.status != AttemptStatus.COMPLETED:
+                if rec.status not in (AttemptStatus.COMPLETED, AttemptStatus.CANCELLED):  # a cancel is no failure
                     key = ("attempt_failures", (rec.reason or "unknown", rec.status))
+                    counts[key] = counts.get(key, 0) + 1
+                if rec.resumed_at:
+                    counts[("resumes", (env,))] = counts.get(("resumes", (env,)), 0) + 1
+                    key = ("resume_steps_saved", (env,))
+                    counts[key] = counts.get(key, 0) + rec.resumed_at - 1
+                elif rec.resume_note:
+                    key = ("resume_fallbacks", (env, rec.resume_note))
                     counts[key] = counts.get(key, 0) + 1
         for env, n in per_env.items():
             counts[("steps", (env,))] = n

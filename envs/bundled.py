@@ -1,7 +1,7 @@
-"""The bundled stand-in environments, ``guess_number`` (multi-turn) and ``arithmetic``
-(single-turn): served over HTTP by the example server (examples/envserver.py) and run in
-process as env classes (``env_class: envs.bundled:GuessNumber``). See the example server's
-docstring for their rules.
+"""The bundled environments, ``guess_number`` (multi-turn), ``arithmetic`` and ``antonym``
+(single-turn; envs/antonyms.py, the learning demo's task): served over HTTP by the example
+server (examples/envserver.py) and run in process as env classes (``env_class:
+envs.bundled:GuessNumber``). See the example server's docstring for their rules.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import random
 import re
 from typing import Any
 
+from envs.antonyms import AntonymEnv
 from envs.base import EnvError  # bad parameters or a bad request: a 400 over HTTP
 
 # --- the environments --------------------------------------------------------------------
@@ -183,7 +184,7 @@ class ArithmeticEnv:
         }
 
 
-ENVS = {GuessNumberEnv.name: GuessNumberEnv, ArithmeticEnv.name: ArithmeticEnv}
+ENVS = {GuessNumberEnv.name: GuessNumberEnv, ArithmeticEnv.name: ArithmeticEnv, AntonymEnv.name: AntonymEnv}
 ENV_NAMES = list(ENVS)
 
 
@@ -192,7 +193,7 @@ ENV_NAMES = list(ENVS)
 
 
 class BundledEnv:
-    """``guess_number`` or ``arithmetic``, chosen by env_name (or ``env_param["env"]``)."""
+    """``guess_number``, ``arithmetic`` or ``antonym``, chosen by env_name (or ``env_param["env"]``)."""
 
     def __init__(self, env_name: str = ""):
         self.env_name = env_name
@@ -228,3 +229,8 @@ class GuessNumber(BundledEnv):
 class Arithmetic(BundledEnv):
     def __init__(self, env_name: str = ""):
         super().__init__("arithmetic")
+
+
+class Antonym(BundledEnv):
+    def __init__(self, env_name: str = ""):
+        super().__init__("antonym")

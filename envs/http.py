@@ -1,6 +1,6 @@
 """The env server side of the protocol (docs/protocol.md#environment-server), for every server
 this project ships: the example server (examples/envserver.py), ``interactor serve-env``
-(envs/server.py) and the model stand-in's plumbing (examples/model_standin.py).
+(envs/serve_env.py) and the model stand-in's plumbing (examples/model_standin.py).
 
 * :class:`QuietHTTPServer`: a threading HTTP server for many keep-alive clients whose
   ``shutdown()`` really looks dead (listening socket and open connections closed).

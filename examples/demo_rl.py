@@ -22,7 +22,7 @@ from interactor.children import spawn, terminate
 FOLDER = Path(__file__).resolve().parent
 
 
-def _server(module: str, *args: str) -> tuple[subprocess.Popen, str]:
+def start_server(module: str, *args: str) -> tuple[subprocess.Popen, str]:
     p = spawn([sys.executable, "-m", module, "--port", "0", *args], stdout=subprocess.PIPE,
               stderr=subprocess.DEVNULL, text=True)
     line = p.stdout.readline()
@@ -32,7 +32,8 @@ def _server(module: str, *args: str) -> tuple[subprocess.Popen, str]:
     return p, line.split("listening on", 1)[1].strip()
 
 
-def _feed_url(proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> str:
+def feed_url_from_log(proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> str:
+    """The URL ``interactor feed serve`` prints once it listens (its log at ``log``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
@@ -59,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     feed_proc = None
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        env_proc, env_url = _server("examples.envserver")
+        env_proc, env_url = start_server("examples.envserver")
         procs.append(env_proc)
-        model_proc, model_url = _server("examples.model_standin", "--latency-ms", "20", "--skill", "0.2",
+        model_proc, model_url = start_server("examples.model_standin", "--latency-ms", "20", "--skill", "0.2",
                                         "--skill-per-version", "0.07", "--weight-version", "v0")
         procs.append(model_proc)
         print(f"env server at {env_url}, model stand-in at {model_url}/v1 (a stand-in, not a model: "
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.workers:
             cmd += ["--workers", str(args.workers)]
         feed_proc = spawn(cmd, log_path=log)
-        feed_url = _feed_url(feed_proc, log)
+        feed_url = feed_url_from_log(feed_proc, log)
         print(f"feed at {feed_url} (log: {log})", flush=True)
         out = rl_trainer.train(feed_url, model_root=model_url, steps=args.steps, batch=args.batch,
                                say=lambda line: print(line, flush=True))

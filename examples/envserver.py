@@ -28,6 +28,13 @@ Environments:
     env_param ``dataset`` = ``{"question": str, "answer": number or str}``.
     The last number in the action is compared with the answer.
 
+``antonym`` (single-turn)
+    a dataset row ``{"word": "hot"}``: "What is the opposite of "hot"? Answer with one word.",
+    rewarded 1 when the answer's first line holds an accepted antonym (envs/antonyms.py).
+
+``slow_step_at`` / ``slow_step_s`` (attributes): an instance's step of that number waits that
+long before it is applied (a step call in flight, for a test to kill its worker in).
+
 Fault knobs (constructor arguments of :class:`EnvServer`, CLI flags, and plain
 attributes that may be changed on a running server): ``latency_ms``,
 ``error_rate`` (500), ``drop_rate`` (connection closed, no answer) and
@@ -92,8 +99,12 @@ class EnvServer(QuietHTTPServer):
         self.counters = {
             "requests": 0, "resets": 0, "prompts": 0, "steps": 0, "closes": 0,
             "closed_ids": 0, "episodes_done": 0, "not_found": 0, "bad_request": 0,
-            "internal_errors": 0,
+            "internal_errors": 0, "slow_steps": 0,
         }
+        # slow_step_at (0: off): an instance's step of that number waits slow_step_s before it is
+        # applied, so that a test can kill a worker with a step call in flight
+        self.slow_step_at = 0
+        self.slow_step_s = 0.0
         self.faults = {"error": 0, "drop": 0, "garbage": 0}
         self.rewards_total = 0.0
         self.steps_by_env: dict[str, int] = {}
@@ -159,6 +170,10 @@ class _EnvHandler(EnvProtocolHandler):
             return self.reset(env_name, env_id, payload)
 
         key = (env_name, env_id)
+        if op == "step" and srv.slow_step_at and srv.steps_by_env.get(env_id, 0) + 1 == srv.slow_step_at:
+            with srv.lock:
+                srv.counters["slow_steps"] += 1
+            time.sleep(srv.slow_step_s)  # a step call in flight for a while; applied after it
         if op == "step":
             action = payload.get("action")
             if not isinstance(action, str):
@@ -224,20 +239,21 @@ def start_in_thread(host: str = "127.0.0.1", port: int = 0, **knobs: Any) -> tup
 
 
 def add_fault_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--latency-ms", type=float, default=0.0, help="sleep per call")
-    parser.add_argument("--error-rate", type=float, default=0.0)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (default: %(default)s)")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="sleep per call, ms (default: 0)")
+    parser.add_argument("--error-rate", type=float, default=0.0, help="fraction of calls answered 500 (default: 0)")
     parser.add_argument("--drop-rate", type=float, default=0.0,
-                        help="fraction of calls whose connection is closed without an answer")
-    parser.add_argument("--fault-seed", type=int, default=0)
+                        help="fraction of calls whose connection is closed without an answer (default: 0)")
+    parser.add_argument("--fault-seed", type=int, default=0,
+                        help="seed of the injected faults' random choices (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m examples.envserver",
-        description="Stand-in environment server (guess_number, arithmetic).")
+        description="Stand-in environment server (guess_number, arithmetic, antonym).")
     add_fault_args(parser)
     parser.add_argument("--garbage-rate", type=float, default=0.0,
                         help="fraction of calls answered 200 with a non-JSON body")

@@ -41,6 +41,9 @@ skill_per_version)`` of the skill it started with, so rewards rise as the traine
 
 ``unavailable`` (an attribute): when True every request but ``/stats`` is answered 503.
 
+``hold()`` / ``release()``: chat requests wait, counted in ``held``, until released: a model that
+stalls as long as a test needs (every episode of a worker inside a model call, say).
+
 ``replies`` (an attribute, ``{text: reply}``): a request whose last user message contains
 ``text`` is answered ``reply`` instead of the scripted policy's answer (tests choose an answer,
 say one full of markup, for the results browser to show).
@@ -59,7 +62,8 @@ the stand-in answer as the real servers do when asked. ``logprobs: true`` adds
 ``choices[0].token_ids`` (``tokens_style`` ``vllm``, the default). ``openai`` and ``sglang``
 styles give no ids. ``POST /tokenize``, ``/detokenize`` and ``/apply-template`` answer like
 llama-server's routes. ``token_fault`` (an attribute) spoils the token answer the way a
-broken server would: ``ids_not_text``, ``length``, ``non_integer``, ``nan``, ``positive``.
+broken server would: ``ids_not_text``, ``length``, ``non_integer``, ``nan``, ``positive``,
+``below_float32`` (a logprob of -1e39, finite but past what float32 holds).
 With tokens asked for, ``usage`` counts toy tokens.
 
 Fault knobs (constructor, CLI flags, and plain attributes on a running server):
@@ -294,7 +298,7 @@ class ToyTokenizer:
 
 
 TOKEN_STYLES = ("vllm", "llama.cpp", "openai", "sglang")
-TOKEN_FAULTS = ("", "ids_not_text", "length", "non_integer", "nan", "positive")
+TOKEN_FAULTS = ("", "ids_not_text", "length", "non_integer", "nan", "positive", "below_float32")
 
 # ---------------------------------------------------------------------------
 # Context overflow, in real servers' words
@@ -374,6 +378,11 @@ class ModelStandin(QuietHTTPServer):
         # True: answer every request, /models included, 503 (a server that is up but not
         # serving: loading weights, draining). Not a fault die: a switch tests flip.
         self.unavailable = False
+        # hold(): chat requests wait (counted in ``held``) until release(): a model stalled for as
+        # long as a test needs, e.g. to kill a worker while every episode is inside a model call
+        self._hold = threading.Condition()
+        self._holding = False
+        self.held = 0
         self.sessionless = 0
         self.request_params: dict[str, list[str]] = {}
         self.replies: dict[str, str] = {}
@@ -404,6 +413,25 @@ class ModelStandin(QuietHTTPServer):
                 "skill": self.skill,
                 "weight_version": self.weight_version,
             }
+
+    def hold(self) -> None:
+        """Chat requests from now on wait (counted in ``held``) until :meth:`release`."""
+        with self._hold:
+            self._holding = True
+
+    def release(self) -> None:
+        with self._hold:
+            self._holding = False
+            self._hold.notify_all()
+
+    def wait_while_held(self) -> None:
+        with self._hold:
+            if not self._holding:
+                return
+            self.held += 1
+            while self._holding:
+                self._hold.wait()
+            self.held -= 1
 
     def load_weights(self, version: int) -> dict:
         """``POST /weights``: what a trainer's weight sync does to a real server, in miniature."""
@@ -473,6 +501,7 @@ class _ModelHandler(JSONHandler):
                 srv.auth_headers_seen += 1
         if srv.latency_ms:
             time.sleep(srv.latency_ms / 1000.0)
+        srv.wait_while_held()
 
         fault = srv.dice.roll(("drop", srv.drop_rate), ("error", srv.error_rate),
                               ("malformed", srv.malformed_rate), ("length", srv.length_rate))
@@ -594,6 +623,8 @@ class _ModelHandler(JSONHandler):
             entries[0]["logprob"] = float("nan")  # json.dumps writes the bare word NaN, as a C++ server might
         elif fault == "positive" and entries:
             entries[0]["logprob"] = 0.5
+        elif fault == "below_float32" and entries:
+            entries[0]["logprob"] = -1e39
         choice = out["choices"][0]
         if req.get("logprobs"):
             choice["logprobs"] = {"content": entries}
@@ -643,31 +674,39 @@ def start_in_thread(host: str = "127.0.0.1", port: int = 0,
     return ModelStandin(host, port, **knobs).serve_in_thread("model-standin")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser(prog: str = "python -m examples.model_standin") -> argparse.ArgumentParser:
+    """The stand-in's flags; ``prog``: the command that runs it (``interactor serve-model``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m examples.model_standin",
+        prog=prog,
         description="Stand-in OpenAI-compatible chat-completions server (scripted policy; "
                     "use vLLM/SGLang/a hosted API for real runs).")
     add_fault_args(parser)
     parser.add_argument("--length-rate", type=float, default=0.0,
-                        help='fraction answered with finish_reason "length"')
+                        help='fraction answered with finish_reason "length" (default: 0)')
     parser.add_argument("--malformed-rate", type=float, default=0.0,
-                        help='fraction answered 200 without "choices"')
+                        help='fraction answered 200 without "choices" (default: 0)')
     parser.add_argument("--weight-version", default="v1",
-                        help="metadata.weight_version to report; empty = no metadata")
+                        help="metadata.weight_version to report; empty = no metadata (default: %(default)s)")
     parser.add_argument("--skill", type=float, default=0.7,
-                        help="probability of a correct arithmetic answer")
+                        help="probability of a correct arithmetic answer (default: %(default)s)")
     parser.add_argument("--skill-per-version", type=float, default=0.0,
-                        help="POST /weights {version: N} raises skill by N times this (the online-RL demo)")
-    parser.add_argument("--model-name", default="standin-policy")
+                        help="POST /weights {version: N} raises skill by N times this, the online-RL demo "
+                             "(default: 0)")
+    parser.add_argument("--model-name", default="standin-policy",
+                        help="the model GET /models lists (any name is answered; default: %(default)s)")
     parser.add_argument("--context-tokens", type=int, default=0,
                         help="context window in words (prompt + max_tokens); longer requests are answered 400 "
-                             "as a real server does (0: no limit)")
+                             "as a real server does (default: 0, no limit)")
     parser.add_argument("--overflow-style", choices=OVERFLOW_STYLES, default="vllm",
-                        help="whose wording the context-overflow 400 uses")
+                        help="whose wording the context-overflow 400 uses (default: %(default)s)")
     parser.add_argument("--tokens-style", choices=TOKEN_STYLES, default="vllm",
-                        help="whose shape token answers take (ids and logprobs, when a request asks)")
-    args = parser.parse_args(argv)
+                        help="whose shape token answers take, ids and logprobs when a request asks "
+                             "(default: %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m examples.model_standin") -> int:
+    args = build_parser(prog).parse_args(argv)
     server = ModelStandin(args.host, args.port, latency_ms=args.latency_ms,
                           error_rate=args.error_rate, length_rate=args.length_rate,
                           weight_version=args.weight_version, drop_rate=args.drop_rate,

@@ -31,10 +31,11 @@ from typing import Callable
 import redis
 
 from broker.keys import Keys
+from broker.ledger import Ledger
 from broker.settings import Settings
 from broker.states import LedgerState
 from interactor.children import descendants, kill_tree, spawn_role
-from interactor.metrics import FleetReader
+from interactor.fleet_reader import FleetReader
 
 log = logging.getLogger("interactor.autoscale")
 
@@ -93,15 +94,9 @@ class WorkerProc:
 
 def leases_by_pid(client: redis.Redis, keys: Keys, hostname: str) -> dict[int, int]:
     """Live episode leases per worker pid on this host (lease tokens are ``<host>-<pid>:...``)."""
-    members = client.zrangebyscore(keys.running, int(time.time() * 1000), "+inf")
-    if not members:
-        return {}
-    lease_keys = [keys.lease(m.decode().partition(" ")[2]) for m in members]
     out: dict[int, int] = {}
-    for token in client.mget(lease_keys):
-        if not token:
-            continue
-        worker = token.decode(errors="replace").split(":", 1)[0]
+    for token in Ledger(client, keys).live_lease_tokens():
+        worker = token.split(":", 1)[0]
         host, _, pid = worker.rpartition("-")
         if host == hostname and pid.isdigit():
             out[int(pid)] = out.get(int(pid), 0) + 1

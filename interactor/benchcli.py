@@ -1,4 +1,4 @@
-"""``interactor bench``: runs the benchmark harness, ``python -m bench`` (bench/cli.py,
+"""``interactor bench``: runs the benchmark harness, ``python -m bench`` (bench/bench_command.py,
 docs/benchmarks.md), with the same arguments.
 
 The harness lives in the repository's ``bench/`` folder (a development tool, not part of the
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cmd_bench(args) -> int:
-    if not (ROOT / "bench" / "harness.py").exists():
+    if not (ROOT / "bench" / "__main__.py").exists():
         print("interactor bench: needs a checkout of the repository (bench/ is not installed)", file=sys.stderr)
         return 2
     exec_program("bench", (["--verbose"] if args.verbose else []) + args.rest)
@@ -31,5 +31,5 @@ def register(sub, add) -> None:
     # Every argument goes to the harness's own parser (prefix_chars: REMAINDER alone drops flags).
     sp = sub.add_parser("bench", help="run the benchmark harness; writes docs/benchmarks.md and docs/benchmarks.png",
                         add_help=False, prefix_chars="\0")
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.add_argument("rest", nargs=argparse.REMAINDER, help="the harness's own flags (interactor bench --help)")
     sp.set_defaults(fn=cmd_bench)

@@ -65,16 +65,21 @@ def _load_prctl():
 _prctl = _load_prctl()
 
 
-def exec_program(module: str, argv: list[str]) -> None:
+def exec_program(module: str, argv: list[str], *, prog: str = "") -> None:
     """Become ``python -m module argv`` (this process, its pid and its signals), with the folder
     that holds ``interactor`` first on PYTHONPATH: a program of the packages above this one
-    (``bench``, ``examples``) is found where ``interactor`` was, and run without importing it."""
+    (``bench``, ``examples``) is found where ``interactor`` was, and run without importing it.
+    With ``prog``, the program is the module's ``main(argv, prog=prog)``: its usage and errors
+    name the command that ran it (``interactor serve-model``), not the module."""
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+    run = ["-m", module]
+    if prog:
+        run = ["-c", f"import sys; from {module} import main; sys.exit(main(sys.argv[1:], prog={prog!r}))"]
+    os.execve(sys.executable, [sys.executable, *run, *argv], env)
 
 
 def role_command(role: str, name: str = "", *extra: str) -> list[str]:

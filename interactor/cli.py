@@ -5,14 +5,24 @@
   interactor submit TASKS...     producer only: validate, record, enqueue; prints the job id
   interactor worker              a Celery worker process
   interactor consumer            the results consumer (and recovery sweeper)
+  interactor jobs                the jobs a results store holds, newest first (--json for scripts)
   interactor results JOB         per env, group and job aggregates (--json for scripts)
   interactor export JOB          training rows as JSONL or Parquet
   interactor dlq ...             list, show, redrive, purge dead-lettered episodes
   interactor reconcile JOB       re-enqueue episodes that nothing will run again
+  interactor resume JOB          continue a job that paused itself (its attempts kept failing alike)
+  interactor cancel JOB          stop a job: queued episodes cancelled, running ones stopped, completed kept
   interactor status [JOB]        queue, ledger and stream at a glance
+  interactor metrics             the fleet's Prometheus metrics
+  interactor autoscale           local worker processes, as many as the queue needs
+  interactor feed serve          hand each complete group to RL trainers over HTTP
   interactor ui                  browse results in a web page (jobs, groups, episodes, dead letters)
   interactor serve-env           environment adapters (reasoning-gym, textarena, ...) over HTTP
   interactor serve-model         the bundled model stand-in
+  interactor bench               the benchmark harness (from a checkout)
+
+Each command offers the flags it uses (`interactor COMMAND --help`). A setting's flag overrides
+its INTERACTOR_* variable; both are listed with its default.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ import signal
 import sys
 import threading
 
-from broker.settings import SettingsError, redact_url
+from broker.settings import JOB, REDIS, REDRIVE, STORE, WORKER, SettingsError, redact_url
 from interactor.children import catch, exec_program, exit_code, spawn, stop_event, watch_parent
-from interactor.common import SETTING_FLAGS, ArgumentParser, add_setting_flags, redis_for, settings_from_args
+from interactor.common import (LOCAL, LOCAL_HELPS, ArgumentParser, add_command, add_setting_flags, add_workers_flag,
+                               redis_for, settings_from_args, with_local_redis)
 
 log = logging.getLogger("interactor")
 
@@ -40,14 +51,17 @@ def cmd_worker(args) -> int:
         raise SettingsError("the worker needs REDIS_URL (or --redis-url)")
     os.environ.update(settings.as_environ())  # workers.tasks reads its settings at import
     if os.environ.get(_WORKER_CHILD) != "1":
-        return _supervise_worker(sys.argv[1:] if args.argv is None else args.argv)
+        return _supervise_worker(sys.argv[1:] if args.argv is None else args.argv, gevent=settings.pool == "gevent")
     _raise_open_files_limit()
     if settings.pool == "gevent":
         # What `celery -P gevent` does first thing; app.worker_main does not, and an unpatched
-        # gevent pool blocks its hub on the first socket read: no episode ever starts.
+        # gevent pool blocks its hub on the first socket read: no episode ever starts. The
+        # supervisor has the child patch at its very first import (interactor/__init__.py),
+        # before ssl is loaded; this covers a worker started as a child by other means.
         from gevent import monkey
 
-        monkey.patch_all()
+        if not monkey.is_module_patched("socket"):
+            monkey.patch_all()
     # After gevent's patching, so that the watch is one of its greenlets (see main()).
     watch_parent()
     from workers.tasks import app
@@ -61,9 +75,10 @@ def cmd_worker(args) -> int:
 
 
 _WORKER_CHILD = "INTERACTOR_WORKER_CHILD"
+GEVENT_EARLY = "INTERACTOR_GEVENT_EARLY"  # read by interactor/__init__.py, in the worker child
 
 
-def _supervise_worker(argv: list[str]) -> int:
+def _supervise_worker(argv: list[str], *, gevent: bool = False) -> int:
     """Run the Celery worker as a child and restart it if it dies on its own.
 
     Celery gives up on some broker reconnects with an "Unrecoverable error" (kombu's Redis
@@ -95,7 +110,7 @@ def _supervise_worker(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         catch(sig, forward)
-    env = {**os.environ, _WORKER_CHILD: "1"}
+    env = {**os.environ, _WORKER_CHILD: "1", **({GEVENT_EARLY: "1"} if gevent else {})}
     restarts = 0
     while not stopping.is_set():
         # Own session: a terminal's Ctrl-C reaches only us, and we pass it on once (Celery reads
@@ -138,7 +153,8 @@ def cmd_consumer(args) -> int:
     from consumer.stats import StatsRecorder
 
     if args.metrics_port:
-        from interactor.metrics import FleetReader, registry, serve
+        from interactor.fleet_reader import FleetReader
+        from interactor.metrics import registry, serve
 
         serve(registry(FleetReader(client, settings)), args.metrics_host, args.metrics_port)
         log.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
@@ -156,23 +172,14 @@ def cmd_submit(args) -> int:
     settings = settings_from_args(args)
     planned = plan(settings, args.tasks, args.job_id)
     if not args.no_preflight:
-        refused = preflight_refusal(settings, planned.episodes)
-        if refused:
-            print(f"interactor: {refused}", file=sys.stderr)
+        from interactor.preflight import gate
+
+        if not gate(settings, planned.episodes, summary_to=sys.stderr):  # stdout is the job's JSON
             return 2
     sub = submit_plan(redis_for(settings), settings, planned)
     print(json.dumps({"job_id": sub.job.job_id, "episodes": sub.job.episodes, "groups": sub.job.groups,
                       "enqueue_s": round(sub.enqueue_s, 3)}))
     return 0
-
-
-def preflight_refusal(settings, episodes) -> str:
-    """What to print instead of enqueueing, or "" when every server answered (see
-    interactor/preflight.py)."""
-    from interactor.preflight import check, refusal
-
-    problems = check(settings, episodes)
-    return refusal(problems) if problems else ""
 
 
 def cmd_run(args) -> int:
@@ -205,16 +212,20 @@ def _add_ui_flags(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--ui", action="store_true",
                    help="serve the results browser while the job runs, and after it until Ctrl-C (read-only)")
-    p.add_argument("--ui-host", default="127.0.0.1")
-    p.add_argument("--ui-port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    p.add_argument("--ui-host", default="127.0.0.1",
+                   help="address the results browser listens on (default: %(default)s)")
+    p.add_argument("--ui-port", type=int, default=DEFAULT_PORT,
+                   help="port of the results browser; 0 picks a free one (default: %(default)s)")
 
 
 # --- reading results ----------------------------------------------------------------------
 def cmd_results(args) -> int:
     from consumer.storage import open_store
+    from interactor.jobs import require_store
     from interactor.report import print_groups, print_results
 
     settings = settings_from_args(args)
+    require_store(settings)  # missing: the error names the run folders that have one
     store = open_store(settings.results_store, readonly=True)
     try:
         if args.job not in store.job_ids():
@@ -237,8 +248,10 @@ def cmd_results(args) -> int:
 def cmd_export(args) -> int:
     from consumer.export import export_training
     from consumer.storage.group_stats import ADVANTAGE_EPS
+    from interactor.jobs import require_store
 
     settings = settings_from_args(args)
+    require_store(settings)  # missing: the error names the run folders that have one
     eps = ADVANTAGE_EPS if args.eps is None else args.eps
     out = args.out or os.path.join(settings.run_dir, f"{args.job}.{args.format}")
     env_names = [n.strip() for item in (args.env_name or []) for n in item.split(",") if n.strip()]
@@ -252,6 +265,9 @@ def cmd_export(args) -> int:
                              complete_groups_only=args.complete_groups, env_names=env_names or None,
                              max_staleness=args.max_staleness, current_version=args.current_version, eps=eps)
         print(f"wrote {res.rows} token-stream rows ({res.episodes} episodes, {res.groups} groups) to {out}")
+        if not res.rows and res.episodes:
+            print(f"note: no step of job {args.job} has token ids: streams come from a job run with --tokens "
+                  "(or `tokens: true` in its task file)")
         return 0
     res = export_training(settings.results_store, args.job, out, fmt=args.format, trainable_only=not args.all_steps,
                           complete_groups_only=args.complete_groups, env_names=env_names or None,
@@ -295,8 +311,17 @@ def cmd_dlq(args) -> int:
         return 0
     selected = _select_letters(dlq, args)
     if args.dlq_cmd == "redrive":
+        cancelled = dlq.cancelled_jobs(selected)
+        if cancelled and all(d.job_id in cancelled for d in selected):
+            from broker.cancel import JobCancelled
+
+            raise JobCancelled(sorted(cancelled)[0], "its dead letters are not re-driven")
         sent = dlq.redrive(selected)
         print(f"re-drove {len(sent)} episodes")
+        if cancelled:
+            left = sum(d.job_id in cancelled for d in selected)
+            print(f"left alone: {left} dead letters of cancelled jobs ({', '.join(sorted(cancelled))}): a cancelled "
+                  "job is not run again")
     else:
         print(f"purged {dlq.purge(selected)} dead letters")
     return 0
@@ -325,103 +350,73 @@ def cmd_reconcile(args) -> int:
     return 0
 
 
-def cmd_serve(module: str):
+def cmd_serve(module: str, prog: str):
     def run(args) -> int:
         # examples/ sits above interactor: its program is run, not imported.
-        exec_program(module, args.rest)
+        exec_program(module, args.rest, prog=prog)
         return 0  # pragma: no cover - exec_program does not return
 
     return run
 
 
 # --- parser -------------------------------------------------------------------------------
-ALL = list(SETTING_FLAGS)
-EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.benchcli", "interactor.envcli", "interactor.ui.command",
-                         "interactor.feedcmd"]
+EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.jobs", "interactor.benchcli", "interactor.envcli",
+                         "interactor.ui.command", "interactor.feedcmd"]
 
 
 def build_parser(commands=()) -> argparse.ArgumentParser:
     """The command's parser; ``commands``: ``register(sub, add)`` functions of commands that a
-    program above this package adds (``python -m bench``: bench/cli.py)."""
+    program above this package adds (``python -m bench``: bench/bench_command.py)."""
     p = ArgumentParser(prog="interactor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def add(name, fn, help_, flags=ALL):
-        sp = sub.add_parser(name, help=help_)
-        add_setting_flags(sp, flags)
-        sp.add_argument("--llm-session-routing", action="store_true",
-                        help="model base URL becomes {llm-base-url}/{episode_id}")
-        sp.set_defaults(fn=fn)
-        return sp
+    def add(name, fn, help_, reads=LOCAL, helps=None):
+        return add_command(sub, name, fn, help_, reads, helps)
 
-    sp = add("run", cmd_run, "run task files end to end on this machine")
-    sp.add_argument("tasks", nargs="*")
+    sp = add("run", cmd_run, "run task files end to end on this machine", helps=LOCAL_HELPS)
+    sp.add_argument("tasks", nargs="*", help="task files (YAML or JSON) to run as one job")
     sp.add_argument("--resume", metavar="JOB", help="finish a job already in Redis (same --run-dir)")
-    sp.add_argument("--workers", type=int, default=None,
-                    help="local worker processes (default: one per core; --concurrency is split between them)")
-    sp.add_argument("--job-id")
+    add_workers_flag(sp)
+    sp.add_argument("--job-id", help="the new job's id (default: the time and a random suffix)")
     _add_preflight_flag(sp)
     _add_ui_flags(sp)
-    sp = add("demo", cmd_demo, "run the bundled example batch against the stand-in servers")
-    sp.add_argument("--workers", type=int, default=None)
+    sp = add("demo", cmd_demo, "run the bundled example batch against the stand-in servers", helps=LOCAL_HELPS)
+    add_workers_flag(sp)
     _add_ui_flags(sp)
-    sp = add("submit", cmd_submit, "validate and enqueue task files")
-    sp.add_argument("tasks", nargs="+")
-    sp.add_argument("--job-id")
+    sp = add("submit", cmd_submit, "validate and enqueue task files; prints the job id (JSON)", reads=(JOB, REDIS))
+    sp.add_argument("tasks", nargs="+", help="task files (YAML or JSON), enqueued as one job")
+    sp.add_argument("--job-id", help="the new job's id (default: the time and a random suffix)")
     _add_preflight_flag(sp)
-    sp = add("worker", cmd_worker, "run a worker")
+    sp = add("worker", cmd_worker, "run a worker process: these flags are its own; a job's model, sampling and step "
+                                   "loop come with the job (submit's flags)",
+             reads=(WORKER, REDIS))
     sp.set_defaults(argv=None)
-    sp.add_argument("--name", default=None)
-    sp.add_argument("--loglevel", default="INFO")
-    sp = add("consumer", cmd_consumer, "run the results consumer")
-    sp.add_argument("--name", default=None)
-    sp.add_argument("--metrics-port", type=int, default=0, help="also serve Prometheus metrics on this port")
-    sp.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 to serve other hosts (a scraper)")
-    sp = add("results", cmd_results, "print a job's results")
-    sp.add_argument("job")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--name", default=None,
+                    help="the worker's Celery node name, NAME@%%h (default: Celery's, celery@HOST)")
+    sp.add_argument("--loglevel", default="INFO", help="Celery's log level (default: %(default)s)")
+    sp = add("consumer", cmd_consumer, "run the results consumer (and the recovery sweeper)", reads=(REDIS, STORE))
+    sp.add_argument("--name", default=None, help="the consumer's name in the results stream's consumer group "
+                                                 "(default: consumer@HOST)")
+    sp.add_argument("--metrics-port", type=int, default=0,
+                    help="also serve Prometheus metrics on this port (default: 0, none)")
+    sp.add_argument("--metrics-host", default="127.0.0.1",
+                    help="address the metrics listen on; 0.0.0.0 for other hosts (default: %(default)s)")
+    sp = add("results", cmd_results, "print a job's results from the results store", reads=(STORE,))
+    sp.add_argument("job", help="the job's id (printed by run and submit; interactor jobs lists them)")
+    sp.add_argument("--json", action="store_true", help="print them as JSON")
     sp.add_argument("--groups", action="store_true", help="one row per group: size, mean, std, complete")
-    sp = add("export", cmd_export, "export a job's training rows")
-    sp.add_argument("job")
-    sp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
-    sp.add_argument("--out")
-    sp.add_argument("--complete-groups", action="store_true", help="only groups whose every episode completed")
-    sp.add_argument("--all-steps", action="store_true", help="not only trainable steps")
-    sp.add_argument("--streams", action="store_true",
-                    help="token streams with loss masks, one row per episode (segment), from a job run with --tokens")
-    sp.add_argument("--env-name", action="append", metavar="NAMES", help="only these env names (repeatable, or a,b)")
-    sp.add_argument("--max-staleness", type=float, metavar="N",
-                    help="only episodes at most N weight versions older than --current-version")
-    sp.add_argument("--current-version", help="the trainer's current weight version (default: newest in the job)")
-    # no default here: the export's own (ADVANTAGE_EPS, consumer/storage/group_stats.py), not a copy
-    sp.add_argument("--eps", type=float, help="advantage = (reward - mean) / (std + eps) (default 1e-6)")
-    sp = add("reconcile", cmd_reconcile, "re-enqueue episodes lost by the broker")
-    sp.add_argument("job")
-    sp.add_argument("--dry-run", action="store_true")
+    _add_export(add("export", cmd_export, "export a job's training rows from the results store", reads=(STORE,)))
+    sp = add("reconcile", cmd_reconcile, "re-enqueue episodes lost by the broker", reads=(REDIS,))
+    sp.add_argument("job", help="the job's id")
+    sp.add_argument("--dry-run", action="store_true", help="only say which episodes would be re-enqueued")
     # `status` (with --watch), `metrics` and `autoscale` live in interactor/ops.py.
-
-    dp = add("dlq", cmd_dlq, "dead-letter queue")
-    dsub = dp.add_subparsers(dest="dlq_cmd", required=True)
-    lp = dsub.add_parser("list")
-    lp.add_argument("--job")
-    lp.add_argument("--reason")
-    lp.add_argument("--json", action="store_true")
-    shp = dsub.add_parser("show")
-    shp.add_argument("episode_id")
-    for name in ("redrive", "purge"):
-        rp = dsub.add_parser(name)
-        rp.add_argument("ids", nargs="*")
-        rp.add_argument("--job")
-        rp.add_argument("--reason")
-        rp.add_argument("--all", action="store_true")
-        if name == "redrive":
-            rp.add_argument("--failed", action="store_true",
-                            help="with --job: every episode the ledger holds as failed, letter or not")
+    _add_dlq(add("dlq", cmd_dlq, "the dead-letter queue: list, show, redrive or purge dead-lettered episodes",
+                 reads=()))
 
     # Commands that live with their feature (metrics, autoscale, bench, serve-env adapters...):
-    # each module has register(sub, add), where add(name, fn, help) makes a parser with the
-    # settings flags.
+    # each module has register(sub, add), where add(name, fn, help, reads) makes a parser with
+    # the settings flags of the parts it reads.
     import importlib
 
     for register in commands:
@@ -436,9 +431,49 @@ def build_parser(commands=()) -> argparse.ArgumentParser:
     for name, module in (("serve-model", "examples.model_standin"),):
         # prefix_chars: every flag goes to the stand-in's own parser (REMAINDER alone drops them).
         sp = sub.add_parser(name, help=f"the bundled {module} stand-in", add_help=False, prefix_chars="\0")
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
-        sp.set_defaults(fn=cmd_serve(module))
+        sp.add_argument("rest", nargs=argparse.REMAINDER, help=f"the stand-in's own flags (interactor {name} --help)")
+        sp.set_defaults(fn=cmd_serve(module, f"interactor {name}"))
     return p
+
+
+def _add_export(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("job", help="the job's id (printed by run and submit; interactor jobs lists them)")
+    sp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="default: %(default)s")
+    sp.add_argument("--out", help="the file to write (default: RUN_DIR/JOB.FORMAT)")
+    sp.add_argument("--complete-groups", action="store_true", help="only groups whose every episode completed")
+    sp.add_argument("--all-steps", action="store_true", help="not only trainable steps")
+    sp.add_argument("--streams", action="store_true",
+                    help="token streams with loss masks, one row per episode (segment), from a job run with --tokens")
+    sp.add_argument("--env-name", action="append", metavar="NAMES", help="only these env names (repeatable, or a,b)")
+    sp.add_argument("--max-staleness", type=float, metavar="N",
+                    help="only episodes at most N weight versions older than --current-version (default: all)")
+    sp.add_argument("--current-version", help="the trainer's current weight version (default: newest in the job)")
+    # no default here: the export's own (ADVANTAGE_EPS, consumer/storage/group_stats.py), not a copy
+    sp.add_argument("--eps", type=float, help="advantage = (reward - mean) / (std + eps) (default 1e-6)")
+
+
+def _add_dlq(dp: argparse.ArgumentParser) -> None:
+    """Each action takes the Redis flags itself (``dlq list --run-dir R``, as a user types it)."""
+    dsub = dp.add_subparsers(dest="dlq_cmd", required=True, metavar="ACTION")
+    lp = dsub.add_parser("list", help="list dead letters, one line each", description="list dead letters")
+    add_setting_flags(lp, (REDIS, REDRIVE))
+    lp.add_argument("--job", help="only this job's")
+    lp.add_argument("--reason", help="only those dead-lettered for this reason (e.g. model_malformed)")
+    lp.add_argument("--json", action="store_true", help="print them as JSON")
+    shp = dsub.add_parser("show", help="one dead letter in full (JSON)", description="one dead letter in full")
+    add_setting_flags(shp, (REDIS, REDRIVE))
+    shp.add_argument("episode_id", help="the episode's id")
+    for name, what in (("redrive", "send dead-lettered episodes again, with a fresh budget of attempts"),
+                       ("purge", "forget dead letters (the episodes stay failed in the ledger and the results)")):
+        rp = dsub.add_parser(name, help=what, description=what + "; say which: ids, --job, --reason or --all")
+        add_setting_flags(rp, (REDIS, REDRIVE))
+        rp.add_argument("ids", nargs="*", help="episode ids")
+        rp.add_argument("--job", help="the dead letters of this job")
+        rp.add_argument("--reason", help="the dead letters of this reason")
+        rp.add_argument("--all", action="store_true", help="every dead letter")
+        if name == "redrive":
+            rp.add_argument("--failed", action="store_true",
+                            help="with --job: every episode the ledger holds as failed, letter or not")
 
 
 def main(argv: list[str] | None = None, *, commands=()) -> int:
@@ -447,8 +482,10 @@ def main(argv: list[str] | None = None, *, commands=()) -> int:
         args.argv = list(argv) if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from broker.cancel import JobCancelled
     from broker.ledger import JobExists
     from consumer.storage import StoreError
+    from producer.enqueue import SubmitLost
     from producer.taskfile import TaskFileError
 
     if os.environ.get(_WORKER_CHILD) != "1":
@@ -457,7 +494,10 @@ def main(argv: list[str] | None = None, *, commands=()) -> int:
         watch_parent()
     try:
         return args.fn(args)
-    except (SettingsError, TaskFileError, StoreError, JobExists) as exc:
+    except BrokenPipeError:  # `interactor results JOB | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+    except (SettingsError, TaskFileError, StoreError, JobExists, JobCancelled, SubmitLost) as exc:
         print(f"interactor: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP in run/demo, before any report
@@ -468,14 +508,18 @@ def main(argv: list[str] | None = None, *, commands=()) -> int:
         if not isinstance(exc, redis.RedisError):
             raise
         # a command that needs Redis says so in one line, not a traceback
-        print(f"interactor: Redis at {_redis_shown(args)} is unreachable: {type(exc).__name__}: "
-              f"{exc}", file=sys.stderr)
+        if isinstance(exc, redis.AuthenticationError):
+            print(f"interactor: Redis at {_redis_shown(args)} refused the login ({exc}): the URL's password is "
+                  "wrong or missing", file=sys.stderr)
+        else:
+            print(f"interactor: Redis at {_redis_shown(args)} is unreachable: {type(exc).__name__}: "
+                  f"{exc}", file=sys.stderr)
         return 2
 
 
 def _redis_shown(args) -> str:
     try:
-        return redact_url(settings_from_args(args).redis_url) or "(no REDIS_URL)"
+        return redact_url(with_local_redis(settings_from_args(args)).redis_url) or "(no REDIS_URL)"
     except Exception:  # noqa: BLE001 - only for the message
         return "(the configured URL)"
 

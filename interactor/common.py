@@ -1,51 +1,105 @@
-"""What every command of the command line shares: the setting flags, settings from parsed
-arguments, and a Redis client (used by cli, ops, ui, bench)."""
+"""What every command of the command line shares: the setting flags, made from the settings' own
+descriptions (broker/settings.py), settings from parsed arguments, and a Redis client (used by
+cli, ops, ui, feedcmd, bench).
+
+A command offers the flags of the settings that the parts of the system it runs or reads read
+(``reads``: broker/settings.py JOB, WORKER, REDIS, STORE, REDRIVE, FEED, FEED_SERVER), grouped as
+the settings are, each with its help, its default and its variable.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
+import sys
 
-from broker.settings import Settings
+from broker.settings import ENV_PREFIX, GROUPS, JOB, REDIS, STORE, WORKER, Settings
 
-__all__ = ["SETTING_FLAGS", "add_setting_flags", "settings_from_args", "redis_for"]
+__all__ = ["SETTING_FLAGS", "LOCAL", "LOCAL_HELPS", "add_command", "add_setting_flags", "add_workers_flag",
+           "settings_from_args", "redis_for"]
 
-# flag -> settings field; every flag is optional and overrides INTERACTOR_* variables.
-SETTING_FLAGS = {
-    "--redis-url": "redis_url", "--run-dir": "run_dir", "--db": "db_path", "--store": "store_url",
-    "--queue": "queue",
-    "--queues": "queues", "--llm-base-url": "llm_base_url", "--model": "model",
-    "--temperature": "temperature", "--env-base-url": "env_base_url", "--max-steps": "max_steps",
-    "--message-cut": "message_cut", "--episode-budget": "episode_budget_s", "--max-attempts": "max_attempts",
-    "--lease-ttl": "lease_ttl_s", "--concurrency": "concurrency", "--pool": "pool",
-    "--episode-hook": "episode_hook", "--llm-params": "llm_params", "--shutdown-grace": "shutdown_grace_s",
-    "--llm-retries": "llm_retries", "--env-retries": "env_retries", "--key-prefix": "key_prefix",
-    "--max-tokens": "llm_max_tokens", "--top-p": "llm_top_p", "--stop": "llm_stop",
-    "--llm-connect-timeout": "llm_connect_timeout_s", "--llm-timeout": "llm_read_timeout_s",
-    "--llm-max-connections": "llm_max_connections", "--llm-max-concurrency": "llm_max_concurrency",
-    "--llm-startup-jitter": "llm_startup_jitter_s",
-    "--experience-dir": "experience_dir", "--experience-top-k": "experience_top_k",
-    "--tokens": "tokens",
-    "--pause-after-failures": "pause_after_failures", "--llm-fleet-max-concurrency": "llm_fleet_max_concurrency",
-    "--env-fleet-max-concurrency": "env_fleet_max_concurrency", "--env-fleet-max-instances": "env_fleet_max_instances",
-    "--llm-fleet-rpm": "llm_fleet_rpm", "--llm-fleet-tpm": "llm_fleet_tpm",
-}
+# The settings that have a flag; flag -> settings field. Every flag is optional and overrides
+# the INTERACTOR_* variable.
+_FLAGGED = [f for f in dataclasses.fields(Settings) if f.metadata["flag"]]
+SETTING_FLAGS = {f.metadata["flag"]: f.name for f in _FLAGGED}
 # Setting flags that may be given bare: the value they then stand for.
-_BARE = {"--tokens": "auto"}  # --tokens = ask in the way the server's answer shows (broker/tokens.py)
-_BARE_HELP = {"--tokens": "store the token ids and logprobs the model sampled; --tokens=vllm|sglang|llama.cpp|openai "
-                          "names the server's way of answering (bare: told from the answer)"}
+_BARE = {f.metadata["flag"]: f.metadata["bare"] for f in _FLAGGED if f.metadata["bare"]}
+
+# A command that runs a job, its workers and its consumer on this machine (run, demo, bench).
+LOCAL = (JOB, WORKER, REDIS, STORE)
+# ... where --concurrency is the total that its local worker processes share.
+LOCAL_HELPS = {"--concurrency": "episodes at once in all, split between the local worker processes (--workers)"}
 
 
-def add_setting_flags(p: argparse.ArgumentParser, names: list[str]) -> None:
-    for flag in names:
-        if flag in _BARE:
-            # Bare it stands for its default; with a value only as --flag=VALUE. An optional
-            # value (nargs="?") would swallow the next word: `run --tokens tasks.yaml` read
-            # tasks.yaml as the mode.
-            p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None, action="store_const", const=_BARE[flag],
-                           help=_BARE_HELP.get(flag))
-            p.add_argument(_valued(flag), dest=SETTING_FLAGS[flag], default=None, help=argparse.SUPPRESS)
-        else:
-            p.add_argument(flag, dest=SETTING_FLAGS[flag], default=None)
+def add_command(sub, name: str, fn, help_: str, reads: tuple[str, ...] = LOCAL,
+                helps: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """A command (a parser of the subparsers ``sub``) running ``fn``, with the setting flags of
+    the parts it runs or reads."""
+    sp = sub.add_parser(name, help=help_, description=help_)
+    add_setting_flags(sp, reads, helps)
+    sp.set_defaults(fn=fn)
+    return sp
+
+
+def add_setting_flags(p: argparse.ArgumentParser, reads: tuple[str, ...], helps: dict[str, str] | None = None) -> None:
+    """The flags of the settings read by the parts in ``reads``, in one argument group per
+    settings group; ``helps``: a command's own wording of a flag's help (its default is added)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for key, about in GROUPS.items():
+        for f in _FLAGGED:
+            if f.metadata["group"] != key or not f.metadata["read_by"] & set(reads):
+                continue
+            if key not in groups:
+                groups[key] = p.add_argument_group(key, about)
+            _add_flag(groups[key], f, (helps or {}).get(f.metadata["flag"], f.metadata["help"]))
+
+
+def _add_flag(g, f: dataclasses.Field, text: str) -> None:
+    m = f.metadata
+    flag, shown = m["flag"], _with_default(f, text)
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind == "bool":
+        g.add_argument(flag, dest=f.name, action="store_true", default=None, help=shown)
+    elif m["bare"]:
+        # Bare it stands for its default; with a value only as --flag=VALUE. An optional value
+        # (nargs="?") would swallow the next word: `run --tokens tasks.yaml` read tasks.yaml as
+        # the mode.
+        g.add_argument(flag, dest=f.name, default=None, action="store_const", const=m["bare"], help=shown)
+        g.add_argument(_valued(flag), dest=f.name, default=None, help=argparse.SUPPRESS)
+    else:
+        kw = {}
+        if m["typed"]:  # checked when read; the others are checked as their variable is
+            kw = {"type": {"int": int, "float": float}.get(kind), "choices": m["choices"] or None}
+        metavar = None if kw.get("choices") else _metavar(f, flag, kind)
+        g.add_argument(flag, dest=f.name, default=None, metavar=metavar, help=shown, **kw)
+
+
+def _with_default(f: dataclasses.Field, text: str) -> str:
+    """``text (default: D; INTERACTOR_NAME)``, escaped for argparse's %-formatting. A closing
+    ``(D: meaning)`` of the text, or ``(unset: meaning)`` of an empty default, says what the
+    default means: ``(default: D, meaning; ...)``."""
+    d = f.default
+    shown = ("on" if d else "off") if isinstance(d, bool) else f"{d:g}" if isinstance(d, float) else str(d)
+    means = re.search(r"\s*\((%s): ([^()]*)\)$" % re.escape(shown or "unset"), text)
+    if means:
+        text, shown = text[:means.start()], f"{shown}, {means[2]}" if shown else means[2]
+    names = " or ".join([ENV_PREFIX + f.name.upper()] + ([f.metadata["env"]] if f.metadata["env"] else []))
+    return f"{text} (default: {shown or 'none'}; {names})".replace("%", "%%")
+
+
+def _metavar(f: dataclasses.Field, flag: str, kind: str) -> str:
+    if f.name.endswith("_s"):
+        return "SECONDS"
+    if kind in ("int", "float"):
+        return "N" if kind == "int" else "X"
+    return "URL" if flag.endswith("-url") else flag[2:].upper().replace("-", "_")
+
+
+def add_workers_flag(p: argparse.ArgumentParser) -> None:
+    """``--workers`` of a command that starts its own worker processes (run, demo, feed serve)."""
+    p.add_argument("--workers", type=int, default=None,
+                   help="local worker processes (default: one per core); --concurrency is split between them")
 
 
 def _valued(flag: str) -> str:
@@ -53,28 +107,48 @@ def _valued(flag: str) -> str:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """Reads ``--flag=VALUE`` of a flag that may also stand bare (see :func:`add_setting_flags`)."""
+    """Reads ``--flag=VALUE`` of a flag that may also stand bare (see :func:`add_setting_flags`),
+    in the command that has the flag."""
 
     def parse_known_args(self, args=None, namespace=None):
-        import sys
-
         args = list(sys.argv[1:] if args is None else args)
         out = []
         for a in args:
             flag, eq, value = a.partition("=")
-            out += [_valued(flag), value] if eq and flag in _BARE else [a]
+            mine = eq and flag in _BARE and _valued(flag) in self._option_string_actions
+            out += [_valued(flag), value] if mine else [a]
         return super().parse_known_args(out, namespace)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """INTERACTOR_* variables, overridden by whichever setting flags were given."""
     overrides = {field: getattr(args, field) for field in SETTING_FLAGS.values() if getattr(args, field, None) is not None}
-    if getattr(args, "llm_session_routing", False):
-        overrides["llm_session_routing"] = True
     return Settings.from_env(**overrides)
 
 
 def redis_for(settings: Settings):
+    """A client of the fleet's Redis: ``REDIS_URL`` (or ``--redis-url``), else the embedded
+    Redis of a local run still running in ``--run-dir`` (``interactor run``, ``feed serve``,
+    ``demo``: no password to dig out of its folder)."""
     from broker.redisconn import connect
+    from broker.settings import SettingsError
 
-    return connect(settings)
+    found = with_local_redis(settings)
+    if not found.redis_url:
+        raise SettingsError(f"no Redis: set REDIS_URL (or --redis-url), or --run-dir naming the folder of a running "
+                            f"`interactor run`, `feed serve` or `demo` (none runs in {settings.run_dir}/); the results "
+                            f"of a finished local run are in its folder's results.sqlite (interactor results, jobs)")
+    return connect(found)
+
+
+def with_local_redis(settings: Settings) -> Settings:
+    """``settings`` with the URL of the embedded Redis running for ``run_dir``, when no URL is
+    set and one runs there."""
+    if settings.redis_url:
+        return settings
+    from pathlib import Path
+
+    from broker.embedded import EmbeddedRedis
+
+    url = EmbeddedRedis.running_url(Path(settings.run_dir) / "redis")
+    return settings.replace(redis_url=url) if url else settings

@@ -19,7 +19,7 @@ def cmd_serve_env(args) -> int:
     from envs.http import serve_until_signal
     from envs import ADAPTERS, REQUIRES, installed
     from envs.base import valid_object_path
-    from envs.server import AdapterEnvServer, default_registry
+    from envs.serve_env import AdapterEnvServer, default_registry
 
     if args.list:
         for name, path in ADAPTERS.items():
@@ -53,13 +53,16 @@ def cmd_serve_env(args) -> int:
 def register(sub, add) -> None:  # noqa: ARG001 - serve-env needs no settings flags
     sp = sub.add_parser("serve-env", help="host environment adapters (reasoning-gym, textarena, ...) over HTTP",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    sp.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on; 0.0.0.0: every interface (default: %(default)s)")
+    sp.add_argument("--port", type=int, default=0, help="0 picks a free port (default: %(default)s)")
     sp.add_argument("--envs", help="comma-separated adapter names (default: every installed one)")
     sp.add_argument("--env", action="append", metavar="NAME=module:Class", help="also serve your own env class")
     sp.add_argument("--list", action="store_true", help="list the adapters and whether they are installed")
-    sp.add_argument("--latency-ms", type=float, default=0.0, help="sleep per env call (testing)")
-    sp.add_argument("--error-rate", type=float, default=0.0, help="fraction of env calls answered 500 (testing)")
-    sp.add_argument("--fault-seed", type=int, default=0)
+    sp.add_argument("--latency-ms", type=float, default=0.0, help="sleep per env call, testing (default: 0)")
+    sp.add_argument("--error-rate", type=float, default=0.0,
+                    help="fraction of env calls answered 500, testing (default: 0)")
+    sp.add_argument("--fault-seed", type=int, default=0,
+                    help="seed of the injected faults' random choices (default: %(default)s)")
     sp.add_argument("--verbose", action="store_true", help="log every request and traceback to stderr")
     sp.set_defaults(fn=cmd_serve_env)

@@ -5,6 +5,10 @@ trainer's environment needs nothing of ours but this file.
     for group in feed.take(8, timeout=60):
         ...
     feed.ack([g["group_id"] for g in groups]); feed.set_version(step)
+
+Redirects are not followed: urllib would send the ``Authorization`` header (the feed's token)
+to whatever host a redirect names. A redirect is a :class:`FeedHTTPError` that names where it
+pointed; give that URL to :class:`Feed` if it is the feed.
 """
 
 from __future__ import annotations
@@ -21,12 +25,20 @@ class FeedHTTPError(RuntimeError):
         self.status = status
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Every 3xx reaches the caller as an HTTPError: the token goes to the feed's URL only."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
 class Feed:
     def __init__(self, url: str, trainer: str = "trainer", token: str | None = None, timeout_s: float = 30.0):
         self.url = url.rstrip("/")
         self.trainer = trainer
         self.token = token if token is not None else os.environ.get("INTERACTOR_FEED_TOKEN", "")
         self.timeout_s = timeout_s
+        self._opener = urllib.request.build_opener(_NoRedirects)
 
     def _call(self, method: str, path: str, body: dict | None = None, wait_s: float = 0.0) -> dict:
         data = json.dumps(body).encode() if body is not None else None
@@ -35,9 +47,13 @@ class Feed:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s + wait_s) as resp:
+            with self._opener.open(req, timeout=self.timeout_s + wait_s) as resp:
                 return json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as exc:
+            if 300 <= exc.code < 400:
+                where = exc.headers.get("Location", "") if exc.headers is not None else ""
+                raise FeedHTTPError(exc.code, f"the feed at {self.url} redirects {path} to {where[:200]!r}: not "
+                                              "followed (its token goes to the URL it was given only)") from None
             try:
                 msg = json.loads(exc.read()).get("error", "")
             except ValueError:

@@ -10,7 +10,6 @@ first ``POST /start_rollout``.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -19,66 +18,86 @@ from broker.settings import Settings, SettingsError
 from interactor.feedserve import FeedApp, make_server
 from interactor.rollout import Rollout, check_servable
 
-# A feed's configuration flags (broker/feed.py FeedConfig): the flag, its argparse name and the
-# setting it sets. Given, they set the new job's feed; with --job they are refused.
-FEED_FLAGS = (
-    ("--max-ahead", "max_ahead", "feed_max_ahead"),
-    ("--max-staleness", "max_staleness", "feed_max_staleness"),
-    ("--stale-policy", "stale_policy", "feed_stale_policy"),
-    ("--failed-policy", "failed_policy", "feed_failed_policy"),
-    ("--refill-max", "refill_max", "feed_refill_max"),
-    ("--ack-timeout", "ack_timeout", "feed_ack_timeout_s"),
-    ("--drop-uniform", "drop_uniform", "feed_drop_uniform"),
-    ("--filter", "filter", "feed_filter"),
-)
+# A feed's knobs (broker/feed.py KNOBS) are settings whose flags are made from their description
+# in broker/settings.py, as every setting flag is. Given, they set the new job's feed; with --job
+# they are refused.
+FEED_SETTINGS = tuple("feed_" + knob for knob in feed.KNOBS)
 
 
 def register(sub, add) -> None:
-    from interactor.common import SETTING_FLAGS, add_setting_flags
+    from broker.settings import FEED, FEED_SERVER
+    from interactor.common import LOCAL, LOCAL_HELPS, add_command, add_workers_flag
 
-    fp = sub.add_parser("feed", help="the online-RL rollout feed (interactor feed serve)")
-    fsub = fp.add_subparsers(dest="feed_cmd", required=True)
-    sp = fsub.add_parser("serve", help="serve a job's complete groups to trainers over HTTP")
-    add_setting_flags(sp, list(SETTING_FLAGS))  # the same flags as `interactor run`
-    sp.set_defaults(fn=cmd_feed)
+    fp = sub.add_parser("feed", help="the online-RL rollout feed (interactor feed serve)",
+                        description="the online-RL rollout feed")
+    fsub = fp.add_subparsers(dest="feed_cmd", required=True, metavar="ACTION")
+    # Its own fleet takes the flags of `interactor run`; its feed, those of FEED and FEED_SERVER.
+    sp = add_command(fsub, "serve", cmd_feed, "serve a job's complete groups to trainers over HTTP",
+                     reads=(*LOCAL, FEED, FEED_SERVER), helps=LOCAL_HELPS)
     sp.add_argument("tasks", nargs="*", help="task files to run as a continuous job (else --job J, or neither: "
                                              "the job comes from POST /start_rollout)")
-    sp.add_argument("--job", help="serve the feed of a job already in Redis")
-    sp.add_argument("--llm-session-routing", action="store_true",
-                    help="model base URL becomes {llm-base-url}/{episode_id} (as for interactor run)")
-    sp.add_argument("--epochs", type=int, default=0, help="continuous job: stop after N epochs (0: without end)")
-    sp.add_argument("--seed", type=int, default=0, help="shuffles each epoch's tasks")
-    sp.add_argument("--workers", type=int, default=None)
-    sp.add_argument("--host", default=None, help="default 127.0.0.1 (INTERACTOR_FEED_HOST)")
-    sp.add_argument("--port", type=int, default=None, help="default 8700 (INTERACTOR_FEED_PORT); 0 picks one")
-    sp.add_argument("--max-ahead", type=int, default=None)
-    sp.add_argument("--max-staleness", type=int, default=None)
-    sp.add_argument("--stale-policy", choices=[feed.STALE_REQUEUE, feed.STALE_DROP], default=None)
-    sp.add_argument("--failed-policy", choices=[feed.FAILED_REPORT, feed.FAILED_REFILL], default=None)
-    sp.add_argument("--refill-max", type=int, default=None,
-                    help="--failed-policy refill: re-runs of a group's tasks before it is reported failed (default 2)")
-    sp.add_argument("--ack-timeout", type=float, default=None, help="seconds")
-    sp.add_argument("--drop-uniform", action="store_true", default=None)
-    sp.add_argument("--filter", default=None, help="module:function (allow-listed by INTERACTOR_FEED_FILTERS)")
+    sp.add_argument("--job", help="serve the feed of a job already in Redis (its fleet runs it)")
+    sp.add_argument("--epochs", type=int, default=0, help="continuous job: stop after N epochs (default: 0, without "
+                                                          "end)")
+    sp.add_argument("--seed", type=int, default=0, help="shuffles each epoch's tasks (default: %(default)s)")
+    add_workers_flag(sp)
     sp.add_argument("--no-fleet", action="store_true", help="with task files: start no local workers/consumer")
     sp.add_argument("--no-preflight", action="store_true",
                     help="create the job without first asking the model endpoint and env servers whether they answer")
+    register_version(fsub)
+
+
+def register_version(fsub) -> None:
+    from broker.settings import REDIS
+    from interactor.common import add_command
+
+    vp = add_command(fsub, "version", cmd_version, "show a feed job's policy version, or reset it (an operator's "
+                     "repair)", reads=(REDIS,))
+    vp.add_argument("job", help="the job whose feed version to show or reset")
+    vp.add_argument("--reset", metavar="N", default=None,
+                    help="set the version to N whatever it is now (versions otherwise only go forward); logged")
+
+
+def cmd_version(args) -> int:
+    """``interactor feed version JOB [--reset N]``: a version a trainer (or anyone reaching the
+    feed) pushed too far would make every real one behind it refused and every group stale;
+    only an operator may move it back."""
+    import logging
+
+    from interactor.common import redis_for, settings_from_args
+    from broker.keys import Keys
+
+    settings = settings_from_args(args)
+    client, keys = redis_for(settings), Keys(settings.key_prefix)
+    if not feed.has_feed(client, keys, args.job):
+        raise SettingsError(f"job {args.job} has no feed in this Redis (prefix {settings.key_prefix})")
+    if args.reset is None:
+        raw = client.get(keys.feed_version(args.job))
+        print(f"job {args.job}: version {raw.decode('utf-8', 'replace') if raw is not None else 'none published'}")
+        return 0
+    try:
+        before = feed.reset_version(client, keys, args.job, args.reset)
+    except feed.FeedError as exc:
+        raise SettingsError(f"--reset: {exc}") from None
+    now = feed.current_version(client, keys, args.job)
+    logging.getLogger("interactor.feed").warning("job %s: feed version reset from %s to %s by an operator",
+                                                 args.job, before, now)
+    print(f"job {args.job}: version reset from {before if before is not None else 'none'} to {now}")
+    return 0
 
 
 def cmd_feed(args) -> int:
-    from interactor.common import settings_from_args
+    from interactor.common import SETTING_FLAGS, settings_from_args
 
     settings = settings_from_args(args)
-    given = {flag: (setting, getattr(args, name)) for flag, name, setting in FEED_FLAGS
-             if getattr(args, name) is not None}
-    overrides = {k: v for k, v in (("feed_host", args.host), ("feed_port", args.port)) if v is not None}
-    overrides.update(given.values())
-    if overrides:
-        settings = settings.replace(**overrides)
+    given = [flag for flag, name in SETTING_FLAGS.items() if name in FEED_SETTINGS and getattr(args, name) is not None]
     if args.tasks and args.job:
         raise SettingsError("name task files to run, or --job J to serve a running job (not both)")
     if args.job and (args.epochs or args.seed):
         raise SettingsError("--epochs and --seed are for task files; --job serves a job as it was created")
+    if not args.tasks and not args.job and (args.epochs or args.seed):
+        raise SettingsError("--epochs and --seed are for task files; a job started by POST /start_rollout takes "
+                            "its own from the request's body ({\"epochs\": N, \"seed\": S})")
     # A feed's settings are its job's, in Redis, read by every server of the job and by its
     # producer. Applied from here they could lose data (a staleness bound or drop policy that
     # settles groups already produced, a shorter ack timeout that hands a trainer's groups to
@@ -90,7 +109,7 @@ def cmd_feed(args) -> int:
                             f"in Redis with the job); --job {args.job} serves the feed as it is. Leave them out, or "
                             "start a new job with them from task files")
     # A filter off the allow-list (or not importable) stops us before anything starts.
-    from interactor.feed import load_filter
+    from interactor.feed_service import load_filter
 
     try:
         load_filter(settings.feed_filter, settings.feed_filters)
@@ -152,29 +171,31 @@ def serve(settings: Settings, *, tasks: list[str] | None = None, job_id: str | N
         except feed.FeedError as exc:  # a job without a feed, a filter this server may not import
             raise SettingsError(str(exc)) from None
         if own_fleet and fleet:
-            local = LocalFleet(settings, workers, run_dir / "logs", guard)
+            job_queues = rollout.ledger.job_queues(service.job_id) if service is not None else ()
+            local = LocalFleet(settings, workers, run_dir / "logs", guard, queues=job_queues)
+            rollout.served = set(local.settings.served_queues)
             local.start()
         app = FeedApp(service, start=rollout.from_request if own_fleet else None)
-        server = make_server(app, settings.feed_host, settings.feed_port, settings.feed_token.reveal())
+        server = make_server(app, settings.feed_host, settings.feed_port, settings.feed_token.reveal(),
+                             max_connections=settings.feed_max_connections,
+                             request_timeout_s=settings.feed_request_timeout_s)
         threading.Thread(target=server.serve_forever, daemon=True, name="feed-http").start()
         url = f"http://{settings.feed_host}:{server.server_address[1]}"
         print(f"feed {'of job ' + service.job_id if service else 'waiting for POST /start_rollout'} at {url}",
               flush=True)
         if ready is not None:
             ready(url)
-        last_backfill = time.monotonic()
         while not stop.wait(1.0):
             if local is not None:
                 local.supervise()
-            if app.service is not None and time.monotonic() - last_backfill > 30:
-                last_backfill = time.monotonic()
-                app.service.backfill()  # what the consumer could not announce (a failure outside a batch)
         print("stopping: the producer, then the workers (they hand back what they run), then the consumer",
               flush=True)
         done = True
         return 0
     finally:
         stop.set()
+        if rollout is not None and rollout.backfill is not None:
+            rollout.backfill.stop()
         if rollout is not None and rollout.thread is not None:
             rollout.thread.join(10)
         if server is not None:

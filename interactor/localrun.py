@@ -6,6 +6,9 @@ own sessions so that Ctrl-C reaches only us; we then stop them in order (workers
 what they run, the consumer commits what it holds) and say what was left. SIGTERM and SIGHUP
 do the same as Ctrl-C; if we are killed outright, the children notice (interactor/children.py)
 and a guard process stops them in the same order, the embedded Redis last.
+
+A job cancelled meanwhile (``interactor cancel``, broker/cancel.py) ends the run as a finished
+one does (exit 1: not every episode completed); ``run --resume`` of a cancelled job is refused.
 """
 
 from __future__ import annotations
@@ -17,14 +20,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterable
 
+import redis
+
+from broker.cancel import JobCancel, JobCancelled
 from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.pause import JobPause, resume_job
 from broker.redisconn import connect
 from broker.settings import Settings, redact_url
-from broker.states import LedgerState
+from broker.states import LEDGER_FINAL, StoredStatus
 from interactor.children import Guard, exit_code, interrupt_on_signals, spawn, spawn_role, terminate
 from interactor.report import print_left, print_results, progress_line
 
@@ -49,7 +56,11 @@ def start_guard(settings: Settings, log_dir: Path) -> Guard:
 class LocalFleet:
     """Worker and consumer child processes, restarted if one dies unexpectedly."""
 
-    def __init__(self, settings: Settings, workers: int | None, log_dir: Path, guard: Guard | None = None):
+    def __init__(self, settings: Settings, workers: int | None, log_dir: Path, guard: Guard | None = None,
+                 queues: Iterable[str] = ()):
+        # The workers serve every queue the job's episodes name (a task entry's `queue:`) besides
+        # the configured ones: no episode of a local run waits for a worker that never comes.
+        settings = settings.replace(queues=",".join(dict.fromkeys([*settings.served_queues, *sorted(queues)])))
         self.settings = settings
         self.guard = guard
         self.n_workers = max(1, workers or default_workers(settings.concurrency))
@@ -123,11 +134,9 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
     job_id = resume or job_id or new_job_id()
     planned = None if resume else plan(settings, tasks, job_id)  # a bad file stops us before anything starts
     if planned is not None and preflight:
-        from interactor.preflight import check, refusal
+        from interactor.preflight import gate
 
-        problems = check(settings, planned.episodes)
-        if problems:
-            print(f"interactor: {refusal(problems)}", file=sys.stderr)
+        if not gate(settings, planned.episodes, summary_to=sys.stdout):
             return 2
 
     embedded = None
@@ -150,7 +159,8 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
             print(f"Redis at {redact_url(settings.redis_url)}")
         client = connect(settings)
         ledger = Ledger.for_settings(client, settings)
-        fleet = LocalFleet(settings, workers, run_dir / "logs", guard)
+        job_queues = {e.queue for e in planned.episodes if e.queue} if planned is not None else ledger.job_queues(job_id)
+        fleet = LocalFleet(settings, workers, run_dir / "logs", guard, queues=job_queues)
         store = open_store(settings.results_store)
         if ui is not None:  # first: a port in use stops us before anything is enqueued or started
             browser = _start_browser(settings, client, *ui)
@@ -164,6 +174,9 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
             spec = ledger.job_spec(job_id)
             if spec is None:
                 print(f"no job {job_id!r} in this Redis", file=sys.stderr)
+                return 2
+            if JobCancel(client, settings).is_cancelled(job_id):
+                print(f"interactor: {JobCancelled(job_id, 'it is not resumed')}", file=sys.stderr)
                 return 2
             total = spec.episodes
             from broker.recovery import reconcile
@@ -198,7 +211,9 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
             print(f"note: {fleet.restarts} local processes were restarted; see {run_dir / 'logs'}")
         if browser is not None:
             _keep_serving(browser)
-        return 0 if results["job"].get("failed", 0) == 0 else 1
+        # 1: not every episode completed (some failed, or the job was cancelled meanwhile)
+        unfinished = results["job"].get(StoredStatus.FAILED, 0) + results["job"].get(StoredStatus.CANCELLED, 0)
+        return 0 if unfinished == 0 else 1
     finally:
         if fleet is not None and fleet.procs:
             fleet.stop(5)
@@ -219,18 +234,29 @@ def _say(text: str) -> None:
 
 
 def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0: float) -> None:
-    from interactor.metrics import FleetReader
+    from interactor.fleet_reader import FleetReader
 
     breakers = BreakerNotes(FleetReader(ledger.r, fleet.settings))
     pauses = PauseNotes(JobPause(ledger.r, Keys(fleet.settings.key_prefix)), job_id)
+    failures = FailureNotes(store, job_id)
     last_steps, last_t = 0, time.monotonic()
     rate = 0.0
     tty = sys.stdout.isatty()
     last_print = 0.0
+    away_since: float | None = None  # Redis unreachable (restarting, failing over) since: the workers wait it out too
     while True:
         time.sleep(0.5)
         fleet.supervise()
-        counts = ledger.counts(job_id)
+        try:
+            counts = ledger.counts(job_id)
+        except (redis.RedisError, OSError) as exc:
+            if away_since is None:
+                away_since = time.monotonic()
+                _say(("\n" if tty else "") + f"Redis unreachable ({type(exc).__name__}); waiting for it")
+            continue
+        if away_since is not None:
+            _say(("\n" if tty else "") + f"Redis back after {time.monotonic() - away_since:.0f}s")
+            away_since = None
         res = store.results(job_id)["job"]
         now = time.monotonic()
         steps = int(res.get("steps", 0))
@@ -238,7 +264,7 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
             rate = (steps - last_steps) / (now - last_t)
             last_steps, last_t = steps, now
         line = progress_line(counts, res, total, rate, now - t0)
-        said = breakers.news(now) + pauses.news(now)
+        said = breakers.news(now) + pauses.news(now) + failures.news(res)
         if said:  # on lines of their own: a stalled bar says why it is stalled
             print(("\n" if tty else "") + "\n".join(said), flush=True)
         if tty:
@@ -246,11 +272,36 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
         elif now - last_print >= 5:
             print(line, flush=True)
             last_print = now
-        stored_final = int(res.get("completed", 0)) + int(res.get("failed", 0))
-        if (counts[LedgerState.DONE] + counts[LedgerState.FAILED] >= total and stored_final >= total
+        # Ended, in the ledger and in the store: completed, failed, or cancelled (broker/cancel.py).
+        stored_final = sum(int(res.get(s, 0)) for s in (StoredStatus.COMPLETED, StoredStatus.FAILED,
+                                                        StoredStatus.CANCELLED))
+        if (sum(counts[s] for s in LEDGER_FINAL) >= total and stored_final >= total
                 and not res.get("short_trajectories", 0)):
             print("\r" + line if tty else line)
             return
+
+
+class FailureNotes:
+    """A job whose episodes all fail, and for one reason (a class off the allow-list, a wrong
+    model name, a server refusing every request), said once, early, under the progress bar:
+    with the reason and an example, instead of a count of failures that only grows."""
+
+    def __init__(self, store, job_id: str, *, after: int = 3):
+        self.store, self.job_id, self.after = store, job_id, after
+        self.told = False
+
+    def news(self, job: dict) -> list[str]:
+        failed, completed = int(job.get("failed", 0)), int(job.get("completed", 0))
+        if self.told or completed or failed < self.after:
+            return []
+        reasons = self.store.failure_reasons(self.job_id)
+        if len(reasons) != 1:
+            return []
+        self.told = True
+        f = reasons[0]
+        error = " ".join(str(f["error"] or "").split())[:300]
+        return [f"every episode so far failed, all for one reason: {f['reason']} ({f['count']}), e.g. "
+                f"{f['episode_id']}: {error}; the others will likely fail alike (Ctrl-C stops the run)"]
 
 
 class PauseNotes:

@@ -1,4 +1,6 @@
-"""Operating the fleet: ``interactor metrics``, ``interactor status`` and ``interactor autoscale``.
+"""Operating the fleet: ``interactor metrics``, ``interactor status``, ``interactor resume`` and
+``interactor cancel`` (a job's pause and its end), and ``interactor autoscale``. What status
+prints is interactor/status_text.py.
 
 Registered into the CLI through ``interactor.cli.EXTRA_COMMAND_MODULES``.
 """
@@ -10,7 +12,8 @@ import logging
 import sys
 import time
 
-from broker.states import LedgerState, Phase
+from broker.settings import REDIS, WORKER
+from broker.states import LedgerState
 from interactor.children import stop_event, wait_for_signal
 
 log = logging.getLogger("interactor.ops")
@@ -19,40 +22,60 @@ DEFAULT_METRICS_PORT = 9400
 
 
 def register(sub, add) -> None:
-    sp = add("metrics", cmd_metrics, "serve the fleet's Prometheus metrics (queues, episodes, stream, steps, latency)")
-    sp.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other hosts (a Prometheus scraper)")
-    sp.add_argument("--port", type=int, default=DEFAULT_METRICS_PORT)
+    sp = add("metrics", cmd_metrics, "serve the fleet's Prometheus metrics (queues, episodes, stream, steps, latency)",
+             reads=(REDIS,))
+    sp.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on; 0.0.0.0 to serve other hosts, a Prometheus scraper "
+                         "(default: %(default)s)")
+    sp.add_argument("--port", type=int, default=DEFAULT_METRICS_PORT, help="0 picks a free one (default: %(default)s)")
     sp.add_argument("--once", action="store_true", help="print the exposition once and exit")
-    sp.add_argument("--extra-queues", default="", help="more queues to show (comma-separated)")
+    sp.add_argument("--extra-queues", default="", help="more queues to show, comma-separated (default: none)")
 
-    sp = add("status", cmd_status, "queue, running, done, failed, dead, steps/s, lag and jobs at a glance")
-    sp.add_argument("job", nargs="?")
+    sp = add("status", cmd_status, "queue, running, done, failed, dead, steps/s, lag and jobs at a glance",
+             reads=(REDIS,))
+    sp.add_argument("job", nargs="?", help="only this job's episodes (default: every job in Redis)")
     sp.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
-    sp.add_argument("--interval", type=float, default=2.0)
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default: %(default)s)")
+    sp.add_argument("--json", action="store_true", help="print it as JSON")
 
-    sp = add("resume", cmd_resume, "continue a paused job (its attempts kept failing alike): parked episodes go again")
-    sp.add_argument("job")
+    sp = add("resume", cmd_resume, "continue a paused job (its attempts kept failing alike): parked episodes go again",
+             reads=(REDIS,))
+    sp.add_argument("job", help="the paused job's id")
 
-    sp = add("autoscale", cmd_autoscale, "run local worker processes, as many as the queue needs")
-    sp.add_argument("--min", dest="min_workers", type=int, default=0)
-    sp.add_argument("--max", dest="max_workers", type=int, default=4)
+    sp = add("cancel", cmd_cancel, "stop a job: its queued episodes are cancelled at once, its running ones stop "
+                                   "at their next call; what completed stays", reads=(REDIS,))
+    sp.add_argument("job", help="the job's id (printed by run and submit; interactor status lists those in Redis)")
+    sp.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for its running episodes to stop, then print the counts; 0: do not "
+                         "wait (default: %(default)s)")
+
+    # Its workers run with these settings: a worker's flags (--concurrency per worker process).
+    sp = add("autoscale", cmd_autoscale, "run local worker processes, as many as the queue needs",
+             reads=(WORKER, REDIS))
+    sp.add_argument("--min", dest="min_workers", type=int, default=0,
+                    help="worker processes at least (default: %(default)s)")
+    sp.add_argument("--max", dest="max_workers", type=int, default=4,
+                    help="worker processes at most (default: %(default)s)")
     sp.add_argument("--target-per-worker", type=int, default=None,
                     help="queued + running episodes per worker (default: --concurrency)")
-    sp.add_argument("--cooldown", type=float, default=60.0, help="scale-down stabilization window, seconds")
-    sp.add_argument("--interval", type=float, default=5.0, help="seconds between decisions")
-    sp.add_argument("--metrics-port", type=int, default=0, help="serve the autoscaler's own gauges here")
-    sp.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 to serve other hosts")
+    sp.add_argument("--cooldown", type=float, default=60.0,
+                    help="scale-down stabilization window, seconds (default: %(default)s)")
+    sp.add_argument("--interval", type=float, default=5.0, help="seconds between decisions (default: %(default)s)")
+    sp.add_argument("--metrics-port", type=int, default=0,
+                    help="serve the autoscaler's own gauges on this port (default: 0, none)")
+    sp.add_argument("--metrics-host", default="127.0.0.1",
+                    help="address those listen on; 0.0.0.0 to serve other hosts (default: %(default)s)")
     sp.add_argument("--log-dir", default=None, help="worker logs here (default: this process's output)")
-    sp.add_argument("--name", default="as", help="worker name prefix")
+    sp.add_argument("--name", default="as", help="worker name prefix (default: %(default)s)")
 
 
 # --- metrics --------------------------------------------------------------------------------
 def cmd_metrics(args) -> int:
-    from interactor.common import redis_for, settings_from_args
-    from interactor.metrics import FleetReader, exposition, registry, serve
+    from interactor.common import redis_for, settings_from_args, with_local_redis
+    from interactor.fleet_reader import FleetReader
+    from interactor.metrics import exposition, registry, serve
 
-    settings = settings_from_args(args)
+    settings = with_local_redis(settings_from_args(args))
     reader = FleetReader(redis_for(settings), settings, extra_queues=args.extra_queues.split(","))
     if args.once:
         sys.stdout.write(exposition(reader))
@@ -67,10 +90,11 @@ def cmd_metrics(args) -> int:
 
 # --- status ---------------------------------------------------------------------------------
 def cmd_status(args) -> int:
-    from interactor.common import redis_for, settings_from_args
-    from interactor.metrics import FleetReader
+    from interactor.common import redis_for, settings_from_args, with_local_redis
+    from interactor.fleet_reader import FleetReader
+    from interactor.status_text import render_status, snapshot_json
 
-    settings = settings_from_args(args)
+    settings = with_local_redis(settings_from_args(args))
     reader = FleetReader(redis_for(settings), settings)
     if not args.watch:
         snap = reader.snapshot(args.job)
@@ -95,6 +119,7 @@ def cmd_status(args) -> int:
 
 # --- resume ---------------------------------------------------------------------------------
 def cmd_resume(args) -> int:
+    from broker.cancel import JobCancel, JobCancelled
     from broker.pause import JobPause, resume_job
     from broker.keys import Keys
     from broker.ledger import Ledger
@@ -105,6 +130,8 @@ def cmd_resume(args) -> int:
     if Ledger.for_settings(client, settings).job_spec(args.job) is None:
         print(f"interactor: no job {args.job!r} in Redis (prefix {settings.key_prefix})", file=sys.stderr)
         return 2
+    if JobCancel(client, settings).is_cancelled(args.job):
+        raise JobCancelled(args.job, "there is nothing to resume")
     state = JobPause(client, Keys(settings.key_prefix)).state(args.job)
     sent = resume_job(client, settings, args.job)
     if state is None:
@@ -114,127 +141,40 @@ def cmd_resume(args) -> int:
     return 0
 
 
-def snapshot_json(snap: dict) -> dict:
-    out = {k: v for k, v in snap.items() if k != "stats"}
-    st = snap["stats"]
-    out["failures_by_reason"] = _failures(st)
-    out["finished"] = {f"{env}/{status}" if env else status: int(n)
-                       for (env, status), n in st.counters.get("episodes_finished", {}).items()}
-    return out
+# --- cancel ---------------------------------------------------------------------------------
+def cmd_cancel(args) -> int:
+    """Cancel the job (broker/cancel.py), say what that did, and wait (up to ``--wait``) until
+    none of its episodes runs; then its counts. Cancelling again is harmless: it says so, and
+    cancels whatever was left waiting."""
+    from broker.cancel import JobCancel
+    from broker.ledger import Ledger
+    from interactor.common import redis_for, settings_from_args
 
-
-def _failures(st) -> dict[str, int]:
-    agg: dict[str, int] = {}
-    for (reason, _outcome), n in st.counters.get("attempt_failures", {}).items():
-        agg[reason] = agg.get(reason, 0) + int(n)
-    return dict(sorted(agg.items(), key=lambda kv: -kv[1]))
-
-
-def _latency_line(st) -> str:
-    from consumer.stats import Histogram
-
-    parts = []
-    for part in ("env", "model"):
-        merged = None
-        for (p, _env), h in st.histograms.get("step_latency_seconds", {}).items():
-            if p != part:
-                continue
-            if merged is None:
-                merged = Histogram(h.buckets, list(h.counts), h.sum)
-            else:
-                merged.counts = [a + b for a, b in zip(merged.counts, h.counts)]
-                merged.sum += h.sum
-        if merged and merged.count:
-            p95 = merged.quantile(0.95)
-            parts.append(f"{part} mean {merged.sum / merged.count:.3f}s p95<={p95:g}s")
-    return ", ".join(parts)
-
-
-def _phases_line(st) -> str:
-    """Mean seconds per attempt in each phase (records v5), over every env."""
-    sums: dict[str, list[float]] = {}
-    for (phase, _env), h in st.histograms.get("phase_seconds", {}).items():
-        agg = sums.setdefault(phase, [0.0, 0])
-        agg[0] += h.sum
-        agg[1] += h.count
-    return ", ".join(f"{p} {sums[p][0] / sums[p][1]:.3f}s" for p in Phase if p in sums and sums[p][1])
-
-
-def render_status(snap: dict) -> str:
-    st = snap["stats"]
-    ep = snap["episodes"]
-    lines = [f"interactor status  {time.strftime('%H:%M:%S', time.localtime(snap['time']))}  "
-             f"redis {snap['redis']}  prefix {snap['key_prefix']}"]
-    qparts = []
-    for q, d in snap["queues"].items():
-        if not (d["depth"] or d["inflight"]):
-            continue
-        prio = " ".join(f"p{p}={n}" for p, n in d["by_priority"].items() if n and p)
-        qparts.append(f"{q}={d['depth']}" + (f" ({prio})" if prio else "") + f" inflight={d['inflight']}")
-    queued_total = sum(d["depth"] for d in snap["queues"].values())
-    lines.append(f"queue      {queued_total} queued" + (": " + ", ".join(qparts) if qparts else ""))
-    lines.append(f"episodes   running={ep[LedgerState.RUNNING]} queued={ep[LedgerState.QUEUED]} "
-                 f"retrying={ep[LedgerState.RETRYING]} "
-                 f"done={ep[LedgerState.DONE]} failed={ep[LedgerState.FAILED]} dead={snap['dead_letters']}  "
-                 f"leases live={snap['leases_live']} expired={snap['leases_expired']}  "
-                 f"retry scheduled={snap['retry_scheduled']}")
-    s = snap["stream"]
-    lag = max((g["lag"] for g in s["groups"]), default=0)
-    pending = sum(g["pending"] for g in s["groups"])
-    consumers = sum(g["consumers"] for g in s["groups"])
-    lines.append(f"results    {snap['steps_per_s']:.1f} steps/s  steps={snap['steps_total']}  stream={s['length']} "
-                 f"pending={pending} lag={lag} consumers={consumers}" + (f" poison={s['poison']}" if s["poison"] else ""))
-    for b in snap.get("breakers", []):
-        down = f"{snap['time'] - b['since']:.0f}s" if b["since"] else "?"
-        lines.append(f"BREAKER    {b['kind']} server {b['server']} down for {down} (seen by {b['workers']} worker "
-                     f"process{'es' if b['workers'] != 1 else ''}; its episodes wait): {b['error'][:160]}")
-    for cap in snap.get("caps", []):
-        lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use")
-    for rate in snap.get("rates", []):
-        parts = []
-        if rate["rpm"]:
-            parts.append(f"{rate['requests_left']:.1f} requests in the bucket ({rate['rpm']}/min)")
-        if rate["tpm"]:
-            parts.append(f"{rate['tokens_left']:.0f} tokens ({rate['tpm']}/min)")
-        if rate["hold_s"] > 0:
-            parts.append(f"the server said wait: {rate['hold_s']:.1f}s more")
-        lines.append(f"rate       model {rate['server']}: " + ", ".join(parts))
-    for j in snap["jobs"]:
-        if j.get("paused"):
-            p = j["paused"]
-            lines.append(f"PAUSED     job {j['job_id']}: {p['streak']} episodes in a row failed with {p['reason']}"
-                         + (f" (last: {p['detail'][:160]})" if p["detail"] else "")
-                         + f"; no new episode starts. Fix the cause, then: interactor resume {j['job_id']}")
-    lat = _latency_line(st)
-    if lat:
-        lines.append(f"latency    per step: {lat}")
-    phases = _phases_line(st)
-    if phases:
-        lines.append(f"phases     per attempt, mean: {phases}")
-    fails = _failures(st)
-    if fails:
-        lines.append("failures   " + ", ".join(f"{r}={n}" for r, n in list(fails.items())[:8]))
-    if snap["jobs"]:
-        rows = [("job", "total", "done", "failed", "running", "queued", "retrying", "progress")]
-        for j in snap["jobs"]:
-            c = j["counts"]
-            rows.append((j["job_id"] + (" (paused)" if j.get("paused") else ""), str(j["total"]),
-                         *(str(c[s]) for s in (LedgerState.DONE, LedgerState.FAILED, LedgerState.RUNNING,
-                                               LedgerState.QUEUED, LedgerState.RETRYING)),
-                         f"{100 * j['progress']:.1f}%"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines.append("jobs")
-        for r in rows:
-            lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        for j in snap["jobs"]:
-            f = j.get("feed")
-            if f:
-                lines.append(f"feed       {j['job_id']}: version={f['version']} ready={f['ready']} taken={f['taken']} "
-                             f"acked={f['acked']} requeued={f['requeued']} dropped={f['dropped']} "
-                             f"filtered={f['filtered']} failed={f['failed']} inflight={f['inflight']}")
+    settings = settings_from_args(args)
+    client = redis_for(settings)
+    cancels = JobCancel(client, settings)
+    report = cancels.cancel(args.job)
+    if report is None:
+        print(f"interactor: no job {args.job!r} in Redis (prefix {settings.key_prefix})", file=sys.stderr)
+        return 2
+    if report.already:
+        print(f"job {args.job} was cancelled already; {report.waiting} more waiting episodes cancelled, "
+              f"{report.running} still running")
     else:
-        lines.append("jobs       none")
-    return "\n".join(lines)
+        print(f"job {args.job} cancelled: {report.waiting} queued or retrying episodes cancelled (removed), "
+              f"{report.running} running told to stop (each at its next call, once its lease renewal tells it)")
+    ledger = Ledger.for_settings(client, settings)
+    deadline = time.monotonic() + max(0.0, args.wait)
+    counts = ledger.counts(args.job)
+    while counts[LedgerState.RUNNING] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        cancels.cancel_waiting(args.job)  # what an attempt left waiting in the cancel's very moment
+        counts = ledger.counts(args.job)
+    print(f"job {args.job}: " + " ".join(f"{s}={n}" for s, n in counts.items()))
+    if counts[LedgerState.RUNNING]:
+        print(f"{counts[LedgerState.RUNNING]} still running after {args.wait:g}s: each stops at its next call "
+              "(or, its worker gone, once its lease expires); `interactor status` shows when")
+    return 0
 
 
 # --- autoscale ----------------------------------------------------------------------------------

@@ -9,19 +9,26 @@ that start later).
 
 What is asked, and why it is enough:
 * the model endpoint: ``GET {llm_base_url}/models`` (the readiness call every OpenAI-style
-  server answers). When the model named is not among the ids listed, one ``max_tokens: 1``
+  server answers). A server that answers at all is up; 404, 405 or 501 there means it has no
+  such route (a gateway without GET routes, Python's http.server answers 501), which is no
+  reason to refuse. When the model named is not among the ids listed, one ``max_tokens: 1``
   request tells "does not exist" (vLLM, SGLang, OpenAI answer 404) from a server that takes any
   name (llama.cpp's llama-server lists its file name and serves whatever is asked). Not behind
   session routing, where every request belongs to an episode's session.
 * each env server: ``GET {base_url}/envs`` (the protocol's readiness call). Where it answers a
   list of env names, an ``env_name`` the server does not list is a problem too.
+* each inproc ``env_class``: on the workers' allow-list (``env_classes``), or every episode of
+  it would be dead-lettered as ``bad_task``.
 
 The API key goes only where the workers would send it (``Settings.trusted_model_origins``).
+When every server answered, :func:`gate` says in one line what was asked and how it answered.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
 
 import requests
 
@@ -29,18 +36,22 @@ from broker.settings import Settings, origin_of, redact_url
 
 PROBE_TIMEOUT_S = 5.0
 NO_PREFLIGHT_HINT = "(--no-preflight skips this check, for servers that start later)"
+# What a server with no GET /models route answers: 404, 405 (some gateways), 501 (Python's
+# http.server without do_GET). The server answered: it is up.
+NO_ROUTE_STATUSES = (404, 405, 501)
+SUMMARY_ENV_SERVERS = 3  # env servers named in the summary line; the rest are counted
 
 
 @dataclass(frozen=True)
 class Problem:
     """One server a job cannot use, in one line."""
 
-    kind: str  # "model" or "env"
-    url: str  # redacted
+    kind: str  # "model", "env" (a server) or "env_class" (an inproc class)
+    url: str  # redacted; the class's module:Class for an env_class
     what: str
 
     def __str__(self) -> str:
-        return f"{self.kind} server {self.url}: {self.what}"
+        return f"{self.kind if self.kind == 'env_class' else self.kind + ' server'} {self.url}: {self.what}"
 
 
 def _reason(exc: requests.RequestException) -> str:
@@ -68,12 +79,35 @@ def _error_text(resp: requests.Response) -> str:
     return str(err or body)[:200]
 
 
+@dataclass
+class Outcome:
+    """What the servers answered: the problems, and how each server that answered did."""
+
+    problems: list[Problem] = field(default_factory=list)
+    model_answer: str = ""  # e.g. "GET /models: 501, no such route"
+    model_url: str = ""  # redacted
+    env_urls: list[str] = field(default_factory=list)  # redacted, those that answered
+
+    def summary(self) -> str:
+        """One line: what was asked and how it answered."""
+        parts = [f"model server {self.model_url} answers ({self.model_answer})"]
+        if self.env_urls:
+            named = ", ".join(self.env_urls[:SUMMARY_ENV_SERVERS])
+            more = len(self.env_urls) - SUMMARY_ENV_SERVERS
+            if more > 0:
+                named += f" and {more} more"
+            parts.append(f"env server {named} answers (GET /envs)" if len(self.env_urls) == 1 else
+                         f"env servers {named} answer (GET /envs)")
+        return "preflight: " + ", ".join(parts)
+
+
 class Preflight:
     def __init__(self, settings: Settings, *, timeout_s: float = PROBE_TIMEOUT_S):
         self.settings = settings
         self.timeout_s = timeout_s
         self.session = requests.Session()
         self.session.trust_env = False  # as the workers' clients: no proxy variables, no .netrc
+        self.model_answer = ""  # how GET /models answered, once it did
 
     def close(self) -> None:
         self.session.close()
@@ -91,10 +125,12 @@ class Preflight:
             resp = self.session.get(base + "/models", headers=headers, timeout=self.timeout_s)
         except requests.RequestException as exc:
             return [Problem("model", shown, f"unreachable: {_reason(exc)}")]
+        self.model_answer = f"GET /models: {resp.status_code}"
         if resp.status_code in (401, 403):
             return [Problem("model", shown, f"refused the API key (HTTP {resp.status_code}: {_error_text(resp)})")]
-        if resp.status_code == 404:
-            return []  # no /models route: nothing more to learn without spending a request
+        if resp.status_code in NO_ROUTE_STATUSES:
+            self.model_answer += ", no such route"
+            return []  # nothing more to learn without spending a request
         if resp.status_code >= 400:
             return [Problem("model", shown, f"answers HTTP {resp.status_code} to GET /models: {_error_text(resp)}")]
         try:
@@ -143,21 +179,54 @@ class Preflight:
         return []
 
 
-def check(settings: Settings, episodes, *, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
-    """Every problem found with the model endpoint and the env servers these episodes use
-    (``EpisodeSpec`` s; inproc episodes call no env server)."""
+def env_classes(settings: Settings, episodes) -> list[Problem]:
+    """Inproc episodes whose ``env_class`` the workers would refuse to import: the allow-list
+    (``env_classes``) as set here, which a local run's workers share."""
+    from workers.allowlist import env_class_allowlist
+
+    allowed = env_class_allowlist(settings.env_classes)
+    refused = sorted({e.env_class for e in episodes if e.transport == "inproc" and not allowed.allows(e.env_class)})
+    return [Problem("env_class", c, f"not on the workers' allow-list (INTERACTOR_ENV_CLASSES: {allowed}): "
+                              f"every episode would fail as bad_task; allow it with INTERACTOR_ENV_CLASSES={c} "
+                              "(comma-separated patterns, e.g. mymodule:*)") for c in refused]
+
+
+def ask(settings: Settings, episodes, *, timeout_s: float = PROBE_TIMEOUT_S) -> Outcome:
+    """Ask the model endpoint and the env servers these episodes use (``EpisodeSpec`` s;
+    inproc episodes call no env server)."""
     by_server: dict[str, set[str]] = {}
     for e in episodes:
         if e.transport != "inproc" and e.base_url:
             by_server.setdefault(e.base_url.rstrip("/"), set()).add(e.env_name)
     probe = Preflight(settings, timeout_s=timeout_s)
+    out = Outcome(model_url=redact_url(settings.llm_base_url.rstrip("/")))
     try:
-        problems = probe.model()
+        out.problems = env_classes(settings, episodes) + probe.model()
+        out.model_answer = probe.model_answer
         for url, names in sorted(by_server.items()):
-            problems += probe.env(url, names)
+            found = probe.env(url, names)
+            out.problems += found
+            if not found:
+                out.env_urls.append(redact_url(url))
     finally:
         probe.close()
-    return problems
+    return out
+
+
+def check(settings: Settings, episodes, *, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
+    """Every problem found with the model endpoint and the env servers these episodes use."""
+    return ask(settings, episodes, timeout_s=timeout_s).problems
+
+
+def gate(settings: Settings, episodes, *, summary_to: TextIO) -> bool:
+    """`run` and `submit`: ask the servers, then print the refusal (to stderr; False: enqueue
+    nothing) or the one line of what answered (to ``summary_to``; True)."""
+    out = ask(settings, episodes)
+    if out.problems:
+        print(f"interactor: {refusal(out.problems)}", file=sys.stderr)
+        return False
+    print(out.summary(), file=summary_to, flush=True)
+    return True
 
 
 def refusal(problems: list[Problem]) -> str:

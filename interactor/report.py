@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from broker.states import LEDGER_FINAL, LEDGER_WAITING, LedgerState, Phase
-
-
+from broker.states import LEDGER_FINAL, LEDGER_WAITING, LedgerState, Phase, StoredStatus
 
 
 def _f(x, nd: int = 3) -> str:
@@ -14,12 +12,16 @@ def _f(x, nd: int = 3) -> str:
 
 def progress_line(counts: dict, job: dict, total: int, steps_per_s: float, elapsed_s: float) -> str:
     done, failed = counts.get(LedgerState.DONE, 0), counts.get(LedgerState.FAILED, 0)
+    cancelled = counts.get(LedgerState.CANCELLED, 0)
+    ended = sum(counts.get(s, 0) for s in LEDGER_FINAL)
     running = counts.get(LedgerState.RUNNING, 0)
     waiting = sum(counts.get(s, 0) for s in LEDGER_WAITING)
     width = 24
-    filled = int(width * (done + failed) / total) if total else width
+    filled = int(width * ended / total) if total else width
     bar = "#" * filled + "." * (width - filled)
-    return (f"[{bar}] {done + failed}/{total} done={done} failed={failed} running={running} waiting={waiting} "
+    return (f"[{bar}] {ended}/{total} done={done} failed={failed} "
+            + (f"cancelled={cancelled} " if cancelled else "")
+            + f"running={running} waiting={waiting} "
             f"| {steps_per_s:6.1f} steps/s | mean reward {_f(job.get('mean_reward'))} | {elapsed_s:5.0f}s")
 
 
@@ -44,10 +46,39 @@ def print_results(job_id: str, res: dict, db_path: str) -> None:
     if res.get("token_ids"):
         print(token_ids_line(res["token_ids"]))
     print(phases_line(res.get("phases")))
+    if res.get("resumes"):
+        print(resumes_line(res["resumes"]))
+    for line in failure_lines(res.get("failures") or []):
+        print(line)
+    if job.get(StoredStatus.CANCELLED):
+        print(f"cancelled: {job[StoredStatus.CANCELLED]} episodes (the job was cancelled before they ended; "
+              "what completed is kept)")
     g = res["groups"]
     print(f"groups: {g['total']} total, {g['complete']} complete, {g['incomplete']} incomplete "
-          f"({g['failed']} with a dead-lettered episode), mean reward std {_f(g['mean_std'])}")
+          f"({g['failed']} with a dead-lettered episode"
+          + (f", {g['cancelled']} cancelled" if g.get("cancelled") else "")
+          + f"), mean reward std {_f(g['mean_std'])}")
     print(f"results database: {Path(db_path).resolve()}")
+
+
+def resumes_line(r: dict) -> str:
+    """What worker crashes cost: attempts that continued their predecessor's env instance (and
+    the steps they did not run again), and those that had to start afresh, by why."""
+    fallbacks = ", ".join(f"{why} {n}" for why, n in sorted(r["fallbacks"].items()))
+    return (f"resumed: {r['resumed']} attempts continued their predecessor's env instance ({r['steps_saved']} steps "
+            f"not run again)" + (f"; started afresh: {fallbacks}" if fallbacks else ""))
+
+
+def failure_lines(failures: list[dict]) -> list[str]:
+    """Why episodes failed: each reason, how many, and one of them with its error."""
+    if not failures:
+        return []
+    out = ["failed, by reason:"]
+    for f in failures:
+        error = " ".join(str(f.get("error") or "").split())
+        out.append(f"  {f['reason']}: {f['count']}, e.g. {f['episode_id']}: "
+                   f"{error[:300] + ('...' if len(error) > 300 else '') or '(no message)'}")
+    return out
 
 
 def tokens_line(job: dict) -> str:

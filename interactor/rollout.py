@@ -7,12 +7,17 @@ continuous job. The command (interactor/feedcmd.py) makes the ``Rollout`` and ha
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
 
 from broker import feed
+from broker.duty import Duty
+from broker.ledger import Ledger
 from broker.settings import Settings, SettingsError
+
+log = logging.getLogger("interactor.feed")
 
 # The original buffer server's start_rollout keys that name its task (a dataset, an env, a group
 # size). What else its body carries (remote_engine_url, sampling_params, ...) configured what it
@@ -76,6 +81,25 @@ def _ignored(body: dict) -> list[str]:
     return sorted(k for k in body if k not in OUR_KEYS and k not in ORIGINAL_TASK_KEYS)
 
 
+BACKFILL_S = 30.0  # how often a feed server catches up on groups the consumer did not announce
+
+
+class FeedBackfill(Duty):
+    """Announces settled groups the consumer did not (consumer/announce.py ``backfill``: a round
+    costs one count when nothing settled since the last)."""
+
+    name = "feed-backfill"
+
+    def __init__(self, service, interval_s: float):
+        super().__init__(interval_s)
+        self.service = service
+
+    def tick(self) -> None:
+        n = self.service.backfill()
+        if n:
+            log.info("job %s: %d settled groups announced by the feed server's catching up", self.service.job_id, n)
+
+
 class Rollout:
     """The job a feed server serves and its producer thread (continuous jobs); what
     ``/start_rollout`` starts when the server was started without one."""
@@ -87,6 +111,9 @@ class Rollout:
         self.stop = stop
         self.preflight = preflight
         self.thread: threading.Thread | None = None
+        self.backfill: FeedBackfill | None = None
+        self.ledger = Ledger.for_settings(client, settings)
+        self.served: set[str] | None = None  # the queues this server's own workers serve, if it runs some
 
     def new_job(self, paths: list[str], epochs: int, seed: int, roots=None):
         """Create a continuous job from task files (checked, and their servers asked, first);
@@ -95,6 +122,11 @@ class Rollout:
         from producer.enqueue import plan
 
         planned = plan(self.settings, paths, roots=roots)  # TaskFileError / SettingsError name the fault
+        unserved = sorted({e.queue for e in planned.episodes if e.queue} - (self.served or set()))
+        if self.served is not None and unserved:
+            raise SettingsError(f"queues {', '.join(unserved)}: no worker of this feed server serves them (its "
+                                f"workers serve {', '.join(sorted(self.served))}); start it with --queues naming "
+                                "them too, or leave `queue:` out of the task file")
         if self.preflight:
             from interactor.preflight import check, refusal
 
@@ -107,11 +139,14 @@ class Rollout:
         return self.attach(job.job_id)
 
     def attach(self, job_id: str):
-        from interactor.feed import FeedService
+        from interactor.feed_service import FeedService
         from producer.continuous import ContinuousProducer
 
         service = FeedService(self.r, self.settings, job_id, self.store)
-        service.backfill()
+        # Catching up runs on its own thread from the first second: the server listens at once,
+        # and supervising the fleet never waits on it.
+        self.backfill = FeedBackfill(service, BACKFILL_S).start()
+        self.backfill.nudge()
         if service.cfg.continuous:
             producer = ContinuousProducer(self.r, self.settings, job_id)
             self.thread = threading.Thread(target=producer.run, args=(self.stop,), daemon=True, name="producer")

@@ -10,7 +10,12 @@ Its position (sequence number, epoch, index in the epoch's shuffled order) lives
 moves in the same transaction that writes the group's episodes to the ledger, so a restarted
 producer neither repeats nor skips a task. Groups to run again (stale, or with a dead-lettered
 member under ``failed_policy=refill``) wait in ``Keys.feed_redo`` and go first: each becomes a
-fresh group (new episode ids, the same tasks), since a stored completion is never replaced.
+fresh group (new episode ids, the same tasks), since a stored completion is never replaced; one
+whose episode specs are gone is dropped, logged and counted (``redo_dropped``).
+
+The producer runs on a thread of the feed server; a failed round does not end it (``run``), a
+cancel of its job does (broker/cancel.py: it reports itself stopped), and it reports its state
+in Redis (broker/feed.py ``note_producer``) for ``/stats`` and ``interactor status`` to show.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 
 import msgpack
 import orjson
@@ -27,9 +33,9 @@ from broker import feed
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
-from broker.records import EpisodesEnqueued, EpisodeSpec, JobSpec, unpack
-from broker.settings import Settings
-from broker.states import LedgerState
+from broker.records import EpisodesEnqueued, EpisodeSpec, JobSpec, RecordError, unpack
+from broker.settings import Settings, store_identity
+from broker.states import ProducerState
 from producer.enqueue import job_spec, plan
 
 log = logging.getLogger("interactor.producer")
@@ -52,8 +58,13 @@ def create_continuous_job(client: redis.Redis, settings: Settings, paths: list[s
     job = job_spec(settings, planned.episodes[0].job_id, planned)
     job.episodes, job.groups = 0, 0  # open-ended: the feed's counters say how many so far
     keys = Keys(settings.key_prefix)
-    Ledger.for_settings(client, settings).create_job(job, [])
+    # Its queues are recorded now, though its episodes come later: reconcile scans them, and a
+    # local fleet serves them.
+    Ledger.for_settings(client, settings).create_job(
+        job, [], queues=sorted({e.queue for e in planned.episodes if e.queue}))
     pipe = client.pipeline(transaction=True)
+    # Where its feed will read the steps, until a consumer says where it writes them.
+    pipe.set(keys.job_store(job.job_id), store_identity(settings.results_store))
     pipe.hset(keys.feed_templates(job.job_id), mapping={
         str(i): msgpack.packb([s.to_dict() for s in group], use_bin_type=True)
         for i, group in enumerate(templates.values())})
@@ -64,7 +75,8 @@ def create_continuous_job(client: redis.Redis, settings: Settings, paths: list[s
 
 
 class FeedGone(ValueError):
-    """The job has no feed (any more: retention expired it with its job, broker/recovery.py)."""
+    """The job has no feed (any more: retention expired it with its job, broker/recovery.py),
+    or it was cancelled (broker/cancel.py): nothing more is produced for it."""
 
 
 class ContinuousProducer:
@@ -77,11 +89,17 @@ class ContinuousProducer:
         self.keys = Keys(settings.key_prefix)
         self._orders: dict[int, list[int]] = {}
         self.produced = 0
+        self.ledger = Ledger.for_settings(client, settings)
+        self.errors = 0  # rounds that failed with an error not Redis'
+        self.redo_dropped = 0
+        self._reported_at = 0.0
 
     def config(self) -> feed.FeedConfig:
         cfg = feed.config(self.r, self.keys, self.job_id)
         if cfg is None:
-            raise FeedGone(f"job {self.job_id!r} has no feed")
+            raise FeedGone(f"job {self.job_id!r} has no feed (its job's retention ran out, or it was deleted)")
+        if self.r.exists(self.keys.job_cancel(self.job_id)):  # seen each round, also with max_ahead in flight
+            raise FeedGone(f"job {self.job_id!r} was cancelled (interactor cancel)")
         return cfg
 
     def _order(self, epoch: int, n: int, seed: int) -> list[int]:
@@ -106,17 +124,21 @@ class ContinuousProducer:
         with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(k.feed_position(job), k.feed_redo(job))
+                    # The cancel mark watched too: a group is never added after the job was cancelled.
+                    pipe.watch(k.feed_position(job), k.feed_redo(job), k.job_cancel(job))
+                    if pipe.exists(k.job_cancel(job)):
+                        pipe.unwatch()
+                        raise FeedGone(f"job {job!r} was cancelled (interactor cancel)")
                     pos = {a.decode(): int(b) for a, b in pipe.hgetall(k.feed_position(job)).items()}
                     seq, epoch, index = pos.get("seq", 0), pos.get("epoch", 0), pos.get("index", 0)
                     redo = pipe.lindex(k.feed_redo(job), 0)
                     refills = 0
                     if redo is not None:
-                        old_group, old_ids, why, *rest = msgpack.unpackb(redo, raw=False)
-                        refills = int(rest[0]) if rest else 0
-                        raw = pipe.hmget(k.job_episodes(job), old_ids)
-                        specs = [unpack(x) for x in raw if x]
-                        source = f"re-run of group {old_group} ({why})"
+                        found = self._redo_specs(pipe, redo)
+                        if isinstance(found, str):  # nothing to run it from: dropped, counted, and on
+                            self._drop_redo(pipe, redo, found)
+                            continue
+                        specs, source, refills = found
                         nxt = {"seq": seq + 1, "epoch": epoch, "index": index}
                     else:
                         if cfg.epochs and epoch >= cfg.epochs:
@@ -148,9 +170,7 @@ class ContinuousProducer:
                     ann = EpisodesEnqueued(job, [[e.episode_id, e.env_name, e.group_id, orjson.dumps(e.env_params)]
                                                  for e in fresh])
                     pipe.multi()
-                    pipe.hset(k.job_episodes(job), mapping={e.episode_id: e.pack() for e in fresh})
-                    pipe.hset(k.job_state(job), mapping={e.episode_id: LedgerState.QUEUED for e in fresh})
-                    pipe.hincrby(k.job_counts(job), LedgerState.QUEUED, len(fresh))
+                    self.ledger.add_episodes(pipe, job, fresh)
                     pipe.xadd(k.results, {"r": ann.pack()})
                     pipe.hset(k.feed_position(job), mapping=nxt)
                     pipe.hincrby(k.feed_stats(job), feed.C_PRODUCED, 1)
@@ -168,6 +188,40 @@ class ContinuousProducer:
         self.produced += 1
         return gid
 
+    def _redo_specs(self, pipe, redo: bytes) -> tuple[list[EpisodeSpec], str, int] | str:
+        """A group to run again: its members' specs, what it re-runs and its refills so far; or
+        why it cannot be run (an entry we cannot read, or members whose specs are gone)."""
+        try:
+            old_group, old_ids, why, *rest = msgpack.unpackb(redo, raw=False)
+            refills = int(rest[0]) if rest else 0
+            if not isinstance(old_ids, list) or not old_ids or not all(isinstance(e, str) for e in old_ids):
+                raise ValueError(f"episode ids {old_ids!r}")
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            return f"unreadable entry ({type(exc).__name__}: {exc})"
+        specs, missing = [], []
+        for episode_id, raw in zip(old_ids, pipe.hmget(self.keys.job_episodes(self.job_id), old_ids)):
+            try:
+                specs.append(unpack(raw) if raw else None)
+            except RecordError:
+                specs.append(None)
+            if specs[-1] is None:
+                missing.append(episode_id)
+        if missing:
+            return (f"re-run of group {old_group} ({why}): the specs of {len(missing)} of its {len(old_ids)} "
+                    f"episodes are gone ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+        return specs, f"re-run of group {old_group} ({why})", refills
+
+    def _drop_redo(self, pipe, redo: bytes, why: str) -> None:
+        """Take a group that cannot be run again off the redo list (under the WATCH of the
+        caller's transaction; a change meanwhile raises WatchError and the round starts over)."""
+        k, job = self.keys, self.job_id
+        pipe.multi()
+        pipe.lrem(k.feed_redo(job), 1, redo)
+        pipe.hincrby(k.feed_stats(job), feed.C_REDO_DROPPED, 1)
+        pipe.execute()
+        self.redo_dropped += 1
+        log.error("producer for job %s: a group to run again was dropped: %s", job, why)
+
     def fill(self) -> int:
         """Produce until ``max_ahead`` groups are in flight or nothing is left; returns how many."""
         cfg = self.config()
@@ -179,18 +233,41 @@ class ContinuousProducer:
         return n
 
     def run(self, stop: threading.Event, interval_s: float = 0.1) -> None:
+        """Produce until ``stop``. Nothing but the feed being gone ends it: a round that fails
+        (Redis away, or anything else: a job without templates, a bug) is logged, counted in
+        its report (``/stats``, ``interactor status``) and tried again after a pause that
+        doubles up to a minute, so a fault that lasts neither spins nor stops the feed."""
         log.info("continuous producer for job %s started", self.job_id)
         delay = interval_s
+        self._report(ProducerState.RUNNING)
         while not stop.is_set():
             try:
                 self.fill()
+                if delay != interval_s or time.monotonic() - self._reported_at > feed.PRODUCER_BEAT_S:
+                    self._report(ProducerState.RUNNING)
                 delay = interval_s
             except FeedGone as exc:
-                log.warning("producer stops: %s (its job's retention ran out, or it was deleted)", exc)
+                log.warning("producer stops: %s", exc)
+                if self.r.exists(self.keys.job_cancel(self.job_id)):
+                    break  # reported stopped, below: /stats and status say why nothing more comes
                 return
             except redis.RedisError as exc:
                 delay = min(10.0, max(1.0, delay * 2))
                 log.warning("producer: Redis unavailable (%s); retrying in %.0fs", exc, delay)
+            except Exception as exc:  # noqa: BLE001 - logged with its traceback, counted, tried again
+                delay = min(60.0, max(1.0, delay * 2))
+                self.errors += 1
+                log.exception("producer for job %s: a round failed; retrying in %.0fs", self.job_id, delay)
+                self._report(ProducerState.BACKING_OFF, f"{type(exc).__name__}: {exc}")
             stop.wait(delay)
+        self._report(ProducerState.STOPPED)
+
+    def _report(self, state: str, error: str = "") -> None:
+        """Best effort: Redis away is the one fault a report cannot be written through."""
+        try:
+            feed.note_producer(self.r, self.keys, self.job_id, state, self.settings.job_retention_s, error)
+            self._reported_at = time.monotonic()
+        except redis.RedisError:
+            pass
 
 

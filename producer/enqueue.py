@@ -20,10 +20,11 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
 from broker.records import JobSpec
+from broker.replicas import ReplicaWait
 from broker.settings import Settings, SettingsError
 from envs.base import valid_object_path
 from producer.readroots import ReadRoots
-from producer.taskfile import PlannedJob, plan_job
+from producer.planning import PlannedJob, plan_job
 
 log = logging.getLogger("interactor.producer")
 
@@ -63,6 +64,8 @@ def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
         pause_after_failures=(plan.pause_after_failures if plan.pause_after_failures is not None
                               else settings.pause_after_failures),
         limits=job_limits(settings, plan).to_dict(),
+        # off when either says so: the command line (--no-resume) or the task files (resume: false)
+        resume=not settings.no_resume and plan.resume is not False,
     )
 
 
@@ -82,6 +85,16 @@ def job_limits(settings: Settings, plan: PlannedJob) -> Limits:
         for url in {server_name(e.base_url) for e in plan.episodes if e.transport != "inproc" and e.base_url}:
             limits.env_servers[url] = {**defaults, **limits.env_servers.get(url, {})}
     return limits
+
+
+class SubmitLost(RuntimeError):
+    """A job written to a primary that failed over before a replica had it: the new primary does
+    not have it, so nothing of it would ever run."""
+
+    def __init__(self, job_id: str):
+        super().__init__(f"job {job_id}: Redis failed over while the job was being submitted, and the promoted "
+                         "replica does not have it: nothing of it will run; submit it again")
+        self.job_id = job_id
 
 
 @dataclass
@@ -110,6 +123,10 @@ def submit_plan(client: redis.Redis, settings: Settings, planned: PlannedJob) ->
     if limits.model_rpm or limits.model_tpm:  # shown by status and metrics
         client.hset(keys.rates, server_name(job.llm_base_url), f"{limits.model_rpm} {limits.model_tpm}")
     push_episodes(client, ((job_id, e.episode_id, settings.queue_for(e)) for e in planned.episodes))
+    # With replica waits on, the submit returns once a replica has the job; one written to a
+    # primary that died before passing it on is said, not reported as enqueued (broker/replicas.py).
+    if not ReplicaWait.for_settings(settings).confirm(client, keys.job_spec(job_id), keys.replica_barrier):
+        raise SubmitLost(job_id)
     dt = time.perf_counter() - t0
     log.debug("job %s: %d episodes in %d groups enqueued in %.2fs", job_id, len(planned.episodes), planned.groups, dt)
     return Submitted(job, planned, dt)

@@ -176,7 +176,7 @@ def test_env_names_pick_the_adapter():
 # --------------------------------------------------------------------------- serve-env
 
 def test_serve_env_speaks_the_protocol(rg, ta):
-    from envs.server import start_in_thread
+    from envs.serve_env import start_in_thread
     from workers.envclient import EnvClient
 
     server, url = start_in_thread()
@@ -256,7 +256,7 @@ def write_job(tmp_path, env_url: str) -> str:
 def test_adapter_job_end_to_end_rewards_match_the_libraries(rg, ta, settings, procs, model_server, redis_client,
                                                             tmp_path):
     from consumer.storage import open_store
-    from envs.server import start_in_thread
+    from envs.serve_env import start_in_thread
     from tests.storecheck import db_rows
 
     env, env_url = start_in_thread()
@@ -320,7 +320,7 @@ def test_the_guide_example_runs_both_ways():
     import types
 
     from broker.records import EpisodeSpec
-    from envs.server import start_in_thread
+    from envs.serve_env import start_in_thread
     from workers.envclient import EnvClient
     from workers.inproc import InprocEnv
 

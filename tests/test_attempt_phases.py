@@ -14,7 +14,7 @@ from consumer.storage import open_store
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import postgres as pg_backend
 from consumer.storage import sqlite as sqlite_backend
-from consumer.storage import tokens as step_tokens_table
+from consumer.storage import step_tokens as step_tokens_table
 from interactor.report import phases_line
 
 JOB = "jp"

@@ -32,8 +32,11 @@ def test_bench_quick_produces_the_table(tmp_path):
     text = out.read_text()
     for heading in ("## How to run", "## The machine", "## Targets", "## Load runs", "## Worker pools",
                     "## Consumer ingest", "## Enqueue", "## Single-turn episodes", "## Token storage", "## Rollout feed",
-                    "## Cost of the fleet-wide caps"):
+                    "## Cost of the fleet-wide caps", "## Cost of resumable episodes",
+                    "## Cost of waiting for a replica", "## Against the original driver"):
         assert heading in text, heading
+    # without --original the comparison says why it was not measured
+    assert "Not measured in this run: no checkout of the original driver given" in text
     for row in ("| Efficiency at concurrency 4 |", "| Orchestration CPU per step, concurrency 4 |",
                 "| Worker memory per concurrent episode, concurrency 4 |", "| Consumer ingest (records/s into SQLite, one consumer) |",
                 "| Enqueue (1,000-episode job, episodes/s) |", "| Record latency p99, concurrency 4 |",
@@ -42,6 +45,8 @@ def test_bench_quick_produces_the_table(tmp_path):
         assert row in text, row
     assert "**Chosen default: `threads`**" in text
     assert "**Caps' cost per step:** orchestration CPU x" in text and "Redis commands more" in text
+    assert "**Resume's cost per step:** orchestration CPU x" in text
+    assert "**Replica waits' cost per step:** orchestration CPU x" in text and "**A wait adds " in text
     assert png.exists() and png.stat().st_size > 1000
 
     res = json.loads((work / "results.json").read_text())
@@ -73,6 +78,24 @@ def test_bench_quick_produces_the_table(tmp_path):
     for k in ("cpu_ms_per_step_uncapped", "cpu_ms_per_step_capped", "redis_per_step_uncapped", "redis_per_step_capped"):
         assert 0 < cp[k] < 1000, (k, cp[k])
     assert cp["cpu_ratio"] == pytest.approx(cp["cpu_ms_per_step_capped"] / cp["cpu_ms_per_step_uncapped"])
+    rs = res["resume"]
+    assert rs["level"] == 4 and rs["on"] == run  # the load of this run (resume on, the default), not re-run
+    assert rs["off"]["errors"] == [] and rs["off"]["spec"]["resume"] is False and rs["off"]["steps"] > 0
+    for k in ("cpu_ms_per_step_off", "cpu_ms_per_step_on", "redis_per_step_off", "redis_per_step_on"):
+        assert 0 < rs[k] < 1000, (k, rs[k])
+    assert rs["redis_extra_per_step"] == pytest.approx(rs["redis_per_step_on"] - rs["redis_per_step_off"])
+    # the replica waits' cost: the same load with a replica, waits off and on, and the commit points timed
+    wt = res["waits"]
+    assert wt["level"] == 4
+    for mode in ("off", "on"):
+        assert wt[mode]["errors"] == [] and wt[mode]["steps"] > 0, wt[mode]["errors"]
+        assert wt[mode]["spec"]["replica"] is True and wt[mode]["spec"]["redis_wait"] == mode
+    assert wt["on"]["redis_calls"].get("wait", 0) > 0 and "wait" not in wt["off"]["redis_calls"]
+    commits = wt["commits"]
+    assert commits["errors"] == [] and commits["commits"] == 200
+    assert 0 < commits["ms_per_commit"]["off"]["p50"] and 0 < commits["ms_per_commit"]["on"]["p50"]
+    assert commits["added_ms_p50"] == pytest.approx(commits["ms_per_commit"]["on"]["p50"]
+                                                    - commits["ms_per_commit"]["off"]["p50"])
     assert 0.1 < cp["cpu_ratio"] < 10
     # The difference is the row the report judges. Its sign is not checked here: slots are taken in
     # blocks and renewed once a second, so the caps add about 0.15 commands per step, far less than

@@ -826,3 +826,112 @@ def test_a_trickling_proxy_cannot_hold_a_call_past_the_budget(phase, monkeypatch
         assert took < 3.0, f"held {took:.1f}s past a 1.5 s budget"
     finally:
         srv.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed HTTP answers, through both clients and both HTTP paths
+# ---------------------------------------------------------------------------------------------
+
+
+class CannedAnswer:
+    """A raw socket server that answers every request with the same bytes and keeps the
+    connection open after it, as a server that goes on speaking on it would."""
+
+    def __init__(self, answer: bytes):
+        self.answer = answer
+        self.requests = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                buf = buf[length:]
+                self.requests += 1
+                conn.sendall(self.answer)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.sock.close()
+
+
+_OK_COMPLETION_BYTES = json.dumps(OK_COMPLETION).encode()
+MALFORMED_ANSWERS = {
+    # str.isdigit() takes "²", which int() refuses
+    "length-superscript": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: \xb2\r\n\r\n"
+                          + _OK_COMPLETION_BYTES,
+    "length-signed": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: +%d\r\n\r\n"
+                     % len(_OK_COMPLETION_BYTES) + _OK_COMPLETION_BYTES,
+    # int(x, 16) takes "0x..", so did both paths
+    "chunk-0x": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"0x%x\r\n" % len(_OK_COMPLETION_BYTES) + _OK_COMPLETION_BYTES + b"\r\n0\r\n\r\n",
+    "switching-protocols": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("path", ["plain-http", "urllib3", "proxy"])
+@pytest.mark.parametrize("answer", list(MALFORMED_ANSWERS))
+def test_a_malformed_answer_is_a_protocol_error_both_clients_retry(answer, path, monkeypatch):
+    """A malformed answer is a transport fault: retried where a dropped connection is, and a
+    transient error once the tries are spent (not the env client's internal_error, not the
+    model client's permanent model_bad_request). On each HTTP path: our plain-http client,
+    urllib3, and requests through HTTP_PROXY (the server answers the proxy's request)."""
+    from workers import http_transport as ec
+
+    srv = CannedAnswer(MALFORMED_ANSWERS[answer])
+    url = srv.url
+    if path == "proxy":
+        monkeypatch.setenv("HTTP_PROXY", srv.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.setattr(ec, "_proxies", {})
+        url = "http://envs.invalid:8080"
+    settings = fast(http_plain_client=path == "plain-http", env_retries=2, llm_retries=2)
+    said = "connection dropped while reading the answer" if answer.startswith("chunk") else "malformed HTTP answer"
+    try:
+        env = EnvClient(settings)
+        with pytest.raises(EpisodeError) as ei:
+            env.reset(url, ENV, EID, {}, None, deadline=far())
+        assert ei.value.reason == ENV_UNREACHABLE and ei.value.transient, ei.value
+        assert said in str(ei.value)
+        assert srv.requests == 3  # reset is retried: 1 + env_retries tries
+        with pytest.raises(EpisodeError) as ei:
+            env.step(url, ENV, EID, "act", deadline=far())
+        assert ei.value.reason == ENV_UNREACHABLE and ei.value.transient, ei.value
+        assert srv.requests == 4  # a step that may have been applied is not repeated
+        with pytest.raises(EpisodeError) as ei:
+            ModelClient(settings).complete(url + "/v1", [{"role": "user", "content": "x"}], model="m",
+                                           temperature=0.5, deadline=far())
+        assert ei.value.reason == MODEL_UNAVAILABLE and ei.value.transient, ei.value
+        assert said in str(ei.value)
+        assert srv.requests == 7
+    finally:
+        srv.close()

@@ -23,7 +23,7 @@ from interactor.autoscale import AUTOSCALER_METRIC_NAMES
 from interactor.cli import build_parser
 from broker.queueing import sub_queues
 from interactor.metrics import METRIC_NAMES
-from producer.taskfile import plan_job
+from producer.planning import plan_job
 from tests.conftest import ROOT
 
 ALLOWED_ENV = {"INTERACTOR_" + f.name.upper() for f in fields(Settings)} | {"REDIS_URL", "OPENAI_API_KEY"}
@@ -280,7 +280,8 @@ def test_compose_requires_passwords_and_runs_on_both_compose_versions():
     # Third-party images can be replaced (a mirror, or the Debian-made images of
     # tests/test_containers.py); the defaults are what users get.
     defaults = {"redis": "redis:7.2-alpine", "postgres": "postgres:16-alpine", "flower": "mher/flower:2.0",
-                "prometheus": "prom/prometheus:v2.53.0", "grafana": "grafana/grafana:11.1.0"}
+                "prometheus": "prom/prometheus:v2.53.0", "grafana": "grafana/grafana:11.1.0",
+                **{name: "redis:7.2-alpine" for name in ("redis-replica", "sentinel1", "sentinel2", "sentinel3")}}
     for name, svc in raw["services"].items():
         if "build" in svc:
             assert svc["image"] == "${INTERACTOR_IMAGE:-interactor:latest}", name
@@ -296,12 +297,72 @@ def test_compose_file_is_valid_for_docker_compose_1_29(tmp_path):
 
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **REQUIRED}
     r = subprocess.run(["/usr/bin/docker-compose", "-p", "check", "-f", str(ROOT / "docker-compose.yml"),
-                        "--profile", "demo", "--profile", "autoscale", "--profile", "monitoring", "config", "-q"],
+                        "--profile", "demo", "--profile", "autoscale", "--profile", "monitoring", "--profile", "sentinel",
+                        "config", "-q"],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     r = subprocess.run(["/usr/bin/docker-compose", "-p", "check", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "REDIS_PASSWORD" in r.stderr
+
+
+# The sentinel profile's settings, as the compose file's header and docs/deployment.md give them.
+SENTINEL_ENV = {"REDIS_SCHEME": "redis+sentinel",
+                "REDIS_ADDRESS": "sentinel1:26379,sentinel2:26379,sentinel3:26379/interactor/0"}
+
+
+def _sentinel_conf(service: dict) -> dict[str, list[str]]:
+    """A Sentinel service's configuration, from the file its command writes: directive -> words."""
+    script = argv(service["command"])[-1]
+    body = script.split("<<EOF\n", 1)[1].split("\nEOF", 1)[0]
+    return {" ".join(line.split()[:2]) if line.startswith("sentinel ") else line.split()[0]:
+            line.split()[2 if line.startswith("sentinel ") else 1:] for line in body.splitlines() if line.strip()}
+
+
+def test_compose_sentinel_profile_is_a_replica_and_three_sentinels_the_fleet_finds():
+    from broker.redisurl import parse_redis_url
+
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = interpolate(raw, {**REQUIRED, **SENTINEL_ENV})["services"]
+    password = REQUIRED["REDIS_PASSWORD"]
+    sentinels = [n for n in services if n.startswith("sentinel")]
+    assert sentinels == ["sentinel1", "sentinel2", "sentinel3"]
+    for name in ["redis-replica", *sentinels]:
+        assert services[name]["profiles"] == ["sentinel"], name
+    # The fleet's URL names these Sentinels, at the port they listen on, and the service they watch.
+    env = services["worker"]["environment"]
+    s = Settings.from_env({k: str(v) for k, v in env.items()})
+    address = parse_redis_url(s.redis_url)
+    assert address is not None and address.password == password
+    assert s.redis_sentinel_password.reveal() == password
+    for name in sentinels:
+        conf = _sentinel_conf(services[name])
+        assert services[name]["hostname"] == name and (name, int(conf["port"][0])) in address.sentinels
+        host, port, quorum = conf["sentinel monitor"][1:]
+        assert conf["sentinel monitor"][0] == address.service
+        assert (host, int(port)) == ("redis", int(flag(argv(services["redis"]["command"]), "--port")))
+        assert int(quorum) == len(sentinels) // 2 + 1  # a majority decides a failover
+        assert conf["sentinel auth-pass"][1] == conf["requirepass"][0] == conf["sentinel sentinel-pass"][0] \
+            == "$REDIS_PASSWORD"  # read from the container's environment at start
+        assert services[name]["environment"]["REDIS_PASSWORD"] == password
+        assert argv(services[name]["command"])[-1].rstrip().endswith("exec redis-server /tmp/sentinel.conf --sentinel")
+    assert len(address.sentinels) == len(sentinels)
+    # The replica follows redis, with its password, persisted and never evicting like it; each
+    # data server is announced to the Sentinels by its service name.
+    replica = argv(services["redis-replica"]["command"])
+    primary = argv(services["redis"]["command"])
+    assert replica[replica.index("--replicaof") + 1:replica.index("--replicaof") + 3] == ["redis", "6379"]
+    for args, name in ((replica, "redis-replica"), (primary, "redis")):
+        assert flag(args, "--masterauth") == flag(args, "--requirepass") == password
+        assert flag(args, "--appendonly") == "yes" and flag(args, "--maxmemory-policy") == "noeviction"
+        assert flag(args, "--replica-announce-ip") == name
+    # What the header and the deployment guide tell users to set is what this test set.
+    for doc in ((ROOT / "docker-compose.yml").read_text(), (ROOT / "docs/deployment.md").read_text()):
+        for k, v in SENTINEL_ENV.items():
+            assert f"{k}={v}" in doc, k
+    # Without them the fleet uses the one Redis, as before.
+    plain = interpolate(raw, REQUIRED)["services"]["worker"]["environment"]["REDIS_URL"]
+    assert plain == f"redis://:{password}@redis:6379/0"
 
 
 def test_dockerfile_builds_the_project():

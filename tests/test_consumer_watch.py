@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from broker.app import make_app
+from broker.celery_app import make_app
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes

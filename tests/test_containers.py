@@ -131,11 +131,14 @@ class Fleet:
         re-run elsewhere (Redis away past the lease) may be recorded as an attempt too; the
         episode still has one completed attempt and one trajectory, which is checked."""
         assert self.stored(job) == {"completed": EPISODES}
-        # One completed attempt per episode, and it is the episode's.
+        # One completed attempt per episode, and it is the episode's: its own trajectory, or its
+        # predecessor's that it continued (a resumed episode's steps stay under the trajectory
+        # they began in, which is what completed_attempt_id names: attempt_resumes says whose).
         rows = self.psql(f"SELECT e.episode_id, COUNT(a.attempt_id), MIN(a.worker) FROM episodes e "
                          f"JOIN attempts a ON a.episode_id = e.episode_id AND a.status = 'completed' "
-                         f"AND a.attempt_id = e.completed_attempt_id WHERE e.job_id = '{job}' "
-                         f"GROUP BY e.episode_id")
+                         f"LEFT JOIN attempt_resumes r ON r.episode_id = a.episode_id AND r.attempt_id = a.attempt_id "
+                         f"WHERE e.job_id = '{job}' AND (a.attempt_id = e.completed_attempt_id "
+                         f"OR r.trajectory LIKE '%:' || e.completed_attempt_id) GROUP BY e.episode_id")
         assert len(rows) == EPISODES and all(r[1] == "1" for r in rows), rows
         completed_attempts = int(self.psql(f"SELECT COUNT(*) FROM attempts WHERE job_id = '{job}' AND status = 'completed'")[0][0])
         if extra_completed_attempts_ok:

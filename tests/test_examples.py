@@ -53,7 +53,7 @@ def test_readiness_and_stats(env, http):
     _, url = env
     r = http.get(f"{url}/envs", timeout=5)
     assert r.status_code == 200
-    assert set(r.json()) == {"guess_number", "arithmetic"}
+    assert set(r.json()) == {"guess_number", "arithmetic", "antonym"}
     stats = http.get(f"{url}/stats", timeout=5).json()
     for key in ("resets", "steps", "prompts", "closes", "live", "closed_ids", "steps_by_env"):
         assert key in stats

@@ -9,6 +9,10 @@ episode completes under the attempt it started with (attempts == episodes), noth
 reclaimed, nothing dead-lettered - whether the lapsed lease is taken back first by a renewal,
 a step record or a FINISH, and however the sweepers in every process saw the outage.
 
+**A worker stopped while Redis is away** is killed at its hard exit before it can hand its
+episode back; the sweeper reclaims the lease that lapsed in the outage without counting the
+attempt.
+
 **An inproc call that never returns** holds the gevent worker's process-wide env lock for
 good: the process hands its other episodes back uncounted and exits, and its supervisor
 starts a fresh one that runs them.
@@ -109,6 +113,73 @@ def test_redis_away_three_lease_ttls_mid_run_costs_no_attempt(settings, tmp_path
         assert DeadLetterQueue(client, s).list(job_id=job_id) == []
         log = procs.log("w1") + procs.log("w2")
         assert "re-queued" not in log and "abandoned" not in log
+    finally:
+        if frozen:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        procs.stop_all()
+        env.shutdown()
+        model.shutdown()
+        client.close()
+        server.stop()
+
+
+def test_a_worker_stopped_during_a_redis_outage_costs_its_episode_no_attempt(settings, tmp_path):
+    """A worker is stopped (SIGTERM) while Redis is frozen. It cannot hand its running episode
+    back (that needs Redis), and its hard exit (grace + shutdown_hard_exit_s) ends it while it
+    still waits. Redis resumes and another worker's sweeper finds the lease lapsed in the gap
+    its clock shows: the episode runs again, the lost attempt not counted. It was on its last
+    attempt (max_attempts=1), and is completed, not dead-lettered."""
+    from examples.envserver import start_in_thread as start_env
+    from examples.model_standin import start_in_thread as start_model
+    from interactor.children import signal_group
+
+    server = EmbeddedRedis(tmp_path / "redis", password="stop-pw").start()
+    env, env_url = start_env(latency_ms=5)
+    model, model_url = start_model(latency_ms=700)  # each turn is slow: the episode runs for a while
+    s = settings.replace(redis_url=server.url, llm_base_url=model_url + "/v1", outage_budget_s=300,
+                         max_attempts=1, episode_budget_s=600, shutdown_grace_s=1, shutdown_hard_exit_s=2)
+    procs = Procs(s, tmp_path / "logs")
+    client = connect(s)
+    keys = Keys(s.key_prefix)
+    frozen = False
+    path = tmp_path / "slow.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        environments:
+          - env_name: guess_number
+            base_url: {env_url}
+            env_params: {{low: 1, high: 1000000, max_turns: 40}}
+            env_num: 1
+        """))
+    try:
+        job_id = submit(client, s, [str(path)]).job.job_id
+        ledger = Ledger.for_settings(client, s)
+        (episode_id,) = ledger.states(job_id)
+        procs.worker("w1")
+
+        def running_with_a_step() -> bool:
+            return ledger.state(job_id, episode_id) == "running" and any(
+                isinstance(unpack(f[b"r"]), StepRecord) for _, f in client.xrange(keys.results))
+
+        wait_for(running_with_a_step, 180, what="the episode running, a step stored")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        frozen = True
+        w1 = procs.procs["w1"]
+        signal_group(w1, signal.SIGTERM)
+        w1.wait(120)  # its hard exit, 3 s after the SIGTERM, while it waits for Redis
+        os.kill(server.proc.pid, signal.SIGCONT)
+        frozen = False
+        assert ledger.state(job_id, episode_id) == "running"  # nothing was handed back
+        procs.worker("w2")
+        wait_for(lambda: ledger.state(job_id, episode_id) in ("done", "failed"), 300, interval=0.5,
+                 what="the episode run again to its end")
+        assert ledger.state(job_id, episode_id) == "done"
+        assert DeadLetterQueue(client, s).list(job_id=job_id) == []
+        assert ledger.attempts(job_id, episode_id) == 2
+        assert ledger.attempt_limit(job_id, episode_id, 1) == 2  # the lost attempt was not counted
+        closing = [r for _, f in client.xrange(keys.results) if isinstance(r := unpack(f[b"r"]), AttemptRecord)]
+        assert [(r.attempt, r.status, r.reason) for r in closing] == [(1, "abandoned", "worker_lost"),
+                                                                      (2, "completed", "")], closing
+        assert "while Redis was unreachable" in closing[0].error and "not counted" in closing[0].error
     finally:
         if frozen:
             os.kill(server.proc.pid, signal.SIGCONT)

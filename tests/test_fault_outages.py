@@ -74,7 +74,12 @@ def attempt_lines(s: Scenario, env_id: str) -> list[str]:
 
 @pytest.mark.parametrize("load", ["idle", "busy"])
 def test_worker_frozen_past_its_lease_stops_driving_its_instances(sqlite_scenario, cpu_hog, load):
-    s = sqlite_scenario("worker-sigstop", env_knobs={"log_requests": True}, model_latency_ms=400, max_attempts=5)
+    # Resume off: a successor resets an instance of its own, so that every call the frozen
+    # worker makes after the thaw is on an instance of its own, told apart in the env's log.
+    # (With resume on, the successor continues the frozen attempt's instance; that the stalled
+    # worker then calls nothing on it is tests/test_resume.py's.)
+    s = sqlite_scenario("worker-sigstop", env_knobs={"log_requests": True}, model_latency_ms=400, max_attempts=5,
+                        no_resume=True)
     if load == "busy":
         cpu_hog.start()
     s.start()
@@ -184,7 +189,7 @@ def test_redis_loses_the_last_second_of_its_log(sqlite_scenario):
 
 
 def breaker_seen(s: Scenario, kind: str) -> bool:
-    from interactor.metrics import FleetReader
+    from interactor.fleet_reader import FleetReader
 
     return any(b["kind"] == kind for b in FleetReader(s.client, s.settings).breakers())
 

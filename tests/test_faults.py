@@ -84,13 +84,15 @@ class Figures:
 
 class Scenario:
     def __init__(self, name, tmp_path, settings, *, env_knobs=None, model_knobs=None, workers=2,
-                 model_latency_ms=40, consumers=1, **overrides):
+                 model_latency_ms=40, consumers=1, redis=None, **overrides):
+        """``redis``: a started Redis of the test's own (anything with ``url`` and ``stop()``, say a
+        tests/sentinel.py SentinelCluster), stopped with the scenario; else an embedded one."""
         from examples.envserver import start_in_thread as start_env
         from examples.model_standin import start_in_thread as start_model
 
         self.name = name
         self.tmp_path = tmp_path
-        self.redis = EmbeddedRedis(tmp_path / "redis", password="fault-pw").start()
+        self.redis = redis or EmbeddedRedis(tmp_path / "redis", password="fault-pw").start()
         self.env, self.env_url = start_env(latency_ms=5, **(env_knobs or {}))
         # The chaos scenarios slow the model down so that the job outlasts their faults.
         self.model, model_url = start_model(latency_ms=model_latency_ms, **(model_knobs or {}))
@@ -120,11 +122,17 @@ class Scenario:
         return c["done"] + c["failed"] >= EPISODES
 
     def db_settled(self) -> bool:
-        """Every episode final in the database, no record left pending, no trajectory short."""
+        """Every episode final in the database, no record left pending or unread, no trajectory
+        short. (Unread too: an episode the database holds as final may still have records on
+        their way, a re-run's after Redis lost writes, say, which the figures must count.)"""
         from consumer.ingest import GROUP
         from consumer.storage import open_store
 
-        if self.client.xpending(Keys(self.settings.key_prefix).results, GROUP)["pending"]:
+        stream = Keys(self.settings.key_prefix).results
+        if self.client.xpending(stream, GROUP)["pending"]:
+            return False
+        read = {g["name"]: g["last-delivered-id"] for g in self.client.xinfo_groups(stream)}.get(GROUP.encode())
+        if read != self.client.xinfo_stream(stream)["last-generated-id"]:
             return False
         store = open_store(self.settings.results_store)
         try:
@@ -139,8 +147,10 @@ class Scenario:
             if chaos:
                 chaos(self)
             if time.monotonic() > deadline:
+                keys = Keys(self.settings.key_prefix)
+                paused = self.client.hgetall(keys.job_pause(self.job_id))
                 raise AssertionError(f"{self.name}: not settled after {timeout}s: {self.counts()}\n"
-                                     + self.procs.log("w1")[-4000:])
+                                     f"pause: {paused}\n" + self.procs.log("w1")[-4000:])
             time.sleep(0.5)
         while not self.db_settled():
             assert time.monotonic() < deadline + 60, f"{self.name}: database never caught up"
@@ -313,7 +323,11 @@ def test_redis_restarted_mid_run(scenario):
 
 
 def test_env_server_5xx_and_dropped_connections(scenario):
-    s = scenario("env-faults", env_knobs={"error_rate": 0.2, "drop_rate": 0.05, "fault_seed": 3}, max_attempts=8)
+    # The server never goes down here: a dropped connection asks its readiness route, which on a
+    # loaded machine can time out and open the breaker for a moment. That is weather, not the
+    # outage this test is about, so the outage budget is the default's order, not the suite's 5 s.
+    s = scenario("env-faults", env_knobs={"error_rate": 0.2, "drop_rate": 0.05, "fault_seed": 3}, max_attempts=8,
+                 outage_budget_s=120)
     s.start()
     s.wait()
     s.faults.update(s.env.stats()["faults"])

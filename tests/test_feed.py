@@ -16,7 +16,7 @@ from broker import feed
 from broker.keys import Keys
 from broker.states import FeedGroupStatus
 from consumer.storage import open_store
-from interactor.feed import FeedService
+from interactor.feed_service import FeedService
 from producer.continuous import ContinuousProducer, create_continuous_job
 from tests.conftest import wait_for
 from tests.taskfiles import write_arith_tasks
@@ -120,15 +120,18 @@ def test_take_ack_versions_and_a_trainer_that_never_acks(run_factory, tmp_path):
             with pytest.raises(feed.FeedError) as err:
                 svc.ack("trainer-a", [lost["group_id"]])
             assert err.value.status == 404 and lost["group_id"] in str(err.value) and "trainer-b" in str(err.value)
-            # An unknown group: 404 naming it, and the valid ids in the same call are not acknowledged.
+            # An unknown group: 404 naming it, and the groups the trainer holds in the same call
+            # are acknowledged all the same (one late id must not make it train on them twice).
             acked_before = svc.stats()["acked"]
             with pytest.raises(feed.FeedError) as err:
                 svc.ack("trainer-b", [lost["group_id"], "no-such-group"])
             assert err.value.status == 404 and "no-such-group" in str(err.value)
-            assert svc.stats()["acked"] == acked_before
+            assert err.value.extra["acked"] == [lost["group_id"]] and list(err.value.extra["refused"]) == ["no-such-group"]
+            assert svc.stats()["acked"] == acked_before + 1
             checked.append(True)
         if ids:
-            assert svc.ack("trainer-b", ids)["acked"] == ids
+            first = svc.ack("trainer-b", ids)
+            assert sorted(first["acked"] + first["already"]) == sorted(ids) and set(first["already"]) <= {lost["group_id"]}
             assert svc.ack("trainer-b", ids) == {"acked": [], "already": ids}  # a retried ack changes nothing
         return len(got) >= 4
 
@@ -290,6 +293,9 @@ def test_http_routes_client_and_the_compatibility_shape(run_factory, tmp_path, e
             assert item["messages"][:-1] == json.loads(step[6])
             assert item["messages"][-1] == {"role": "assistant", "content": step[7]}
             assert "What is" in json.dumps(item["messages"][:-1])
+        # /get_rollout_data has no ack: the server settles its groups once the answer is written
+        # out, so the counters may trail the answer by a moment.
+        wait_for(lambda: f.stats()["acked"] == 3, 30, what="the compatibility route's groups settled")
         st = f.stats()
         assert st["acked"] == 3 and st["inflight"] == 0 and st["version"] == 3
     finally:
@@ -343,8 +349,8 @@ def test_feed_server_killed_and_restarted_delivers_every_group_once(run_factory,
 
 
 def test_status_shows_the_feed(run_factory, tmp_path):
-    from interactor.metrics import FleetReader
-    from interactor.ops import render_status
+    from interactor.fleet_reader import FleetReader
+    from interactor.status_text import render_status
 
     run = run_factory(lambda url: write_tasks(tmp_path, url, rows=2), feed_max_ahead=2)
     run.service.set_version(4)
@@ -355,6 +361,28 @@ def test_status_shows_the_feed(run_factory, tmp_path):
     f = snap["jobs"][0]["feed"]
     assert f["version"] == 4 and f["acked"] == 1
     assert f"feed       {run.job_id}: version=4" in render_status(snap)
+
+
+def test_every_reader_of_the_feed_means_one_thing_by_each_counter(run_factory, tmp_path):
+    """/stats, the status line, the metrics and the browser read one view (broker/feed.py
+    summary): a group reported failed and one re-filled are two counts everywhere, never one sum
+    in one reader and a part in another."""
+    from broker import feed
+    from interactor.fleet_reader import FleetReader
+    from interactor.metrics import exposition
+    from interactor.status_text import render_status
+
+    run = run_factory(lambda url: write_tasks(tmp_path, url, rows=2), feed_max_ahead=2)
+    run.r.hset(run.keys.feed_stats(run.job_id), mapping={feed.C_FAILED: 2, feed.C_REFILLED: 3,
+                                                         feed.C_STALE_DROPPED: 5, f"{feed.C_FILTERED}:uniform": 7})
+    st = run.service.stats()
+    assert (st["failed"], st["refilled"], st["stale_dropped"], st["filtered"]) == (2, 3, 5, {"uniform": 7})
+    assert {k: v for k, v in st.items() if k not in ("job_id", "recent_failures", "config")} == feed.summary(
+        run.r, run.keys, run.job_id)
+    snap = FleetReader(run.r, run.settings).snapshot(run.job_id)
+    assert "dropped=5 filtered=7 failed=2 refilled=3" in render_status(snap)
+    text = exposition(FleetReader(run.r, run.settings))
+    assert f'outcome="failed",reason=""}} 2.0' in text and f'outcome="refilled",reason=""}} 3.0' in text
 
 
 # --- a trainer process killed and restarted under its own name -------------------------------
@@ -434,7 +462,7 @@ def test_a_trainer_killed_before_acking_gets_its_groups_back_when_restarted_alon
 # --- filters ----------------------------------------------------------------------------------
 def group_rewards(run, group_ids):
     """Each group's rewards as the store holds them: what the filters' verdicts are checked by."""
-    from consumer.feed import settled_group
+    from consumer.announce import settled_group
 
     return {gid: settled_group(g).rewards for gid, g in run.store.feed_groups(group_ids).items()}
 
@@ -487,7 +515,7 @@ def test_a_filter_off_the_allow_list_is_refused(settings, procs, redis_client, t
     import subprocess
     import sys
 
-    from interactor.feed import load_filter
+    from interactor.feed_service import load_filter
     from tests.conftest import ROOT
 
     assert load_filter("tests.feed_filters:even_groups", "tests.feed_filters:*") is not None
@@ -620,7 +648,10 @@ def test_versions_bumped_while_episodes_run_no_delivered_group_older_than_n(run_
     re-queued, and every re-queue produced one group more."""
     model, _ = model_server
     model.latency_ms = 400  # an episode of several turns takes seconds: the bump lands inside
-    run = run_factory(lambda url: guess_tasks(tmp_path, url, 6), feed_max_ahead=4, feed_max_staleness=1, workers=2)
+    # Re-runs for staleness are bounded by feed_refill_max (2 by default): high here, so that
+    # every task is delivered however often its group fell behind.
+    run = run_factory(lambda url: guess_tasks(tmp_path, url, 6), feed_max_ahead=4, feed_max_staleness=1, workers=2,
+                      feed_refill_max=50)
     svc = run.service
     svc.set_version(1)
     run.start_producer()
@@ -674,7 +705,8 @@ def test_metrics_and_the_browser_show_the_feed(settings, redis_client, tmp_path)
 
     from broker.ledger import Ledger
     from broker.records import FeedGroup, JobSpec
-    from interactor.metrics import FleetReader, exposition
+    from interactor.fleet_reader import FleetReader
+    from interactor.metrics import exposition
     from interactor.ui.source import LiveState
     from tests.test_ui import JOB, client_for, fill
 
@@ -820,7 +852,7 @@ def test_groups_carry_the_token_ids_and_logprobs_the_model_sampled(run_factory, 
         assert len(st["completion_logprobs"]) == len(st["completion_ids"]) > 0
     run.service.ack("t", [got[0]["group_id"]])
     body = {}
-    wait_for(lambda: body.update(run.service.rollout_data(1, 1.0)) or body["data"]["meta_info"]["finished_groups"] == 1,
+    wait_for(lambda: body.update(run.service.rollout_data(1, 1.0)[0]) or body["data"]["meta_info"]["finished_groups"] == 1,
              120, what="a group by get_rollout_data")
     for item in body["data"]["data"]:
         assert item["completion_ids"] and len(item["completion_logprobs"]) == len(item["completion_ids"])

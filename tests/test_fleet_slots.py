@@ -45,15 +45,46 @@ def test_takes_are_all_or_none_give_back_and_lapse_without_renewal(settings):
     assert [t.held for t in told] == [1, -1, 1]
     slots.give([a, b], "h1", 1)  # all of h1's: it is gone from both caps
     assert client.hget(a.held, "h1") is None and client.zscore(a.key, "h1") is None
-    time.sleep(1.3)  # nobody renews: every lease lapses, and the next take sweeps them
-    assert slots.take([a, b], "h5", 2) == (2, 0)
-    assert [u["in_use"] for u in _use(slots, [a, b])] == [2, 2]
+    # Nobody takes or renews for longer than the TTL: every lease lapses, and the caps' clock
+    # shows a gap, which may be a Redis outage that the holders could not renew through. Their
+    # slots are kept (h5 gets what was free), and one that renews now keeps its own.
+    time.sleep(1.3)
+    assert slots.take([a, b], "h5", 2) == (1, 0)
+    assert [t.held for t in slots.renew([("h3", [a])])] == [3], "a lapsed lease nobody swept is renewed"
+    # Two TTLs on, with the clock kept going (h5 renews, h6 asks), those that never came back
+    # (h2) are swept: h6 gets b's slot.
+    wait_for(lambda: slots.renew([("h5", [a, b]), ("h3", [a])]) and slots.take([a, b], "h6", 1)[0] == 1,
+             timeout=10, interval=0.1, what="h2's lapsed slots to be swept once the hold passed")
+    assert client.hget(b.held, "h2") is None
+    assert [u["in_use"] for u in _use(slots, [a, b])] == [5, 2]
 
 
 def _use(slots: FleetSlots, caps: list[Cap]) -> list[dict]:
     slots.register(caps)
     by_key = {(u["kind"], u["name"]): u for u in slots.use()}
     return [by_key[(k, n)] for k, n in ((CAP_MODEL, "m"), (CAP_ENV, "e"))][:len(caps)]
+
+
+def test_waiters_are_queued_in_arrival_order_within_one_millisecond(settings):
+    """Redis' clock has millisecond steps and a sorted set orders equal scores by name, so two
+    waiters queued in one millisecond went by name ("a" before "z"), not arrival. The queue's
+    last place is set here past Redis' clock, as a second waiter in the same millisecond sees
+    it: the next one still goes behind it."""
+    client = connect(settings)
+    keys = Keys(settings.key_prefix)
+    slots = FleetSlots(client, keys, ttl_ms=10_000, wanted_ttl_ms=60_000)
+    a = Cap.of(keys, CAP_MODEL, "m", 1)
+    _lease, _held, wanted, queue = a.quadruple
+    assert slots.take([a], "holder", 1) == (1, 0)
+    assert slots.take([a], "z", 1) == (0, 0)
+    place = float(client.zscore(queue, "z")) + 5_000  # "z" queued at what the clock says next
+    client.zadd(queue, {"z": place})
+    client.zadd(wanted, {"z": place + 60_000})
+    assert slots.take([a], "a", 1) == (0, 0)
+    assert [m.decode() for m in client.zrange(queue, 0, -1)] == ["z", "a"]
+    slots.give([a], "holder", 1)
+    assert slots.take([a], "a", 1) == (0, 0), "z came first"
+    assert slots.take([a], "z", 1) == (1, 0)
 
 
 def test_renewal_tells_a_holder_another_waits_and_its_share(settings):
@@ -67,6 +98,29 @@ def test_renewal_tells_a_holder_another_waits_and_its_share(settings):
     assert slots.take([a], "late", 4) == (0, 0)
     (told,) = slots.renew([("busy", [a])])
     assert (told.held, told.contended, told.share) == (10, True, 5), told
+
+
+def test_waiters_holding_none_are_served_in_the_order_they_came(settings):
+    """Under a cap of 1, the waiters that hold none are served in the order they began to
+    wait, whoever asks first once the slot is free; a holder is told its share is 0 when more
+    take part than the cap has slots (it then keeps its slot for a turn only)."""
+    client = connect(settings)
+    keys = Keys(settings.key_prefix)
+    # waiters that stop asking are forgotten after wanted_ttl_ms: long here, for a busy machine
+    slots = FleetSlots(client, keys, ttl_ms=10_000, wanted_ttl_ms=60_000)
+    a = Cap.of(keys, CAP_MODEL, "m", 1)
+    assert slots.take([a], "x", 1) == (1, 0)
+    assert slots.take([a], "y", 1) == (0, 0)  # y waits first
+    assert slots.take([a], "z", 1) == (0, 0)  # then z
+    (told,) = slots.renew([("x", [a])])
+    assert (told.held, told.contended, told.share) == (1, True, 0), told
+    slots.give([a], "x", 1)
+    assert slots.take([a], "x", 1) == (0, 0), "x had its turn: it queues behind y and z"
+    assert slots.take([a], "z", 1) == (0, 0), "y waited longer"
+    assert slots.take([a], "y", 1) == (1, 0)
+    slots.give([a], "y", 1)
+    assert slots.take([a], "x", 1) == (0, 0), "z waited longer"
+    assert slots.take([a], "z", 1) == (1, 0)
 
 
 def _calls(gate: FleetGate, caps: list[Cap], n: int, hold_s: float, live: dict, lock: threading.Lock,

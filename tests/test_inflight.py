@@ -1,38 +1,32 @@
-"""`interactor_queue_inflight` (and `status`, and the autoscaler) count a delivery only while its
-episode holds a live lease or reservation: a SIGKILLed worker's deliveries stay in kombu's
-``unacked`` hash until the visibility timeout, though the sweeper re-ran their episodes."""
+"""`interactor_queue_inflight` (and `status`, and the autoscaler) count the episodes delivered to
+a worker and not finished: a live lease or reservation, each episode once, per queue (the
+transport keeps no copy of a delivered message, broker/kombu_redis.py)."""
 
 from __future__ import annotations
 
-import base64
-import json
 import time
 
 from broker.keys import Keys
-from broker.queueing import EPISODE_TASK, UNACKED_KEY, inflight_per_queue
+from broker.ledger import Ledger
+from broker.records import EpisodeSpec, JobSpec
+from interactor.fleet_reader import FleetReader
 
 
-def _delivery(job: str, episode: str, queue: str) -> str:
-    body = base64.b64encode(json.dumps([[job, episode], {}, {}]).encode()).decode()
-    envelope = {"body": body, "content-type": "application/json", "headers": {"task": EPISODE_TASK}}
-    return json.dumps([envelope, "", queue])
-
-
-def test_inflight_counts_only_live_episodes_once(redis_client, settings):
-    r, k, q = redis_client, Keys(settings.key_prefix), settings.queue
+def test_inflight_counts_live_leases_and_reservations_per_queue(redis_client, settings):
+    r, k = redis_client, Keys(settings.key_prefix)
+    fast = f"fast-{settings.queue}"
+    job = JobSpec(job_id="J", llm_base_url="http://llm/v1", model="m", episodes=5, groups=1)
+    eps = [EpisodeSpec(job_id="J", episode_id=f"e{i}", group_id="g", group_size=5, env_name="x",
+                       base_url="http://env:1", env_params={}, queue=fast if i == 3 else settings.queue)
+           for i in range(1, 6)]
+    Ledger.for_settings(r, settings).create_job(job, eps)
     now_ms = int(time.time() * 1000)
-    # A dead worker's four deliveries (tags a1..a4); the sweeper re-ran e1 and e2 elsewhere
-    # (tags b1, b2: live leases), e3 is reserved by a live worker, e4 is done.
-    for tag, ep in (("a1", "e1"), ("a2", "e2"), ("a3", "e3"), ("a4", "e4"), ("b1", "e1"), ("b2", "e2")):
-        r.hset(UNACKED_KEY, f"{settings.key_prefix}-{tag}", _delivery("J", ep, q))
+    # e1, e2 run (live leases), e3 is reserved by a live worker, e5's lease expired (its worker
+    # died: the sweeper's business, not work in flight), e4 waits in its queue.
     r.zadd(k.running, {"J e1": now_ms + 30_000, "J e2": now_ms + 30_000, "J e5": now_ms - 1})
     r.zadd(k.reserved, {"J e3": now_ms + 30_000})
-    try:
-        assert inflight_per_queue(r)[q] == 6  # every delivery, as kombu holds them
-        assert inflight_per_queue(r, k)[q] == 3  # e1, e2 (once each) and e3
-        r.zrem(k.running, "J e1", "J e2")
-        r.zrem(k.reserved, "J e3")
-        assert inflight_per_queue(r, k).get(q, 0) == 0  # the job is done: nothing in flight
-    finally:
-        for tag in ("a1", "a2", "a3", "a4", "b1", "b2"):
-            r.hdel(UNACKED_KEY, f"{settings.key_prefix}-{tag}")
+    reader = FleetReader(r, settings)
+    assert reader.inflight() == {settings.queue: 2, fast: 1}
+    r.zrem(k.running, "J e1", "J e2")
+    r.zrem(k.reserved, "J e3")
+    assert reader.inflight() == {}  # the job is done: nothing in flight

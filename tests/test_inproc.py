@@ -205,7 +205,7 @@ def test_failures_have_the_http_reasons(quick, cls, call, reason, text):
 @pytest.mark.parametrize("cls", ["BadPrompt", "BadReward", "BadFlag", "BadParams", "Crashes"])
 def test_same_reason_over_http_and_inproc(quick, cls):
     """The same class hosted by serve-env and driven by the HTTP client fails the same way."""
-    from envs.server import start_in_thread
+    from envs.serve_env import start_in_thread
 
     server, url = start_in_thread(registry={"fake": f"{HERE}:{cls}"})
     client = EnvClient(quick.replace(env_retries=0))

@@ -90,7 +90,8 @@ def start_ok(ledger: Ledger, episode: str, worker: str = "w1") -> Lease:
 def test_create_job_sets_every_episode_queued(ledger, job, redis_client, keys):
     spec, eps = job
     assert ledger.states(JOB) == {e.episode_id: LedgerState.QUEUED for e in eps}
-    assert ledger.counts(JOB) == {LedgerState.QUEUED: N, LedgerState.RUNNING: 0, LedgerState.RETRYING: 0, LedgerState.DONE: 0, LedgerState.FAILED: 0}
+    assert ledger.counts(JOB) == {LedgerState.QUEUED: N, LedgerState.RUNNING: 0, LedgerState.RETRYING: 0,
+                                  LedgerState.DONE: 0, LedgerState.FAILED: 0, LedgerState.CANCELLED: 0}
     assert ledger.job_ids() == [JOB]
     assert ledger.job_spec(JOB) == spec
     assert ledger.episode_spec(JOB, ep_id(3)) == eps[2]
@@ -246,7 +247,8 @@ def test_finish_done(ledger, job, redis_client, keys):
     rec = attempt_rec(lease, AttemptStatus.COMPLETED, total_reward=3.0, steps=2)
     assert ledger.finish(lease, rec, LedgerState.DONE) is True
     assert ledger.state(JOB, ep_id(2)) == LedgerState.DONE
-    assert ledger.counts(JOB) == {LedgerState.QUEUED: N - 1, LedgerState.RUNNING: 0, LedgerState.RETRYING: 0, LedgerState.DONE: 1, LedgerState.FAILED: 0}
+    assert ledger.counts(JOB) == {LedgerState.QUEUED: N - 1, LedgerState.RUNNING: 0, LedgerState.RETRYING: 0,
+                                  LedgerState.DONE: 1, LedgerState.FAILED: 0, LedgerState.CANCELLED: 0}
     assert redis_client.exists(keys.lease(ep_id(2))) == 0
     assert redis_client.zscore(keys.running, member(JOB, ep_id(2))) is None
     assert redis_client.zcard(keys.retry) == 0
@@ -385,6 +387,42 @@ def test_start_returns_the_previous_attempt(ledger, job, redis_client, keys):
     assert ledger.latest_attempt(JOB, ep_id(5)) == (2, second.lease.attempt_id)
 
 
+def test_start_lists_every_earlier_attempt_whose_instance_may_be_open(ledger, job, redis_client, keys):
+    """Without a progress snapshot, an attempt killed in its first step left an instance nobody
+    names; were its successor killed before closing it, the third must still know of it. START
+    lists them all; once a snapshot names the trajectory that lives on, the latest alone."""
+    from broker.records import Progress
+    from broker.states import ProgressPhase
+
+    def lapse():
+        redis_client.delete(keys.lease(ep_id(3)))
+        assert ledger.reclaim(JOB, ep_id(3), LedgerState.QUEUED, None)
+
+    first = ledger.start(JOB, ep_id(3), "w1")
+    assert first.earlier == ()
+    lapse()
+    second = ledger.start(JOB, ep_id(3), "w2")
+    lapse()
+    third = ledger.start(JOB, ep_id(3), "w3")
+    ids = [(s.lease.attempt, s.lease.attempt_id) for s in (first, second, third)]
+    assert second.earlier == tuple(ids[:1]) and second.previous == ids[0]
+    assert third.earlier == tuple(ids[:2]) and third.previous == ids[1]
+    again = ledger.start(JOB, ep_id(3), "w3", attempt_id=third.lease.attempt_id)  # its reply lost
+    assert again.earlier == third.earlier
+    mine = f"{third.lease.attempt}:{third.lease.attempt_id}"
+    ok, _ = ledger.publish_many([(third.lease, b"", Progress(trajectory=mine, phase=ProgressPhase.PROMPTING,
+                                                               step=1, writer=third.lease.attempt_id))])
+    assert ok == [True]
+    lapse()
+    fourth = ledger.start(JOB, ep_id(3), "w4")
+    assert fourth.earlier == (ids[2],) and fourth.progress.trajectory == mine
+    for _ in range(20):  # the list stays bounded however many attempts die without a snapshot
+        redis_client.hdel(keys.job_progress(JOB), ep_id(3))
+        lapse()
+        last = ledger.start(JOB, ep_id(3), "w5")
+    assert len(last.earlier) == 16 and last.previous == (last.lease.attempt - 1, last.earlier[-1][1])
+
+
 def test_start_whose_reply_was_lost_is_retried_as_ours(ledger, job, redis_client, keys):
     """redis-py repeats a START whose reply was lost (same worker, same attempt id); the
     repeat finds our own lease and carries on with it instead of dropping the delivery."""
@@ -500,7 +538,8 @@ def test_counts_sum_after_a_sequence_of_transitions(ledger, job, redis_client, k
     d = start_ok(ledger, ep_id(4))
     assert ledger.finish(b2, attempt_rec(b2), LedgerState.DONE)
     assert_counts_consistent(ledger)
-    assert ledger.counts(JOB) == {LedgerState.QUEUED: 2, LedgerState.RUNNING: 1, LedgerState.RETRYING: 0, LedgerState.DONE: 2, LedgerState.FAILED: 0}
+    assert ledger.counts(JOB) == {LedgerState.QUEUED: 2, LedgerState.RUNNING: 1, LedgerState.RETRYING: 0,
+                                  LedgerState.DONE: 2, LedgerState.FAILED: 0, LedgerState.CANCELLED: 0}
     assert d.attempt == 1
 
 

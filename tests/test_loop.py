@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from broker.errors import MODEL_BAD_REQUEST, ContextOverflow, EpisodeError
+from broker.errors import ENV_MALFORMED, MODEL_BAD_REQUEST, ContextOverflow, EpisodeError
 from broker.records import StepRecord
 from workers.hooks import HookError, NullHook, load_hook
 from workers.loop import LoopConfig, is_trainable, run_episode, trim_messages
@@ -316,6 +316,20 @@ def test_reward_none_is_zero_and_cumulative_sums():
     assert [r.cumulative_reward for r in recs] == [1.0, 1.0, 3.5, 3.0]
     assert out.total_reward == 3.0
     assert hook.ended[0][2] == 3.0
+
+
+def test_rewards_summing_past_the_float_range_fail_the_episode_as_env_malformed():
+    """Each reward is finite, the sum of two of 1e308 is not: the episode fails (permanent,
+    naming the step and the reward) before a step with an infinite total is recorded."""
+    env = FakeEnv(None, [Result(reward=1e308), Result(reward=1e308), Result(terminated=True)])
+    records: list[StepRecord] = []
+    hook = RecHook()
+    with pytest.raises(EpisodeError) as err:
+        run_episode(cfg(), env=env, policy=FakePolicy(), publish=records.append, hook=hook)
+    assert err.value.reason == ENV_MALFORMED and not err.value.transient
+    assert "step 2" in str(err.value) and "float range" in str(err.value)
+    assert [r.cumulative_reward for r in records] == [1e308]
+    assert hook.ended == [("arith", "job1.1.1.1.1", 1e308, None)] and env.closed == 1
 
 
 def test_info_kept_only_if_dict():

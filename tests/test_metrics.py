@@ -14,12 +14,13 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.app import EPISODE_TASK, make_app
+from broker.celery_app import EPISODE_TASK, make_app
 from broker.embedded import free_port
 from broker.records import AttemptRecord, StepRecord
 from broker.queueing import PRIORITY_SEP, PRIORITY_STEPS, sub_queues
 from consumer.stats import StatsRecorder, steps_rate
-from interactor.metrics import METRIC_NAMES, FleetReader, exposition
+from interactor.fleet_reader import FleetReader
+from interactor.metrics import METRIC_NAMES, exposition
 from producer.enqueue import submit
 from tests.conftest import ROOT, interruptible, wait_for
 from tests.storecheck import db_rows

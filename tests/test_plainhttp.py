@@ -34,7 +34,29 @@ CANNED: dict[str, bytes] = {
     "/big": b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100000,
     "/bigchunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"186a0\r\n" + b"x" * 100000
                    + b"\r\n0\r\n\r\n",
+    "/blank-ext": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2 ;a=b\r\nhe\r\n3\r\nllo\r\n0\r\n\r\n",
+    "/early-hints": b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
 }
+# Answers no client may take as an answer. The connection stays open after each, as a server
+# that goes on speaking on it would leave it.
+MALFORMED: dict[str, bytes] = {
+    # str.isdigit() takes "²" (int() does not); int() takes "+2" and "0_2"
+    "/length-superscript": b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\nok",
+    "/length-signed": b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nok",
+    "/length-underscore": b"HTTP/1.1 200 OK\r\nContent-Length: 0_2\r\n\r\nok",
+    "/length-huge": b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\nok",
+    "/error-length-superscript": b"HTTP/1.1 503 Busy\r\nContent-Length: \xb2\r\n\r\nok",
+    "/length-disagree": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok",
+    # int(x, 16) takes all three
+    "/chunk-0x": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nok\r\n0\r\n\r\n",
+    "/chunk-underscore": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0_2\r\nok\r\n0\r\n\r\n",
+    "/chunk-sign": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+2\r\nok\r\n0\r\n\r\n",
+    "/chunk-huge": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"0" * 40 + b"2\r\nok\r\n0\r\n\r\n",
+    "/long-header": b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70000 + b"\r\nContent-Length: 2\r\n\r\nok",
+    # the connection now speaks another protocol: nothing on it answers the request
+    "/switch": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+}
+CANNED.update(MALFORMED)
 CLOSES_AFTER = {"/eof", "/close", "/short", "/badchunk", "/garbage", "/nothing"}
 
 
@@ -69,6 +91,10 @@ class _Handler(socketserver.BaseRequestHandler):
             if path == "/echo":
                 sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
                 continue
+            if path == "/hold":  # answers once the test says so
+                srv.release.wait(30)
+                sock.sendall(CANNED["/length"])
+                continue
             if path == "/idle-close":  # answers, then closes the idle connection a moment later
                 sock.sendall(CANNED["/length"])
                 time.sleep(0.05)
@@ -90,6 +116,7 @@ class RawServer(socketserver.ThreadingTCPServer):
         self.lock = threading.Lock()
         self.seen: list = []
         self.accepted = 0
+        self.release = threading.Event()
 
     def get_request(self):
         self.accepted += 1
@@ -103,7 +130,7 @@ class RawServer(socketserver.ThreadingTCPServer):
 @pytest.fixture
 def raw_server():
     srv = RawServer()
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     yield srv
     srv.shutdown()
@@ -141,7 +168,7 @@ def test_the_plain_path_is_taken_for_plain_http_and_not_for_tls_or_when_switched
 
 
 @pytest.mark.parametrize("path", ["/length", "/chunked", "/eof", "/close", "/continue", "/nocontent", "/error",
-                                  "/short", "/badchunk", "/garbage", "/nothing"])
+                                  "/short", "/badchunk", "/garbage", "/nothing", "/blank-ext", *MALFORMED])
 def test_both_paths_give_the_same_answer_or_the_same_kind_of_failure(raw_server, path):
     pools = _pools()
     plain = _outcome(pools["plain"], raw_server.url + path)
@@ -160,6 +187,36 @@ def test_answers_are_read_in_every_framing(raw_server):
     assert (r.status, r.body, r.headers["RETRY-AFTER"]) == (503, b"busy", "7")
     assert _call(pool, raw_server.url + "/repeated").headers.get("x-a") == "1, 2"
     assert _call(pool, raw_server.url + "/bigchunked").body == b"x" * 100000
+    assert _call(pool, raw_server.url + "/blank-ext").body == b"hello"  # blanks before a chunk extension
+
+
+@pytest.mark.parametrize("path", list(MALFORMED))
+def test_a_malformed_answer_is_a_protocol_error_and_its_connection_is_not_reused(raw_server, path):
+    """Every malformed answer is a transport failure as ``requests`` reports one (which the
+    clients retry), on both paths; never a ValueError, never an answer, and the connection it
+    came on is closed."""
+    for name, pool in _pools().items():
+        before = raw_server.accepted
+        out = _outcome(pool, raw_server.url + path)
+        if path.startswith("/chunk"):  # both paths say so for any bad chunk
+            assert out[1:] == ("ChunkedEncodingError", "connection dropped while reading the answer", False, False)
+        else:  # it reached the server, and it was no timeout
+            assert out[1:] == ("ConnectionError", "malformed HTTP answer", False, False), (name, out)
+        assert _call(pool, raw_server.url + "/length").body == b"hello", name
+        assert raw_server.accepted == before + 2, name  # the second call had a new connection
+
+
+def test_an_interim_answer_never_leaves_the_real_one_for_the_next_call(raw_server):
+    """http.client skips only a 100: urllib3 handed a 103 over as a bodiless answer and left
+    the real one on the pooled connection, where the next call read it as its own."""
+    for name, pool in _pools().items():
+        try:
+            first = _call(pool, raw_server.url + "/early-hints")
+        except requests.exceptions.ConnectionError:
+            first = None  # the urllib3 path cannot skip it: a protocol error, the connection closed
+        else:
+            assert (first.status, first.body) == (200, b"ok"), name
+        assert _call(pool, raw_server.url + "/length").body == b"hello", name
 
 
 def test_a_body_over_the_cap_is_too_large_whether_declared_or_chunked(raw_server):
@@ -255,3 +312,41 @@ def test_connections_are_capped_and_callers_wait_for_a_free_one(raw_server):
     assert results == [b"ok"] * 6
     assert raw_server.accepted == 2
     assert pool.pool_for(raw_server.url + "/slow").opened == 2
+
+
+def _call_left_armed(name: str, pool: http.HttpPool, url: str, deadline: float):
+    """A call over ``pool`` that stops where a call's connection is back in the pool and its
+    watchdog not yet disarmed (``send`` disarms it a moment later): its watch."""
+    http._calls.deadline, http._calls.watch = deadline, None
+    try:
+        origin_pool = pool.pool_for(url)
+        if name == "plain":
+            origin_pool.exchange("GET", "/length", None, None, deadline=deadline, timeout=(2.0, 2.0), max_bytes=1 << 20,
+                                 error_bytes=1 << 16, what="A", arm=http._arm, too_large=http.TooLarge)
+        else:
+            http._exchange(origin_pool, "GET", "/length", {}, None, deadline=deadline, timeout=(2.0, 2.0),
+                           max_bytes=1 << 20, what="A", started=time.monotonic())
+        return http._calls.watch
+    finally:
+        http._calls.deadline = http._calls.watch = None
+
+
+def test_a_call_ending_at_its_deadline_cannot_cut_the_next_call_on_its_connection(raw_server):
+    """The watchdog of a call whose deadline passes after its connection went back to the
+    pool must not shut down that socket once the next call took it."""
+    for name, pool in _pools().items():
+        raw_server.release.clear()
+        accepted = raw_server.accepted
+        a_deadline = time.monotonic() + 1.0
+        a_watch = _call_left_armed(name, pool, raw_server.url + "/length", a_deadline)
+        assert a_watch is not None and not a_watch.fired, name
+        results: list = []
+        b = threading.Thread(target=lambda: results.append(_outcome(pool, raw_server.url + "/hold")))
+        b.start()  # the next call, on the same connection, answered after A's deadline
+        while time.monotonic() < a_deadline + 0.5:
+            time.sleep(0.05)
+        assert not a_watch.fired, name
+        raw_server.release.set()
+        b.join(30)
+        assert results and results[0][:3] == ("reply", 200, b"hello"), (name, results)
+        assert raw_server.accepted == accepted + 1, name  # B took A's connection

@@ -4,8 +4,10 @@ does not serve is one clear line, not minutes of ``0.0 steps/s``. Real servers o
 
 from __future__ import annotations
 
+import json
 import socket
 import time
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -21,10 +23,10 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def episode(base_url: str, env_name: str = "guess_number", transport: str = "http") -> EpisodeSpec:
+def episode(base_url: str, env_name: str = "guess_number", transport: str = "http", env_class: str = "") -> EpisodeSpec:
     return EpisodeSpec(job_id="j", episode_id="j.e0", group_id="g", group_size=1, env_params={},
                        env_name=env_name, base_url=base_url,
-                       transport=transport)
+                       transport=transport, env_class=env_class)
 
 
 class _StrictModelHandler(JSONHandler):
@@ -53,6 +55,32 @@ class _AnyNameHandler(JSONHandler):
         self.server.posts += 1
         self.send_json(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
                                           "finish_reason": "length"}]})
+
+
+class _PostOnlyHandler(BaseHTTPRequestHandler):
+    """A model server written on Python's http.server with no do_GET: http.server answers 501
+    to GET by itself."""
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.posts += 1
+        body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                                        "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _GetNotAllowedHandler(JSONHandler):
+    """A gateway that routes POST only: 405 to GET."""
+
+    def do_GET(self):
+        self.send_json(405, {"error": "method not allowed"})
 
 
 @pytest.fixture
@@ -100,7 +128,18 @@ def test_an_env_name_the_server_does_not_list_is_named(settings, env_server, mod
 def test_inproc_episodes_ask_no_env_server(settings, model_server):
     _, model_url = model_server
     s = settings.replace(llm_base_url=model_url + "/v1")
-    assert preflight.check(s, [episode("", transport="inproc")]) == []
+    assert preflight.check(s, [episode("", transport="inproc", env_class="envs.bundled:GuessNumber")]) == []
+
+
+def test_an_inproc_class_the_workers_would_refuse_is_named_before_anything_is_enqueued(settings, model_server):
+    """docs/environments.md's example dead-lettered all 12 episodes as bad_task: its class was
+    not on the allow-list, and nothing said so until the results were read."""
+    _, model_url = model_server
+    s = settings.replace(llm_base_url=model_url + "/v1", env_classes="envs.*")
+    (p,) = preflight.check(s, [episode("", transport="inproc", env_class="wordguess:WordGuess")])
+    assert p.kind == "env_class" and "wordguess:WordGuess" in str(p) and "INTERACTOR_ENV_CLASSES" in p.what
+    assert preflight.check(s.replace(env_classes="envs.*,wordguess:*"),
+                           [episode("", transport="inproc", env_class="wordguess:WordGuess")]) == []
 
 
 def test_a_model_the_server_does_not_serve_is_named(settings, serve):
@@ -116,6 +155,34 @@ def test_a_server_that_takes_any_model_name_is_not_refused(settings, serve):
     srv, url = serve(_AnyNameHandler)
     assert preflight.check(settings.replace(llm_base_url=url + "/v1", model="default"), []) == []
     assert srv.posts == 1
+
+
+@pytest.mark.parametrize("handler,status", [(_PostOnlyHandler, 501), (_GetNotAllowedHandler, 405)])
+def test_a_model_server_without_a_get_models_route_passes_and_a_dead_port_does_not(settings, env_server, serve,
+                                                                                    handler, status):
+    """A server that answers GET /models with "no such route" is up: `run` refused it with
+    "answers HTTP 501 to GET /models". The one line says what was asked and how it answered."""
+    _, env_url = env_server
+    srv, url = serve(handler)
+    s = settings.replace(llm_base_url=url + "/v1", model="any")
+    assert preflight.check(s, [episode(env_url)]) == []
+    out = preflight.ask(s, [episode(env_url)])
+    assert out.summary() == (f"preflight: model server {url}/v1 answers (GET /models: {status}, no such route), "
+                             f"env server {env_url} answers (GET /envs)")
+    assert srv.posts == 0  # nothing listed, nothing more asked
+    started = time.monotonic()
+    dead = preflight.ask(settings.replace(llm_base_url=f"http://127.0.0.1:{closed_port()}/v1"), [episode(env_url)])
+    assert [(p.kind, p.what) for p in dead.problems] == [("model", "unreachable: connection refused")]
+    assert time.monotonic() - started < preflight.PROBE_TIMEOUT_S  # refused at once, not timed out
+
+
+def test_the_summary_names_a_few_env_servers_and_counts_the_rest():
+    out = preflight.Outcome(model_url="http://m/v1", model_answer="GET /models: 200",
+                            env_urls=[f"http://e{i}" for i in range(5)])
+    assert out.summary() == ("preflight: model server http://m/v1 answers (GET /models: 200), env servers "
+                             "http://e0, http://e1, http://e2 and 2 more answer (GET /envs)")
+    assert preflight.Outcome(model_url="http://m/v1", model_answer="GET /models: 200").summary() == \
+        "preflight: model server http://m/v1 answers (GET /models: 200)"
 
 
 def test_a_server_that_is_up_but_unavailable_is_named(settings, serve):
@@ -160,6 +227,9 @@ def test_submit_to_a_wrong_port_enqueues_nothing_and_says_why(settings, redis_cl
     out = _cli(settings, "submit", str(tasks), "--llm-base-url", model_url + "/v1")
     assert out.returncode == 0, out.stderr
     assert redis_client.llen(settings.queue) == 2
+    assert f"preflight: model server {model_url}/v1 answers (GET /models: 200), env server {env_url} answers" \
+        in out.stderr  # and stdout is the job's JSON alone
+    assert json.loads(out.stdout)["episodes"] == 2
     # servers that start later: the check is skipped on request
     tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {wrong}\n    env_num: 1\n")
     out = _cli(settings, "submit", str(tasks), "--no-preflight", "--llm-base-url", model_url + "/v1")
@@ -194,7 +264,7 @@ def test_open_breakers_are_named_when_they_open_while_open_and_when_they_close(s
     from broker.keys import Keys
     from broker.records import BreakerState
     from interactor.localrun import BreakerNotes
-    from interactor.metrics import FleetReader
+    from interactor.fleet_reader import FleetReader
 
     keys = Keys(settings.key_prefix)
     state = BreakerState(kind="model", server="http://127.0.0.1:9/v1", worker="w1@h", since=time.time() - 45,

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 from kombu.serialization import prepare_accept_content
 
-from broker.app import EPISODE_TASK, make_app
+from broker.celery_app import EPISODE_TASK, make_app
 from broker.queueing import decode_task_args, send_episodes, task_message
 
 

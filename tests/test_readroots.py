@@ -8,7 +8,8 @@ import os
 import pytest
 
 from producer.readroots import OutsideRoots, ReadRoots
-from producer.taskfile import TaskFileError, load_task_file, plan_job
+from producer.planning import plan_job
+from producer.taskfile import TaskFileError, load_task_file
 
 
 @pytest.fixture

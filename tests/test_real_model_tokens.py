@@ -34,7 +34,7 @@ def detokenize(llama, ids: list[int]) -> str:
 def test_llama_server_answer_shape_is_what_the_table_reads(llama):
     """The real answer, read off the wire: ids in logprobs.content, prompt ids from the
     server's own template and tokenizer as many as its usage says."""
-    from workers.tokens import read_tokens, request_fields
+    from workers.token_answers import read_tokens, request_fields
 
     messages = [{"role": "user", "content": "Say hi."}]
     body = {"model": "smollm2", "messages": messages, "max_tokens": 8, "temperature": 0,
@@ -118,3 +118,48 @@ def test_multi_turn_episodes_with_tokens(real_settings, procs, env_server, redis
           f"per stored id; {t['bytes'] / t['completion_ids']:.1f} per sampled token with its turn's prompt; token "
           f"strings {t['text_bytes']} chars more); cut: {figures[job_cut]['drift_steps']} drifted steps in "
           f"{figures[job_cut]['drift_episodes']} episodes")
+
+
+def test_a_resumed_episodes_token_stream_is_continuous(real_settings, procs, env_server, redis_client, tmp_path,
+                                                       llama):
+    """A full-history token-exact episode whose worker is stopped mid-episode (handed back at a
+    call boundary, exactly where it stood) and continued by another worker on the same instance:
+    its steps are 1..n once each and its token stream is one segment, no drift, the turns of
+    both attempts joined (broker/resume.py carries the last turn's ids across)."""
+    import signal
+
+    from broker.ledger import Ledger
+    from interactor.children import signal_group
+
+    _, env_url = env_server
+    s = real_settings.replace(message_cut=0, temperature=0.0, tokens="auto", shutdown_grace_s=0)
+    procs.settings = s
+    job = submit(redis_client, s, [guess_tasks(tmp_path, env_url, "tresume", guess=1, max_turns=8, arith=0)]).job
+    ledger = Ledger.for_settings(redis_client, s)
+    (episode,) = [e for e in ledger.states(job.job_id)]
+    procs.consumer()
+    procs.worker("w1")
+
+    def stepped(n: int) -> bool:
+        p = ledger.progress(job.job_id, episode)
+        return p is not None and p.step > n
+
+    from tests.conftest import wait_for
+
+    wait_for(lambda: stepped(3), 600, what="three turns in")
+    signal_group(procs.procs["w1"], signal.SIGTERM)  # grace 0: handed back at the next boundary
+    wait_for(lambda: procs.procs["w1"].poll() is not None, 120, what="w1 handed back and exited")
+    procs.worker("w2")
+    wait_stored(s, job.job_id, 1, 900)
+    with open_store(s.results_store, readonly=True) as store:
+        (ep,) = store.list_episodes(job.job_id)
+        assert ep["status"] == "completed"
+        attempts = sorted(store.attempts(episode), key=lambda a: a["attempt"])
+        assert attempts[-1]["resumed_at"] and attempts[-1]["resumed_at"] >= 4, attempts
+        steps = [st["step_id"] for st in store.episode_trajectory(episode)]
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) > attempts[-1]["resumed_at"]
+        rows = store.episode_tokens(episode)
+        assert [r["step_id"] for r in rows] == steps and all(r["token_status"] == "ok" for r in rows)
+        stream = build(rows)
+        assert stream.single, [(x.first_step, x.starts_because, x.drift_at) for x in stream.segments]
+        assert not any(r["token_drift"] for r in rows)

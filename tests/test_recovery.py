@@ -306,13 +306,14 @@ def test_hanging_env_server_is_a_clear_reason_not_a_stuck_episode(settings, redi
 
 def test_dead_workers_episodes_rerun_within_the_lease_bound(settings, procs, env_server, redis_client, tmp_path):
     """SIGKILL a worker mid-episode: its episodes start again (attempt 2) from a fresh reset within
-    about lease TTL + sweep interval, not after the broker's visibility timeout (hours)."""
+    about lease TTL + sweep interval. (Resuming
+    is off here, so that every re-run shows as a reset; tests/test_resume.py has the resumed ones.)"""
     from examples.model_standin import start_in_thread
 
     env, env_url = env_server
     slow, slow_url = start_in_thread(latency_ms=500)
     try:
-        s = settings.replace(llm_base_url=slow_url + "/v1")
+        s = settings.replace(llm_base_url=slow_url + "/v1", no_resume=True)
         procs.settings = s
         tasks = tmp_path / "long.yaml"
         tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n"
@@ -336,7 +337,8 @@ def test_dead_workers_episodes_rerun_within_the_lease_bound(settings, procs, env
         # From a fresh reset: START counts the attempt a moment before the worker's reset
         # reaches the env server, so the resets are awaited, not read at once.
         wait_for(lambda: env.stats()["resets"] >= resets_before + 3, 60, what="attempt 2's fresh resets")
-        assert s.visibility_timeout_s > 10 * bound  # so this was not the broker's redelivery
+        # Not the broker's redelivery: the transport keeps no copy of a delivered message.
+        assert not redis_client.exists("unacked") and not redis_client.exists("unacked_index")
     finally:
         slow.shutdown()
 
@@ -484,3 +486,40 @@ def test_a_sweeper_that_slept_through_an_outage_does_not_reclaim_lapsed_leases(s
     assert reclaimed == [dead.member]
     assert ledger.state("jobo", alive.episode_id) == "running" and not alive.lost.is_set()
     assert ledger.attempts("jobo", alive.episode_id) == 1
+
+
+def test_a_lease_that_lapsed_in_an_outage_and_was_never_taken_back_costs_no_attempt(settings, redis_client):
+    """The holder of a lease died while no sweeper reached Redis (a worker stopped during an
+    outage, killed at its shutdown deadline while it waited to hand its episode back). After
+    the hold the lease is reclaimed, its attempt not counted: on its last attempt the episode is
+    queued again, with one more attempt allowed, not dead-lettered. A lease that expires with
+    Redis there all along is still counted (the same last attempt: a dead letter)."""
+    from broker.recovery import Sweeper
+
+    s = settings.replace(lease_ttl_s=2.0, sweep_interval_s=0.25)
+    keys = Keys(s.key_prefix)
+    job, eps = _episodes("jobu", 2)
+    job.max_attempts = 1
+    ledger = Ledger.for_settings(redis_client, s)
+    ledger.create_job(job, eps)
+    gone = ledger.start("jobu", eps[0].episode_id, "w-stopped-in-the-outage").lease
+    sweeper = Sweeper(redis_client, s)
+    assert not sweeper.tick().reclaimed
+    time.sleep(s.lease_ttl_s * 1.5)  # the outage: no sweep, no renewal; the holder dies meanwhile
+    report = sweeper.tick()
+    assert not report.reclaimed and not report.dead  # held first: a live holder would take it back
+    reclaimed = wait_for(lambda: sweeper.tick().reclaimed, 20, interval=0.2, what="the lapsed lease reclaimed")
+    assert reclaimed == [gone.member]
+    assert ledger.state("jobu", gone.episode_id) == "queued"
+    assert ledger.attempt_limit("jobu", gone.episode_id, job.max_attempts) == 2
+    assert DeadLetterQueue(redis_client, s).list(job_id="jobu") == []
+    (closed,) = [r for _, f in redis_client.xrange(keys.results) if isinstance(r := unpack(f[b"r"]), AttemptRecord)]
+    assert closed.reason == errors.WORKER_LOST and closed.status == "abandoned"
+    assert "while Redis was unreachable" in closed.error and "not counted" in closed.error
+
+    # No outage: sweeps every quarter second while the next lease expires. Counted.
+    lost = ledger.start("jobu", eps[1].episode_id, "w-crashed").lease
+    dead = wait_for(lambda: sweeper.tick().dead, 20, interval=0.2, what="the expired lease dead-lettered")
+    assert dead == [lost.member]
+    (letter,) = DeadLetterQueue(redis_client, s).list(job_id="jobu")
+    assert letter.reason == errors.WORKER_LOST and "not counted" not in letter.error

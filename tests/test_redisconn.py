@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import redis
 
-from broker.app import make_app
+from broker.celery_app import make_app
 from broker.redisconn import QuickReadyParser, connect
 
 

@@ -17,7 +17,7 @@ import pytest
 from broker.keys import Keys
 from broker.ledger import Ledger
 from interactor.autoscale import LocalScaler, Policy
-from interactor.metrics import FleetReader
+from interactor.fleet_reader import FleetReader
 from tests.conftest import ROOT, wait_for
 from tests.storecheck import assert_trajectories_sound, db_rows
 from tests.test_integration import wait_job_stored

@@ -18,6 +18,7 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import decode_task_args
 from broker.records import AttemptRecord, EpisodeSpec, JobSpec, StepRecord, unpack
+from workers.attempt import Attempt
 from workers.runner import WorkerRuntime
 
 
@@ -227,7 +228,9 @@ def test_lost_lease_stops_publishing(runtime, settings, redis_client, env_server
         time.sleep(0.6)
         assert len(stream_records(redis_client, settings)) == before
         assert not [r for r in stream_records(redis_client, settings) if isinstance(r, AttemptRecord)]
-        assert env.stats()["live"] == 0  # the abandoned attempt still closed its instance
+        # The instance outlives the abandoned attempt: the attempt that holds the episode now may
+        # continue it (broker/resume.py), and whoever ends the episode closes it.
+        assert env.stats()["live"] == 1
     finally:
         slow.shutdown()
 
@@ -309,11 +312,8 @@ def test_an_attempt_ended_by_redis_being_away_is_not_counted(runtime, settings, 
     job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url="http://127.0.0.1:9/v1", max_attempts=1)
     started = runtime.ledger.start(job.job_id, ep.episode_id, runtime.name)
     lease = started.lease
-    base = dict(job_id=job.job_id, episode_id=ep.episode_id, attempt=lease.attempt, group_id=ep.group_id,
-                group_size=ep.group_size, env_name=ep.env_name, llm_model=job.model, started_at=time.time(),
-                worker=runtime.name, attempt_id=lease.attempt_id)
     err = errors.EpisodeError(errors.BROKER_OUTAGE, "lease not renewed for 900s", transient=True, outage=True)
-    assert runtime._close_error(lease, base, ep, job, err, "") == "retrying"
+    assert Attempt(runtime, lease, ep, job).close_error(err, "") == "retrying"
     assert DeadLetterQueue(redis_client, settings).list(job_id=job.job_id) == []
     assert Ledger(redis_client, Keys(settings.key_prefix)).states(job.job_id)[ep.episode_id] == "retrying"
 
@@ -327,9 +327,6 @@ def test_closing_an_attempt_outlasts_redis_errors(runtime, settings, redis_clien
     _, env_url = env_server
     job, (ep,) = make_job(redis_client, settings, env_url=env_url, llm_url="http://127.0.0.1:9/v1", max_attempts=1)
     lease = runtime.ledger.start(job.job_id, ep.episode_id, runtime.name).lease
-    base = dict(job_id=job.job_id, episode_id=ep.episode_id, attempt=lease.attempt, group_id=ep.group_id,
-                group_size=ep.group_size, env_name=ep.env_name, llm_model=job.model, started_at=time.time(),
-                worker=runtime.name, attempt_id=lease.attempt_id)
     failures = {"grant": 1, "limit": 1}
 
     def flaky(name, real):
@@ -343,7 +340,7 @@ def test_closing_an_attempt_outlasts_redis_errors(runtime, settings, redis_clien
     monkeypatch.setattr(runtime.ledger, "grant_extra_attempt", flaky("grant", runtime.ledger.grant_extra_attempt))
     monkeypatch.setattr(runtime.ledger, "attempt_limit", flaky("limit", runtime.ledger.attempt_limit))
     err = errors.EpisodeError(errors.BROKER_OUTAGE, "Redis unreachable", transient=True, outage=True)
-    assert runtime._close_error(lease, base, ep, job, err, "") == "retrying"
+    assert Attempt(runtime, lease, ep, job).close_error(err, "") == "retrying"
     assert failures == {"grant": 0, "limit": 0}
     assert DeadLetterQueue(redis_client, settings).list(job_id=job.job_id) == []
     assert Ledger(redis_client, Keys(settings.key_prefix)).states(job.job_id)[ep.episode_id] == "retrying"

@@ -15,9 +15,9 @@ from broker.settings import Settings
 from interactor.cli import build_parser
 from interactor.common import settings_from_args as _settings
 from producer.enqueue import job_spec
-from producer.taskfile import PlannedJob
+from producer.planning import PlannedJob
 from tests.conftest import ROOT, wait_for
-from workers.runner import policy_url
+from workers.ports import policy_url
 
 
 def test_flags_fold_into_llm_params():

@@ -85,12 +85,25 @@ def bare_states(path: Path) -> list[str]:
     return found
 
 
+def bare_states_in_lua(path: Path) -> list[str]:
+    """Where a Lua file (broker/lua/) quotes a state instead of naming it ``$NAME``."""
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    found = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        quoted = [w for w in STATE_WORDS if f"'{w}'" in line]
+        if quoted:
+            found.append(f"{rel}:{n}: {sorted(quoted)} quoted in Lua text")
+    return found
+
+
 def test_no_state_is_spelled_as_a_bare_string_outside_the_states_module():
     found = []
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             if path != ROOT / "broker" / "states.py":
                 found += bare_states(path)
+        for path in sorted((ROOT / pkg).rglob("*.lua")):
+            found += bare_states_in_lua(path)
     assert not found, "use broker/states.py's members instead:\n" + "\n".join(found)
 
 
@@ -112,6 +125,9 @@ def test_the_scan_finds_each_way_a_state_was_spelled(tmp_path):
     assert "indexed by ['running']" in text and ".get('queued')" in text
     assert "['completing'] quoted in SQL or Lua text" in text
     assert "dict keyed by ['done']" in text
+    lua_src = tmp_path / "sample.lua"
+    lua_src.write_text("if st == 'running' then return 1 end\nif st == $DONE then return 2 end\n")
+    assert bare_states_in_lua(lua_src) == ["sample.lua:1: ['running'] quoted in Lua text"]
 
 
 def test_the_three_failed_states_are_one_string_and_three_names():
@@ -146,8 +162,10 @@ def test_lua_scripts_get_the_ledger_states_from_here():
 
 def test_each_vocabulary_is_what_the_tables_and_the_wire_say():
     # docs/protocol.md: these strings are in stored rows and on the wire; renaming one breaks readers
-    assert [str(s) for s in LedgerState] == ["queued", "running", "retrying", "done", "failed"]
-    assert [str(s) for s in AttemptStatus] == ["completed", "retrying", "failed", "abandoned"]
-    assert [str(s) for s in StoredStatus] == ["running", "completing", "completed", "retrying", "failed"]
+    # (values are only ever added: "cancelled" came with `interactor cancel`, broker/cancel.py)
+    assert [str(s) for s in LedgerState] == ["queued", "running", "retrying", "done", "failed", "cancelled"]
+    assert [str(s) for s in AttemptStatus] == ["completed", "retrying", "failed", "abandoned", "cancelled"]
+    assert [str(s) for s in StoredStatus] == ["running", "completing", "completed", "retrying", "failed",
+                                              "cancelled"]
     assert [str(s) for s in FeedGroupStatus] == ["ready", "failed"]
     assert states.LEDGER_FINAL | states.LEDGER_WAITING == set(LedgerState) - {LedgerState.RUNNING}

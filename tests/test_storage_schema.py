@@ -5,6 +5,8 @@ group statistics the store, the exports and the browser show are one formula."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from consumer.storage import open_store, schema
@@ -73,7 +75,7 @@ def test_the_writers_column_lists_follow_the_declaration():
 
 
 def test_group_statistics_are_one_formula():
-    from interactor.ui.app import advantage as shown
+    from interactor.ui.formatting import advantage as shown
 
     rewards = [1.0, 0.0, 0.5, 0.25]
     mean, std, adv, equal = group_stats(rewards)
@@ -85,6 +87,27 @@ def test_group_statistics_are_one_formula():
     assert reward_mean_std([]) == (None, None)
     with pytest.raises(ValueError):
         group_stats([])
+
+
+def test_group_statistics_stay_finite_or_the_group_is_unusable():
+    """Finite rewards whose sum or squares overflow still get finite statistics (the same as
+    scaled-down rewards'); a group with a reward that is not finite is unusable: no mean, no
+    std, every advantage None (never NaN, which trainers would read as a number)."""
+    from interactor.ui.formatting import advantage as shown
+
+    big = group_stats([1e308, 1e308, -1e308])
+    assert math.isfinite(big.mean) and math.isfinite(big.std) and big.usable
+    assert big.advantages == pytest.approx([2 ** -0.5, 2 ** -0.5, -(2 ** 0.5)])
+    assert group_stats([1e200, -1e200]) == (0.0, 1e200, [1.0, -1.0], False)  # squares past the range
+    assert group_stats([1.7e308, -1.7e308]) == (0.0, 1.7e308, [1.0, -1.0], False)
+    for bad in (math.inf, -math.inf, math.nan):
+        stats = group_stats([bad, 1.0])
+        assert stats == (None, None, [None, None], False) and not stats.usable
+        assert reward_mean_std([1.0, bad]) == (None, None)
+    # a difference past the float range, from stored (finite) statistics
+    assert advantage(1e308, -1e308, 1e308) == pytest.approx(2.0)
+    assert shown(1e308, {"reward_mean": -1e308, "reward_std": 1e308}) == pytest.approx(2.0)
+    assert advantage(math.inf, 0.0, 1.0) is None and shown(1.0, {"reward_mean": math.nan, "reward_std": 1.0}) is None
 
 
 def test_the_rows_the_writer_builds_line_up_with_the_declared_columns():

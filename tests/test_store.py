@@ -390,6 +390,20 @@ def test_failed_episode_marks_group_then_redrive_completes(store):
     assert g["reward_mean"] == pytest.approx(2.0) and g["reward_std"] == pytest.approx(1.0)
 
 
+def test_group_statistics_of_huge_and_infinite_totals(store):
+    """Totals of 1e200 and -1e200 are finite and their squares are not: the group's mean and
+    std are still stored (the writer does not stop on them). A total that is not finite (a
+    worker from before totals were checked) leaves the group without statistics: NULL, never
+    NaN or infinity."""
+    store.write_batch(episode("h1", [1e200], group="gh") + episode("h2", [-1e200], group="gh"))
+    g = store.group("gh")
+    assert g["complete"] == 1 and g["reward_mean"] == 0.0 and g["reward_std"] == pytest.approx(1e200)
+    store.write_batch(episode("i1", [math.inf], group="gi") + episode("i2", [1.0], group="gi"))
+    g = store.group("gi")
+    assert g["complete"] == 1 and g["completed"] == 2
+    assert g["reward_mean"] is None and g["reward_std"] is None
+
+
 def test_group_size_from_announced_episodes(store):
     store.write_batch([announce(("x1", "arith", "gx"), ("x2", "arith", "gx"), ("x3", "arith", "gx"))])
     store.write_batch(episode("x1", [1.0], group="gx", size=0) + episode("x2", [2.0], group="gx", size=0))

@@ -1,4 +1,4 @@
-"""producer.taskfile: task files -> validated episode specs (no Redis)."""
+"""producer.taskfile and producer.planning: task files -> validated episode specs (no Redis)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from broker.records import unpack
-from producer.taskfile import PlannedJob, TaskFileError, derive_seed, load_task_file, plan_job
+from producer.planning import PlannedJob, derive_seed, plan_job
+from producer.taskfile import TaskFileError, load_task_file
 
 URL = "http://env.local:8000"
 

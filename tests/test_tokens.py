@@ -32,12 +32,14 @@ from broker.tokens import (
     pack_logprobs,
     unpack_ids,
     unpack_logprobs,
+    valid_id,
+    valid_logprob,
 )
 from consumer.streams import START_AFTER_GAP, START_DRIFT, START_FIRST, build
 from examples.model_standin import ToyTokenizer
 from workers.hooks import NullHook
 from workers.loop import LoopConfig, run_episode
-from workers.tokens import TOKEN_ANSWERS, TokenAnswer, read_tokens, request_fields
+from workers.token_answers import TOKEN_ANSWERS, TokenAnswer, read_tokens, request_fields
 
 # --------------------------------------------------------------------------- recorded shapes
 # Answers as the servers send them (ids and texts of their own tokenizers), cut to the fields read.
@@ -197,6 +199,12 @@ def spoil(answer: dict, how) -> dict:
      lambda a: a["choices"][0]["logprobs"]["content"][0].update(logprob=float("nan")), TOK_BAD_LOGPROB),
     ("logprob null", OPENAI_ANSWER, lambda a: a["choices"][0]["logprobs"]["content"][0].update(logprob=None),
      TOK_BAD_LOGPROB),
+    # finite, <= 0, and past what float32 holds: packing it raised OverflowError and failed the step
+    ("logprob below float32", VLLM_ANSWER,
+     lambda a: a["choices"][0]["logprobs"]["content"][1].update(logprob=-1e39), TOK_BAD_LOGPROB),
+    ("logprob an int past float", LLAMA_ANSWER,
+     lambda a: a["choices"][0]["logprobs"]["content"][0].update(logprob=-10**400), TOK_BAD_LOGPROB),
+    ("id past int32", VLLM_ANSWER, lambda a: a["choices"][0]["token_ids"].__setitem__(0, 2**31), TOK_NOT_INTEGER),
     ("prompt ids disagree with usage", VLLM_ANSWER, lambda a: a["usage"].update(prompt_tokens=10), TOK_PROMPT_IDS),
 ])
 def test_bad_token_answers_are_marked_invalid_with_the_reason(name, answer, how, code):
@@ -246,6 +254,25 @@ def test_packing_is_little_endian_int32_and_float32():
     lps = [0.0, -0.5, -12.25]
     assert unpack_logprobs(pack_logprobs(lps)) == lps  # exactly representable in float32
     assert len(pack_logprobs(lps)) == 12
+
+
+def test_the_checks_accept_only_what_the_packing_holds():
+    """valid_id and valid_logprob use the packing's bounds: a value they accept packs (a value
+    past them used to pass and then fail the step as it was packed)."""
+    lowest_float32 = struct.unpack("<f", b"\xff\xff\x7f\xff")[0]
+    accepted = [0, 1, 2**31 - 1]
+    assert all(valid_id(v) for v in accepted) and unpack_ids(pack_ids(accepted)) == accepted
+    for v in (-1, 2**31, 2**63, True, 1.0, "1"):
+        assert not valid_id(v), v
+    with pytest.raises(struct.error):
+        pack_ids([2**31])
+    accepted = [0.0, -0.0, 0, -5, -1e-300, lowest_float32, -(2**127)]
+    assert all(valid_logprob(v) for v in accepted)
+    assert unpack_logprobs(pack_logprobs(accepted))[5] == lowest_float32  # stored exactly
+    for v in (-1e39, -3.5e38, float("-inf"), float("nan"), -10**400, 1e-9, False, None):
+        assert not valid_logprob(v), v
+    with pytest.raises(OverflowError):
+        pack_logprobs([-1e39])
 
 
 def step_record(**kw) -> StepRecord:
@@ -493,7 +520,8 @@ def test_bytes_per_token_measured(tmp_path, capsys):
 
 def test_settings_and_task_file_key(tmp_path):
     from broker.settings import Settings, SettingsError
-    from producer.taskfile import TaskFileError, plan_job
+    from producer.planning import plan_job
+    from producer.taskfile import TaskFileError
 
     assert Settings(tokens="true").tokens == "auto" and Settings(tokens="0").tokens == ""
     with pytest.raises(SettingsError, match="tokens must be one of"):
@@ -618,23 +646,29 @@ def test_full_history_and_cut_jobs_through_worker_and_consumer(settings, procs, 
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("fault,code", [("length", TOK_LENGTH_MISMATCH), ("below_float32", TOK_BAD_LOGPROB)])
 def test_bad_token_answers_keep_the_steps_and_warn_once(settings, procs, redis_client, env_server, model_server,
-                                                        tmp_path):
+                                                        tmp_path, fault, code):
+    """A spoiled token answer keeps the step and its text; its tokens are invalid. A logprob
+    past float32 (-1e39) passed the check and then failed the packing: the episodes were
+    dead-lettered as internal_error."""
     from consumer.storage import open_store
 
     srv, model_url = model_server
-    srv.token_fault = "length"
+    srv.token_fault = fault
     _, env_url = env_server
     s = settings.replace(llm_base_url=model_url + "/v1", message_cut=0, tokens="vllm")
     job = run_job(s, procs, redis_client, [guess_tasks(tmp_path, env_url, "bad")], 3)
     with open_store(s.results_store, readonly=True) as store:
         res = store.results(job)
-        assert res["job"]["completed"] == 3
+        assert res["job"]["completed"] == 3, res["job"]
         assert res["token_ids"]["by_status"] == {"invalid": res["job"]["steps"]}
-        rows = store.sql("SELECT token_error, prompt_ids FROM step_tokens")
-        assert all(e.startswith("length_mismatch: ") and p is None for e, p in rows)
+        rows = store.sql("SELECT token_error, prompt_ids, completion_logprobs FROM step_tokens")
+        assert rows and all(e.startswith(f"{code}: ") and p is None and lp is None for e, p, lp in rows)
+        for ep in store.list_episodes(job):
+            assert all(st["response"] for st in store.episode_trajectory(ep["episode_id"]))  # the text is kept
     log = procs.log("w1")
-    assert log.count("token answers invalid (length_mismatch)") == 1, log[-3000:]
+    assert log.count(f"token answers invalid ({code})") == 1, log[-3000:]
 
 
 # --------------------------------------------------------------------------- the results browser

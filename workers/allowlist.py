@@ -14,12 +14,23 @@ import or which hosts they call beyond what the worker's own settings allow:
 * ``env_hosts``: env servers a worker may call (``host``, ``host:port`` or
   ``scheme://host:port``); empty means any. Whatever the list, a URL must pass
   ``broker.urls.check_url``, and the comparison is made on the host and port it approved.
+* the API key goes only to a model endpoint of a trusted origin (``llm_base_url``'s and
+  ``llm_trusted_origins``): a job may name any endpoint, and one that would collect the key
+  gets requests without it.
+
+:class:`TrustBoundary` applies all of it to one delivery, before anything is imported or called.
 """
 
 from __future__ import annotations
 
-from broker.urls import UrlError, check_url, origin_of
-from envs.base import split_object_path
+import logging
+
+from broker.records import EpisodeSpec, JobSpec
+from broker.settings import Settings, redact_url
+from broker.urls import UrlError, check_url, origin_of, url_problem
+from envs.base import split_object_path, valid_object_path
+
+log = logging.getLogger("interactor.worker")
 
 # The bundled env adapters (inproc transport) and the built-in hooks.
 DEFAULT_ENV_CLASSES = ("envs.*",)
@@ -84,3 +95,56 @@ def env_class_allowlist(setting: str) -> PathAllowlist:
 def hook_allowlist(setting: str, own_hook: str = "") -> PathAllowlist:
     """The worker's own ``episode_hook`` setting is always allowed: it chose it itself."""
     return PathAllowlist(setting or DEFAULT_EPISODE_HOOKS, also=(own_hook,) if own_hook else ())
+
+
+class TrustBoundary:
+    """A worker process's allow-lists, and the checks a delivery passes before it runs."""
+
+    def __init__(self, settings: Settings):
+        self.env_classes = env_class_allowlist(settings.env_classes)
+        self.hooks = hook_allowlist(settings.episode_hooks, settings.episode_hook)
+        self.env_hosts = HostAllowlist(settings.env_hosts)
+        self.key_origins = settings.trusted_model_origins()
+        self._api_key = settings.llm_api_key
+        self._untrusted_warned: set[str] = set()
+
+    def refused(self, job: JobSpec, spec: EpisodeSpec) -> str:
+        """Why this worker will not run the episode ("" = it will): code and hosts a job names
+        must be on the worker's own allow-lists; nothing is imported before that check. URLs get
+        the submit-time check again (broker/urls.py): the job may not have come from our producer."""
+        problem = url_problem(job.llm_base_url)
+        if problem:
+            return f"model endpoint {redact_url(job.llm_base_url)!r}: {problem}; nothing was called"
+        if spec.transport != "inproc":
+            problem = url_problem(spec.base_url)
+            if problem:
+                return f"env server {redact_url(spec.base_url)!r}: {problem}; nothing was called"
+        if job.episode_hook and not valid_object_path(job.episode_hook):
+            return (f"episode hook {job.episode_hook!r} is not 'module:attribute' (one attribute, no dotted "
+                    "path); it was not imported")
+        if spec.transport == "inproc":
+            if not valid_object_path(spec.env_class):
+                return (f"env_class {spec.env_class!r} is not 'module:Class' (one attribute, no dotted path); "
+                        "it was not imported")
+            if not self.env_classes.allows(spec.env_class):
+                return (f"env_class {spec.env_class!r} is not on this worker's allow-list "
+                        f"(INTERACTOR_ENV_CLASSES: {self.env_classes}); it was not imported")
+        elif not self.env_hosts.allows(spec.base_url):
+            return (f"env server {redact_url(spec.base_url)} is not on this worker's allow-list "
+                    f"(INTERACTOR_ENV_HOSTS: {self.env_hosts})")
+        if job.episode_hook and not self.hooks.allows(job.episode_hook):
+            return (f"episode hook {job.episode_hook!r} is not on this worker's allow-list "
+                    f"(INTERACTOR_EPISODE_HOOKS: {self.hooks}); it was not imported")
+        return ""
+
+    def api_key_for(self, job: JobSpec) -> str:
+        """The API key, only for a model endpoint this worker trusts with it (a job may name any
+        endpoint; the key must not go to one that would collect it)."""
+        key = self._api_key.reveal()
+        if key and origin_of(job.llm_base_url) not in self.key_origins:
+            if job.job_id not in self._untrusted_warned:
+                self._untrusted_warned.add(job.job_id)
+                log.warning("job %s: model endpoint %s is not a trusted origin (INTERACTOR_LLM_TRUSTED_ORIGINS); "
+                            "its requests go without the API key", job.job_id, redact_url(job.llm_base_url))
+            return ""
+        return key

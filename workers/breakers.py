@@ -76,7 +76,8 @@ class Breaker:
         self.last_error = ""
         self.trips = 0
         self._closed_at: float | None = None
-        self._outage_start: tuple[float, float] | None = None
+        self._outage_start: float | None = None  # wall clock of the outage's first opening
+        self._down_s = 0.0  # how long the server has been down in this outage, up to its last recovery
 
     @property
     def is_open(self) -> bool:
@@ -102,11 +103,14 @@ class Breaker:
             now = time.monotonic()
             if self._closed_at is not None and now - self._closed_at < FLAP_WINDOW_S and self._outage_start:
                 # Down again right after coming back: the same outage goes on (a flapping server
-                # must not reset the outage budget each time it answers one probe).
-                self.opened_at, self.opened_wall = self._outage_start
+                # must not reset the outage budget each time it answers one probe). Its clock
+                # resumes at the time already spent down: the minutes the server answered are no
+                # outage, or one short blip soon after another would spend the whole budget at once.
+                self.opened_at, self.opened_wall = now - self._down_s, self._outage_start
             else:
                 self.opened_at, self.opened_wall = now, time.time()
-            self._outage_start = (self.opened_at, self.opened_wall)
+                self._down_s = 0.0
+            self._outage_start = self.opened_wall
             self.trips += 1
         log.error("%s server %s is down (%s): its episodes wait for it", self.kind, self.server, error)
         if self._board is not None:
@@ -122,6 +126,7 @@ class Breaker:
             delay = min(_PROBE_MAX_S, delay * 2)
         with self._lock:
             down_s = time.monotonic() - (self.opened_at or time.monotonic())
+            self._down_s = down_s
             self.opened_at = self.opened_wall = None
             self._closed_at = time.monotonic()
             self._closed.set()

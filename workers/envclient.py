@@ -30,10 +30,10 @@ Errors (reason codes from :mod:`broker.errors`)
 * a body that is not JSON, has the wrong shape, or is larger than
   ``settings.max_response_bytes``: ``ENV_MALFORMED`` (permanent).
 
-The HTTP plumbing: connections, the urllib3 shortcut of the per-step calls and the watchdog in
-:mod:`workers.http_transport`, error texts and classification in :mod:`workers.http_errors`,
-retries in :mod:`workers.retries`; the answer types and their checks beside the env port
-(:mod:`workers.envport`).
+The HTTP plumbing: connections and the urllib3 shortcut of the per-step calls in
+:mod:`workers.http_transport`, the watchdog in :mod:`workers.http_watchdog`, error texts and
+classification in :mod:`workers.http_errors`, retries in :mod:`workers.retries`; the answer
+types and their checks beside the env port (:mod:`workers.envport`).
 """
 
 from __future__ import annotations

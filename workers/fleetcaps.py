@@ -17,13 +17,19 @@ slots it holds in Redis, and lends them to its calls locally:
   another process waits and no call of this one does, back to Redis at once.
 * **keeper** (:class:`SlotKeeper`, every :data:`RENEW_S`): one round trip renews every
   pool's lease and learns whether another process waits for its caps; slots a pool did not
-  need for the whole tick go back to Redis. When one does, a pool keeps no more than its fair share (the
-  cap over the processes taking part): what it frees above that goes back at once, so a busy
-  process cannot starve the others for more than about :data:`RENEW_S`.
+  need for the whole tick go back to Redis. When one does, a pool keeps no more than its fair
+  share (the cap over the processes taking part): what it frees above that goes back at once.
+  When more processes take part than the cap has slots (share 0), the pool keeps one slot for
+  a turn (:attr:`FleetGate.turn_s`, one keeper tick) from when it came to hold any, then
+  gives back each slot as its call ends, and waits in Redis' queue behind those that waited
+  longer (broker/caps.py). So a busy process cannot starve the others for more than about
+  a tick and a turn, plus its calls in flight, whatever the cap.
 
-A process that dies or freezes stops renewing and its slots lapse within the lease TTL. One
-that learns its slots lapsed (a renewal or a take says so) holds none from then: calls
-already running finish, and new ones wait until what is in use fits what it takes anew.
+A process that dies or freezes stops renewing and its slots lapse within the lease TTL. A
+Redis outage does not free them (broker/caps.py: sweeps are held after one, and a renewal
+extends a lapsed lease nobody swept). One that learns its slots lapsed (a renewal or a take
+says so) holds none from then: calls already running finish, and new ones wait until what
+is in use fits what it takes anew.
 
 What it costs Redis in the steady state: one round trip per process per :data:`RENEW_S`,
 and one when the load grows or shrinks a block, instead of two a call. (In the bench at
@@ -69,7 +75,8 @@ class _Pool:
         self.freed = threading.Condition(lock)
         self.idle_low = 0  # the fewest free slots since the keeper's last tick
         self.contended = False  # another process waits for one of these caps
-        self.share = 0  # and then this pool keeps at most this many
+        self.share = 0  # and then this pool keeps at most this many (0: it takes turns)
+        self.turn_from = 0.0  # when it last came to hold slots, having held none (monotonic)
 
     @property
     def free(self) -> int:
@@ -96,6 +103,7 @@ class FleetGate:
         self.name = name
         self.ttl_s = ttl_s
         self.renew_s = min(renew_s, ttl_s / 3)
+        self.turn_s = self.renew_s  # how long a pool keeps a slot of a cap it takes turns at
         self._seq = itertools.count(1)
         self._lock = threading.Lock()  # the pools' counts; never held across a round trip
         self._io = threading.Lock()  # takes, gives and renewals, one at a time
@@ -174,25 +182,31 @@ class FleetGate:
             granted, before = self.slots.take(pool.caps, pool.holder, want)
             self.round_trips += 1
             with self._lock:
-                if before != pool.held:  # swept: its lease lapsed (this process stalled, or Redis was away)
+                if before != pool.held:  # swept: its lease lapsed (this process stalled, or cut off from Redis)
                     self._lapsed(pool, before)
+                if pool.held == 0 and granted > 0:
+                    pool.turn_from = time.monotonic()
                 pool.held += granted
         return granted
 
     def _lapsed(self, pool: _Pool, counted: int) -> None:  # under the lock
-        log.warning("fleet slots of %s lapsed (held %d, Redis counts %d): this process stalled or Redis was "
-                    "away; the %d calls running now may exceed the cap until they end",
+        log.warning("fleet slots of %s lapsed (held %d, Redis counts %d): this process stalled, or could not "
+                    "reach Redis while others did; the %d calls running now may exceed the cap until they end",
                     pool.holder, pool.held, max(0, counted), pool.lent)
         pool.held = max(0, counted)
         pool.idle_low = 0
 
-    @staticmethod
-    def _over_share(pool: _Pool) -> int:
+    def _over_share(self, pool: _Pool) -> int:
         """Under the lock: the free slots a contended pool (another process waits) gives back
-        now: those above its share, or all of them when no call of this process waits."""
+        now: all of them when no call of this process waits, else those above what it keeps:
+        its share, or, when more processes take part than the cap has slots (share 0), one
+        slot for a turn of :attr:`turn_s`, then none (the others come first: broker/caps.py)."""
         if not pool.contended:
             return 0
-        return pool.free if not pool.waiting else min(pool.free, pool.held - pool.share)
+        if not pool.waiting:
+            return pool.free
+        keep = pool.share or int(time.monotonic() - pool.turn_from < self.turn_s)
+        return max(0, min(pool.free, pool.held - keep))
 
     def release(self, caps: Sequence[Cap], token: str | None) -> None:
         if token is None:

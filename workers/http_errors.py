@@ -10,6 +10,7 @@ exceptions, so these rules judge all of them alike.
 from __future__ import annotations
 
 import email.utils
+import http.client
 import math
 import re
 import time
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import orjson
 import requests
-from urllib3.exceptions import MaxRetryError, NewConnectionError, ReadTimeoutError
+from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError, ReadTimeoutError
 
 try:  # urllib3 >= 2 (a subclass of NewConnectionError there; listed for clarity)
     from urllib3.exceptions import NameResolutionError
@@ -101,8 +102,20 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, requests.exceptions.ChunkedEncodingError):
         return "connection dropped while reading the answer"
     if isinstance(exc, requests.exceptions.ConnectionError):
-        return "connection dropped or reset"
+        return "malformed HTTP answer" if _malformed(exc) else "connection dropped or reset"
     return type(exc).__name__
+
+
+def _malformed(exc: requests.exceptions.ConnectionError) -> bool:
+    """The server answered, but not in HTTP/1.1 as spoken (a bad status line or header, a 101):
+    ``ProtocolError("Connection aborted.", <an http.client error>)`` on both paths. A server
+    that closed without answering is RemoteDisconnected, an http.client error too, and a
+    connection error: that is a dropped connection."""
+    cause: Any = exc.args[0] if exc.args else None
+    if not isinstance(cause, ProtocolError) or len(cause.args) < 2:
+        return False
+    inner = cause.args[1]
+    return isinstance(inner, http.client.HTTPException) and not isinstance(inner, OSError)
 
 
 def retry_after_s(headers: Mapping[str, str], cap: float) -> float | None:

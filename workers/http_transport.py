@@ -1,5 +1,5 @@
 """HTTP connections shared by the env client and the model client: pools, the urllib3 shortcut,
-the watchdog, and one exchange (:func:`send`).
+and one exchange (:func:`send`).
 
 Both clients speak through one :class:`HttpPool` per worker process: a ``requests.Session``
 (the project's HTTP library, whose exceptions and proxy rules are the clients' contract) and a
@@ -15,19 +15,19 @@ a proxy takes the ``requests`` path.
 
 Every call takes ``deadline``, an absolute ``time.monotonic()``: no request starts without time
 left, a body is read one receive at a time with the socket's timeout cut to the time left, and a
-per-process watchdog shuts the connection of a call still reading at its deadline, so a server
-that trickles bytes (headers or body) cannot hold a call past the attempt's budget.
+per-process watchdog (:mod:`workers.http_watchdog`) shuts the connection of a call still reading
+at its deadline, so a server that trickles bytes (headers or body) cannot hold a call past the
+attempt's budget.
 """
 
 from __future__ import annotations
 
-import heapq
+import http.client
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import orjson
 import requests
@@ -38,6 +38,7 @@ from urllib3.exceptions import (
     ClosedPoolError,
     ConnectTimeoutError,
     DecodeError,
+    InvalidHeader,
     MaxRetryError,
     NewConnectionError,
     ProtocolError,
@@ -51,8 +52,9 @@ from broker.errors import EPISODE_TIMEOUT, EpisodeError
 from broker.ospoll import ReadyCheck
 from broker.settings import Settings
 from broker.urls import UrlError, check_url
-from workers.deadlines import DEADLINE_SLACK_S, deadline_passed, remaining
-from workers.plainhttp import PlainPool
+from workers.deadlines import DEADLINE_SLACK_S, remaining
+from workers.http_watchdog import Watch, Watchdog
+from workers.plainhttp import MAX_HEAD_BYTES, PlainPool, chunk_size, content_length, protocol_error
 
 ERROR_BODY_READ_BYTES = 64 * 1024  # read at most this much of a non-2xx body
 READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a bigger chunk costs mmap + mremap + munmap per read
@@ -124,90 +126,41 @@ class _QuickLivenessCheck:
         return not held.ready()
 
 
-class _Watch:
-    __slots__ = ("deadline", "sock", "fired", "cancelled")
-
-    def __init__(self, deadline: float, sock):
-        self.deadline, self.sock, self.fired, self.cancelled = deadline, sock, False, False
-
-
-class Watchdog:
-    """Cuts the connection of a call still waiting for its answer at its deadline.
-
-    Socket timeouts bound each receive, not a call: a server that sends a byte now and then
-    keeps every receive short and the call going forever. One thread per process
-    holds a heap of (deadline, socket) for the calls in flight and shuts down the socket of any
-    that passes its deadline; the blocked read then ends, and the call reports the budget as
-    spent. Arming and disarming cost a heap push and a flag; disarmed entries are dropped
-    lazily, and the heap is rebuilt when they pile up."""
-
-    def __init__(self) -> None:
-        self._heap: list = []
-        self._cv = threading.Condition()
-        self._cancelled = 0
-        self._thread: threading.Thread | None = None
-
-    def arm(self, deadline: float, sock) -> _Watch:
-        w = _Watch(deadline, sock)
-        with self._cv:
-            heapq.heappush(self._heap, (deadline, id(w), w))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="http-watchdog", daemon=True)
-                self._thread.start()
-            elif self._heap[0][2] is w:
-                self._cv.notify()
-        return w
-
-    def disarm(self, w: _Watch) -> None:
-        w.cancelled = True
-        with self._cv:
-            self._cancelled += 1
-            if self._cancelled > 1024 and self._cancelled * 2 > len(self._heap):
-                self._heap = [e for e in self._heap if not e[2].cancelled]
-                heapq.heapify(self._heap)
-                self._cancelled = 0
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                heap = self._heap
-                while heap and heap[0][2].cancelled:
-                    heapq.heappop(heap)
-                    self._cancelled = max(0, self._cancelled - 1)
-                if not heap:
-                    self._cv.wait()
-                    continue
-                wait = heap[0][0] - time.monotonic()
-                if wait > 0:
-                    self._cv.wait(wait)
-                    continue
-                w = heapq.heappop(heap)[2]
-            w.fired = True
-            try:
-                w.sock.shutdown(socket.SHUT_RDWR)
-            except (OSError, AttributeError):
-                pass
-
-
 _watchdog = Watchdog()
 _calls = threading.local()  # the deadline of the call this thread (or greenlet) is making
 
 
-def _arm(sock) -> None:
+def _arm(sock) -> Watch | None:
     """Arm the watchdog for this call's socket (the plain path calls it once the request is out)."""
     deadline = getattr(_calls, "deadline", None)
-    if deadline is not None:
-        _calls.watch = _watchdog.arm(deadline, sock)
+    if deadline is None:
+        return None
+    w = _calls.watch = _watchdog.arm(deadline, sock)
+    return w
 
 
 class _Watched:
     """Arms the watchdog once the request is out and the answer is awaited."""
 
+    _watch: Watch | None = None
+
     def getresponse(self, *args, **kwargs):
         deadline = getattr(_calls, "deadline", None)
         if deadline is not None and self.sock is not None:
-            _calls.watch = _watchdog.arm(deadline, self.sock)
+            _calls.watch = self._watch = _watchdog.arm(deadline, self.sock)
         return super().getresponse(*args, **kwargs)
+
+    @property
+    def is_connected(self) -> bool:
+        # urllib3 asks this of a connection it takes from the pool for a call. urllib3 put it
+        # back when the last call's body was read, before that call disarmed its watchdog:
+        # cancel it, so it cannot cut this call's exchange. Before the check, which sees a
+        # socket a watchdog already shut.
+        w = self._watch
+        if w is not None:
+            self._watch = None
+            w.cancel()
+        return super().is_connected
 
 
 class _OneWrite:
@@ -247,12 +200,28 @@ class _OneWrite:
             view = view[sock.send(view):]
 
 
+class _StrictChunks(http.client.HTTPResponse):
+    """http.client reads a chunk size with ``int(line, 16)``, which takes "0x2", "0_2" and
+    signs: read it as the plain path does (``plainhttp.chunk_size``). A bad one ends the read
+    as any bad chunk does (urllib3's ProtocolError, ``ChunkedEncodingError`` to the caller)."""
+
+    def _read_next_chunk_size(self) -> int:
+        line = self.fp.readline(MAX_HEAD_BYTES + 1)
+        if len(line) > MAX_HEAD_BYTES:
+            raise http.client.LineTooLong("chunk size")
+        try:
+            return chunk_size(line.rstrip(b"\r\n"))
+        except ValueError:
+            self._close_conn()  # as http.client does: the framing is lost
+            raise
+
+
 class _Connection(_Watched, _OneWrite, _QuickLivenessCheck, HTTPConnection):
-    pass
+    response_class = _StrictChunks
 
 
 class _TLSConnection(_Watched, _OneWrite, _QuickLivenessCheck, HTTPSConnection):
-    pass
+    response_class = _StrictChunks
 
 
 class _WatchedPool(urllib3.HTTPConnectionPool):
@@ -400,17 +369,13 @@ def send(
             path = url[len(origin_prefix(url)):] or "/"
             reply = _exchange(pool, method, path, hdrs, body, deadline=deadline, timeout=timeout,
                               max_bytes=max_bytes, what=what, started=started)
-        w = _calls.watch
-        if w is not None and w.fired:
+        if _cut_by_watchdog():
             # The cut can look like an answer ending early (headers cut at a line, a body at EOF).
-            raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while the server "
-                                                "was still answering")
+            raise _ran_out(what)
         return reply
     except requests.exceptions.RequestException:
-        w = _calls.watch
-        if w is not None and w.fired:
-            raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while the server "
-                                                "was still answering") from None
+        if _cut_by_watchdog():
+            raise _ran_out(what) from None
         raise
     finally:
         w = _calls.watch
@@ -419,47 +384,102 @@ def send(
             _watchdog.disarm(w)
 
 
+def _cut_by_watchdog() -> bool:
+    """Whether the watchdog shut the connection of this thread's call (its deadline passed)."""
+    w = _calls.watch
+    return w is not None and w.fired
+
+
+def _ran_out(what: str) -> EpisodeError:
+    return EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while the server "
+                                         "was still answering")
+
+
 def _exchange(pool, method: str, path: str, hdrs: dict, body: bytes | None, *, deadline: float,
               timeout: tuple[float, float], max_bytes: int, what: str, started: float) -> Reply:
     try:
         resp = pool.urlopen(method, path, body=body, headers=hdrs, redirect=False, assert_same_host=False,
                             preload_content=False, decode_content=False, retries=_NO_RETRIES,
                             timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]))
-    except (ProtocolError, OSError) as err:
-        raise requests.exceptions.ConnectionError(err) from None
-    except MaxRetryError as e:
-        reason = e.reason
-        if isinstance(reason, ConnectTimeoutError) and not isinstance(reason, NewConnectionError):
-            raise requests.exceptions.ConnectTimeout(e) from None
-        if isinstance(reason, ResponseError):
-            raise requests.exceptions.RetryError(e) from None
-        if isinstance(reason, _ProxyError):
-            raise requests.exceptions.ProxyError(e) from None
-        if isinstance(reason, _SSLError):
-            raise requests.exceptions.SSLError(e) from None
-        raise requests.exceptions.ConnectionError(e) from None
-    except ClosedPoolError as e:
-        raise requests.exceptions.ConnectionError(e) from None
-    except _SSLError as e:
-        raise requests.exceptions.SSLError(e) from None
-    except ReadTimeoutError as e:
-        raise requests.exceptions.ReadTimeout(e) from None
+    except _URLOPEN_FAILURES as err:
+        raise _as_requests_error(err, _URLOPEN_ERRORS) from None
     try:
-        status = resp.status
-        ok = 200 <= status < 300
-        cap = max_bytes if ok else min(max_bytes, ERROR_BODY_READ_BYTES)
-        if ok:
-            declared = resp.headers.get("Content-Length")
-            if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
-                raise TooLarge(f"{declared} bytes declared")
-        data = _read_body(resp, deadline=deadline, read_s=timeout[1], cap=cap, ok=ok, what=what)
-        return Reply(status, resp.headers, data, time.monotonic() - started)
+        return _read_reply(resp, resp.status, resp.headers, method, deadline=deadline, timeout=timeout,
+                           max_bytes=max_bytes, what=what, started=started)
     finally:
         # Read in full, urllib3 has put the connection back already. Otherwise what was not
         # read leaves it unusable: close it, and give the pool its slot back.
         if resp.connection is not None:
             resp.close()
             resp.release_conn()
+
+
+def _max_retry_error(err: MaxRetryError) -> Exception:
+    """What ``HTTPAdapter.send`` raises for urllib3's MaxRetryError: it goes by the reason."""
+    reason = err.reason
+    if isinstance(reason, ConnectTimeoutError) and not isinstance(reason, NewConnectionError):
+        return requests.exceptions.ConnectTimeout(err)
+    if isinstance(reason, ResponseError):
+        return requests.exceptions.RetryError(err)
+    if isinstance(reason, _ProxyError):
+        return requests.exceptions.ProxyError(err)
+    if isinstance(reason, _SSLError):
+        return requests.exceptions.SSLError(err)
+    return requests.exceptions.ConnectionError(err)
+
+
+# urllib3's failures as ``requests`` reports the same ones (first match wins): while the request
+# goes out and the answer's head comes back (``HTTPAdapter.send``), and while the body is read
+# (``iter_content``). InvalidHeader: Content-Length values that disagree (urlopen has closed the
+# connection).
+_ErrorTable = tuple[tuple[type[Exception], Callable[[Any], Exception]], ...]
+_URLOPEN_ERRORS: _ErrorTable = (
+    (ProtocolError, requests.exceptions.ConnectionError), (OSError, requests.exceptions.ConnectionError),
+    (MaxRetryError, _max_retry_error), (ClosedPoolError, requests.exceptions.ConnectionError),
+    (_SSLError, requests.exceptions.SSLError), (ReadTimeoutError, requests.exceptions.ReadTimeout),
+    (InvalidHeader, lambda err: protocol_error(str(err)[:120])),
+)
+_READ_ERRORS: _ErrorTable = (
+    (ProtocolError, requests.exceptions.ChunkedEncodingError),
+    (DecodeError, requests.exceptions.ContentDecodingError), (ReadTimeoutError, requests.exceptions.ConnectionError),
+    (_SSLError, requests.exceptions.SSLError), (OSError, requests.exceptions.ConnectionError),
+)
+_URLOPEN_FAILURES = tuple(cause for cause, _ in _URLOPEN_ERRORS)
+_READ_FAILURES = tuple(cause for cause, _ in _READ_ERRORS)
+
+
+def _as_requests_error(err: Exception, table: _ErrorTable) -> Exception:
+    """``err`` as the exception ``requests`` raises for it; the caller catches only ``table``'s
+    failures (``_URLOPEN_FAILURES``, ``_READ_FAILURES``), so one of its rows matches."""
+    return next(as_requests(err) for cause, as_requests in table if isinstance(err, cause))
+
+
+def _read_reply(resp, status: int, headers: Mapping[str, str], method: str, *, deadline: float,
+                timeout: tuple[float, float], max_bytes: int, what: str, started: float) -> Reply:
+    """The answer whose head came back (``resp``, urllib3's), its body read: in full up to
+    ``max_bytes`` for a 2xx (more: :class:`TooLarge`), the first ``ERROR_BODY_READ_BYTES`` of
+    any other."""
+    ok = 200 <= status < 300
+    cap = max_bytes if ok else min(max_bytes, ERROR_BODY_READ_BYTES)
+    declared = _declared_length(method, status, headers)
+    if ok and declared is not None and declared > max_bytes:
+        raise TooLarge(f"{declared} bytes declared")
+    data = _read_body(resp, deadline=deadline, read_s=timeout[1], cap=cap, ok=ok, what=what)
+    return Reply(status, headers, data, time.monotonic() - started)
+
+
+def _declared_length(method: str, status: int, headers: Mapping[str, str]) -> int | None:
+    """The body length an answer read by http.client declares, checked as the plain path
+    checks it (``plainhttp.content_length``: http.client takes "+2" and reads a body it cannot
+    parse the length of to EOF). A 1xx other than 100, which http.client hands over as a
+    bodiless answer with the real one left on the connection, is a protocol error: the
+    caller closes the connection."""
+    if status < 200:
+        raise protocol_error(f"HTTP {status} where the answer was due")
+    declared = headers.get("Content-Length")
+    if declared is None or method == "HEAD" or status in (204, 304) or "Transfer-Encoding" in headers:
+        return None
+    return content_length(declared.strip())
 
 
 def _read_body(resp, *, deadline: float, read_s: float, cap: int, ok: bool, what: str) -> bytes:
@@ -481,16 +501,8 @@ def _read_body(resp, *, deadline: float, read_s: float, cap: int, ok: bool, what
             sock.settimeout(min(read_s, left))
         try:
             chunk = resp.read1(READ_CHUNK, decode_content=True)
-        except ProtocolError as e:
-            raise requests.exceptions.ChunkedEncodingError(e) from None
-        except DecodeError as e:
-            raise requests.exceptions.ContentDecodingError(e) from None
-        except ReadTimeoutError as e:
-            raise requests.exceptions.ConnectionError(e) from None
-        except _SSLError as e:
-            raise requests.exceptions.SSLError(e) from None
-        except OSError as e:
-            raise requests.exceptions.ConnectionError(e) from None
+        except _READ_FAILURES as err:
+            raise _as_requests_error(err, _READ_ERRORS) from None
         if not chunk:
             break
         chunks.append(chunk)
@@ -511,25 +523,10 @@ def _send_requests(session: requests.Session, method: str, url: str, *, deadline
         hdrs.setdefault("Content-Type", "application/json")
     with session.request(method, url, data=body, headers=hdrs, timeout=timeout, stream=True,
                          proxies=proxies_for(url)) as resp:
-        ok = 200 <= resp.status_code < 300
-        cap = max_bytes if ok else min(max_bytes, ERROR_BODY_READ_BYTES)
-        if ok:
-            declared = resp.headers.get("Content-Length")
-            if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
-                raise TooLarge(f"{declared} bytes declared")
-        chunks: list[bytes] = []
-        size = 0
-        for chunk in resp.iter_content(chunk_size=64 * 1024):
-            if deadline_passed(deadline):
-                raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out while reading the answer")
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > cap:
-                if ok:
-                    raise TooLarge(f"more than {max_bytes} bytes")
-                break
-        data = b"".join(chunks)[:cap]
-        return Reply(resp.status_code, resp.headers, data, time.monotonic() - started)
+        # read as the shortcut reads (not iter_content, whose chunked reading parses chunk
+        # sizes with int(x, 16)): the same errors, each receive bounded by the time left
+        return _read_reply(resp.raw, resp.status_code, resp.headers, method, deadline=deadline, timeout=timeout,
+                           max_bytes=max_bytes, what=what, started=started)
 
 
 # --------------------------------------------------------------------------------------------

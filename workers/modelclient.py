@@ -41,7 +41,7 @@ from broker.errors import (
 )
 from broker.settings import Secret, redact_url
 from broker.tokens import TOK_PROMPT_IDS
-from workers.tokens import TokenAnswer, read_tokens, request_fields, set_prompt_ids
+from workers.token_answers import TokenAnswer, read_tokens, request_fields, set_prompt_ids
 from workers.deadlines import deadline_passed, timeouts
 from workers.http_errors import describe, error_text, retry_after_s
 from workers.http_transport import PooledClient, Reply, TooLarge, parse_json, send
@@ -59,7 +59,7 @@ class Completion:
     attempts: int = 1  # how many requests it took
     prompt_tokens: int | None = None  # usage.prompt_tokens, when the server reports usage
     completion_tokens: int | None = None  # usage.completion_tokens, likewise
-    tokens: TokenAnswer | None = None  # what the server sampled, when the job asked (workers/tokens.py)
+    tokens: TokenAnswer | None = None  # what the server sampled, when the job asked (workers/token_answers.py)
 
 
 class ModelClient(PooledClient):
@@ -125,7 +125,7 @@ class ModelClient(PooledClient):
                 # (belt and braces: nothing of the request can leak through a traceback).
                 raise Retryable(EpisodeError(MODEL_UNAVAILABLE, f"{what}: {describe(exc)}", outage=True)) from None
             except EpisodeError:
-                raise  # the budget ran out mid-answer (workers/http_transport.py's watchdog)
+                raise  # the budget ran out mid-answer (workers/http_watchdog.py)
             except Exception as exc:  # e.g. InvalidHeader/InvalidURL, whose text may quote values
                 raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request could not be sent ({type(exc).__name__})") from None
             if pacer is not None:
@@ -288,11 +288,8 @@ def _parse(reply: Reply, what: str, tries: int, tokens: str = "") -> Completion:
         finish = "stop"
     elif not isinstance(finish, str):
         raise bad(f"choices[0].finish_reason is a {type(finish).__name__}, not a string")
-    weight_version = None
     metadata = obj.get("metadata")
-    if isinstance(metadata, dict) and metadata.get("weight_version") is not None:
-        wv = metadata["weight_version"]
-        weight_version = wv if isinstance(wv, str) else orjson.dumps(wv).decode() if isinstance(wv, (dict, list)) else str(wv)
+    weight_version = _version_text(metadata.get("weight_version")) if isinstance(metadata, dict) else None
     usage = obj.get("usage")
     prompt_tokens = completion_tokens = None
     if isinstance(usage, dict):
@@ -308,6 +305,20 @@ def _parse(reply: Reply, what: str, tries: int, tokens: str = "") -> Completion:
         completion_tokens=completion_tokens,
         tokens=read_tokens(tokens, obj, content) if tokens else None,
     )
+
+
+def _version_text(wv: Any) -> str | None:
+    """``metadata.weight_version`` as the text stored with the step; None when there is none, or
+    when it cannot be written back as JSON (nested past orjson's depth limit): a version nobody
+    could order or compare anyway, and no reason to fail a step whose answer is good."""
+    if wv is None or isinstance(wv, str):
+        return wv
+    if not isinstance(wv, (dict, list)):
+        return str(wv)
+    try:
+        return orjson.dumps(wv).decode()
+    except orjson.JSONEncodeError:
+        return None
 
 
 def _lenient_json(body: bytes) -> Any:

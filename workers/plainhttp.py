@@ -14,6 +14,10 @@ What it speaks: requests with a ``Content-Length`` body (or none); answers with
 is not reused); ``1xx`` interim answers skipped; ``Connection: close`` and HTTP/1.0 honoured.
 Where it connects: the host and port :func:`broker.urls.check_url` approved, taken from its
 :class:`~broker.urls.Target`, so the check and the connection read the URL with one parser.
+What it refuses, as a protocol error (the connection is closed): a ``101`` (the server would
+speak another protocol on the connection), a ``Content-Length`` that is not plain ASCII digits,
+and a chunk size that is not plain hex digits (:func:`content_length` and :func:`chunk_size`,
+which the urllib3 path applies too).
 
 Failures are raised as the exceptions ``requests`` raises for the same failure (a refused
 connect as ``ConnectionError(NewConnectionError)``, a silent server as ``ReadTimeout``, a cut
@@ -50,6 +54,40 @@ _PATH_SAFE = "!$%&'()*+,/:;=?@[]~-._"
 _BAD_IN_HEADER = re.compile(r"[\r\n\x00]")
 _HEADER_NAME = re.compile(r"[^:\s][^:\r\n]*")  # http.client's rule
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# A body length past 10**18 bytes is no real answer, and a bounded string keeps int() cheap
+# (past 4300 digits it raises instead of converting).
+MAX_LENGTH_DIGITS = 18
+MAX_CHUNK_SIZE_DIGITS = 16  # a 64-bit chunk size
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
+
+def protocol_error(text: str) -> requests.exceptions.ConnectionError:
+    """A malformed answer, raised as ``requests`` reports a bad status line: a transport
+    fault the clients retry like a dropped connection (workers/http_errors.py)."""
+    return requests.exceptions.ConnectionError(ProtocolError("Connection aborted.", http.client.BadStatusLine(text)))
+
+
+def content_length(declared: str) -> int:
+    """The body length a ``Content-Length`` header declares (repeated headers joined with ", "
+    must agree). Plain ASCII digits only: ``str.isdigit`` alone takes "²", which ``int``
+    refuses, and ``int`` alone takes signs, "_" and spaces. Anything else: :func:`protocol_error`."""
+    if declared.isdigit() and declared.isascii() and len(declared) <= MAX_LENGTH_DIGITS:
+        return int(declared)  # the one header of nearly every answer
+    values = {v.strip() for v in declared.split(",")}
+    value = values.pop()
+    if values or not (value.isdigit() and value.isascii() and len(value) <= MAX_LENGTH_DIGITS):
+        raise protocol_error(f"bad Content-Length {declared[:40]!r}")
+    return int(value)
+
+
+def chunk_size(line: bytes) -> int:
+    """The size a chunk-size line (without its CRLF) declares: 1 to 16 hex digits, then
+    optionally blanks and ``;`` chunk extensions, which are ignored. ``int(x, 16)`` alone
+    takes "0x2", "0_2", signs and leading blanks. ValueError for anything else."""
+    size = line.split(b";", 1)[0].rstrip(b" \t")
+    if not 0 < len(size) <= MAX_CHUNK_SIZE_DIGITS or size.strip(_HEX_DIGITS):
+        raise ValueError(f"bad chunk size {size[:20]!r}")
+    return int(size, 16)
 
 
 class Headers(dict):
@@ -67,11 +105,12 @@ class Headers(dict):
 
 
 class _Conn:
-    __slots__ = ("sock", "check")
+    __slots__ = ("sock", "check", "watch")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.check: ReadyCheck | None = None
+        self.watch = None  # what ``arm`` gave for the last call over it (see PlainPool.exchange)
 
     def dead(self) -> bool:
         """An idle keep-alive connection the server closed (or wrote to) is not reused."""
@@ -126,6 +165,12 @@ class PlainPool:
                 if not self._idle:
                     return None
                 c = self._idle.pop()
+            watch, c.watch = c.watch, None
+            if watch is not None:
+                # The call that used it last may not have disarmed its watchdog yet, and from
+                # here on the socket is another call's. Before the check: a watchdog that
+                # fired already left the socket shut, which the check sees.
+                watch.cancel()
             if c.dead():
                 c.close()
                 continue
@@ -187,7 +232,8 @@ class PlainPool:
                  deadline: float, timeout: tuple[float, float], max_bytes: int, error_bytes: int, what: str,
                  arm, too_large) -> tuple[int, Headers, bytes]:
         """Send one request and read its answer: ``(status, headers, body)``. ``arm(sock)`` is
-        called once the request is out (the caller's watchdog); ``too_large(text)`` builds the
+        called once the request is out (the caller's watchdog) and returns None or what it armed,
+        whose ``cancel()`` the next call to take the connection calls; ``too_large(text)`` builds the
         exception for a 2xx body over ``max_bytes``. The body of a non-2xx answer is read up to
         ``error_bytes``."""
         request = self.request_bytes(method, path, headers, body)
@@ -204,7 +250,7 @@ class PlainPool:
                 sock.sendall(request)
             except OSError as e:
                 raise requests.exceptions.ConnectionError(ProtocolError("Connection aborted.", e)) from None
-            arm(sock)
+            c.watch = arm(sock)
             reader = _Reader(sock, deadline, timeout[1], what)
             status, hdrs, keep = reader.head()
             ok = 200 <= status < 300
@@ -231,13 +277,16 @@ class _Reader:
         """One receive into the buffer; False at EOF."""
         left = self.deadline - time.monotonic()
         if left <= _SLACK_S:
-            raise EpisodeError(EPISODE_TIMEOUT, f"{self.what}: the attempt's time budget ran out while reading "
-                                                "the answer")
+            raise self._out_of_time()
         sock = self.sock
         try:
             sock.settimeout(min(self.read_s, left))
             chunk = sock.recv(RECV_BYTES)
         except (socket.timeout, TimeoutError) as e:
+            if self.deadline - time.monotonic() <= _SLACK_S:
+                # the receive waited out the budget, not the read timeout (the watchdog, due at
+                # the same moment, may not have fired yet): the same error as when it has
+                raise self._out_of_time() from None
             if in_head:
                 raise requests.exceptions.ReadTimeout(f"read timed out ({self.read_s:.1f} s): {e}") from None
             raise requests.exceptions.ConnectionError(
@@ -252,37 +301,46 @@ class _Reader:
         self.buf += chunk
         return True
 
+    def _out_of_time(self) -> EpisodeError:
+        return EpisodeError(EPISODE_TIMEOUT, f"{self.what}: the attempt's time budget ran out while reading the answer")
+
     def head(self) -> tuple[int, Headers, bool]:
         while True:  # 1xx answers come before the real one
             end = self.buf.find(b"\r\n\r\n")
             while end < 0:
                 if len(self.buf) > MAX_HEAD_BYTES:
-                    raise _protocol("the answer's headers are too long")
+                    raise protocol_error("the answer's headers are too long")
                 if not self._recv(in_head=True):
                     raise requests.exceptions.ConnectionError(ProtocolError(
                         "Connection aborted.", http.client.RemoteDisconnected(
                             "Remote end closed connection without response")))
                 end = self.buf.find(b"\r\n\r\n", max(0, len(self.buf) - RECV_BYTES - 3))
+            if end > MAX_HEAD_BYTES:  # the last receive may have brought the end past the bound
+                raise protocol_error("the answer's headers are too long")
             raw = bytes(self.buf[:end])
             del self.buf[:end + 4]
             lines = raw.split(b"\r\n")
             status_line = lines[0].split(None, 2)
             if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1.") or not status_line[1].isdigit() \
                     or len(status_line[1]) != 3:
-                raise _protocol(f"bad status line {lines[0][:80]!r}")
+                raise protocol_error(f"bad status line {lines[0][:80]!r}")
             status = int(status_line[1])
             if len(lines) - 1 > MAX_HEADERS:
-                raise _protocol(f"more than {MAX_HEADERS} headers")
+                raise protocol_error(f"more than {MAX_HEADERS} headers")
             hdrs = Headers()
             for line in lines[1:]:
                 name, sep, value = line.partition(b":")
                 if not sep or not name or name != name.strip():
-                    raise _protocol(f"bad header line {line[:80]!r}")
+                    raise protocol_error(f"bad header line {line[:80]!r}")
                 key = name.decode("latin-1").lower()
                 val = value.strip().decode("latin-1")
                 prev = dict.get(hdrs, key)
                 dict.__setitem__(hdrs, key, val if prev is None else f"{prev}, {val}")
-            if 100 <= status < 200 and status != 101:
+            if status == 101:
+                # The server switched the connection to another protocol: nothing more on it
+                # is an HTTP answer to us.
+                raise protocol_error("HTTP 101: the server switched protocols")
+            if 100 <= status < 200:
                 continue
             conn = dict.get(hdrs, "connection", "").lower()
             keep = "close" not in conn and (status_line[0] != b"HTTP/1.0" or "keep-alive" in conn)
@@ -291,7 +349,7 @@ class _Reader:
     def body(self, method: str, status: int, hdrs: Headers, cap: int, ok: bool, too_large) -> tuple[bytes, bool]:
         """The body, at most ``cap`` bytes, and whether the answer was read to its end (only
         then may the connection carry another request)."""
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        if method == "HEAD" or status in (204, 304):
             return b"", True
         te = dict.get(hdrs, "transfer-encoding")
         if te is not None:
@@ -300,10 +358,7 @@ class _Reader:
             return self._chunked(cap, ok, too_large)
         declared = dict.get(hdrs, "content-length")
         if declared is not None:
-            values = {v.strip() for v in declared.split(",")}
-            if len(values) != 1 or not next(iter(values)).isdigit():
-                raise _protocol(f"bad Content-Length {declared[:40]!r}")
-            n = int(next(iter(values)))
+            n = content_length(declared)
             if n > cap:
                 if ok:
                     raise too_large(f"{n} bytes declared")
@@ -347,12 +402,10 @@ class _Reader:
     def _chunked(self, cap: int, ok: bool, too_large) -> tuple[bytes, bool]:
         out = bytearray()
         while True:
-            size_text = self._line().split(b";", 1)[0].strip()
             try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise requests.exceptions.ChunkedEncodingError(ProtocolError(
-                    f"bad chunk size {size_text[:20]!r}")) from None
+                size = chunk_size(self._line())
+            except ValueError as e:
+                raise requests.exceptions.ChunkedEncodingError(ProtocolError(str(e))) from None
             if size == 0:
                 while self._line():  # trailers, up to the empty line
                     pass
@@ -365,7 +418,3 @@ class _Reader:
             out += self._exactly(size, body_end=True)
             if self._line() != b"":
                 raise requests.exceptions.ChunkedEncodingError(ProtocolError("chunk not followed by CRLF"))
-
-
-def _protocol(text: str) -> requests.exceptions.ConnectionError:
-    return requests.exceptions.ConnectionError(ProtocolError("Connection aborted.", http.client.BadStatusLine(text)))

@@ -16,10 +16,15 @@ never reaches the stream ahead of its steps, and a completed attempt's steps are
 
 Redis unreachable: the batch is sent again with capped backoff until Redis answers; the
 records wait in memory. An attempt cannot run on for long meanwhile: its lease is not renewed,
-and it fences itself by its own clock (workers/runner.py).
+and it fences itself by its own clock (workers/attempt.py).
 
 Backpressure: when the stream holds more than ``backlog_max`` records (the consumer is behind),
 :meth:`publish` waits until it drains instead of Redis memory growing.
+
+Progress snapshots (broker/resume.py) travel the same way: a step's record with the snapshot
+after it (one item, written together), a snapshot alone (:meth:`mark`). A snapshot that must be
+in Redis before the attempt goes on - ``stepping``, before a ``step`` call - is sent at once
+(``urgent``: no linger), and the attempt waits for it (:meth:`flush`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from typing import Callable
 
 import redis
 
-from broker.ledger import Lease, Ledger
+from broker.lease import Lease
+from broker.ledger import Ledger
+from broker.records import Progress
 
 log = logging.getLogger("interactor.publisher")
 
@@ -49,7 +56,8 @@ class StepPublisher:
         self.backlog_max = backlog_max
         self.linger_s = linger_s
         self.max_batch = max_batch
-        self._items: deque[tuple[Lease, bytes]] = deque()
+        self._items: deque[tuple[Lease, bytes, Progress | None]] = deque()
+        self._urgent = 0  # items queued that must not wait for the linger
         self._unconfirmed: dict[str, int] = {}  # lease token -> records queued, not sent yet
         self._cv = threading.Condition()
         self._stop = False
@@ -60,19 +68,30 @@ class StepPublisher:
 
     # --- episodes' side ---------------------------------------------------------------
     def publish(self, lease: Lease, payload: bytes, check: Callable[[], None] = lambda: None,
-                waited: Callable[[float], None] = lambda s: None) -> None:
-        """Queue one record of ``lease``'s attempt. Waits only while the stream is over its
-        backlog bound (``check`` runs between waits and may raise to abort; ``waited`` is told
-        each slice waited, so that the attempt's budget does not run out on the consumer)."""
+                waited: Callable[[float], None] = lambda s: None, progress: Progress | None = None) -> None:
+        """Queue one record of ``lease``'s attempt (with the progress snapshot after it, if
+        given). Waits only while the stream is over its backlog bound (``check`` runs between
+        waits and may raise to abort; ``waited`` is told each slice waited, so that the
+        attempt's budget does not run out on the consumer)."""
         while self.backlog > self.backlog_max and not self._stop:
             t0 = time.monotonic()
             with self._cv:
                 self._cv.wait(_WAIT_SLICE_S)
             waited(time.monotonic() - t0)
             check()
+        self._queue(lease, payload, progress, urgent=False)
+
+    def mark(self, lease: Lease, progress: Progress, *, urgent: bool = False) -> None:
+        """Queue a progress snapshot of ``lease``'s attempt alone; ``urgent``: sent without the
+        linger (the caller flushes and waits for it)."""
+        self._queue(lease, b"", progress, urgent=urgent)
+
+    def _queue(self, lease: Lease, payload: bytes, progress: Progress | None, *, urgent: bool) -> None:
         with self._cv:
-            self._items.append((lease, payload))
+            self._items.append((lease, payload, progress))
             self._unconfirmed[lease.token] = self._unconfirmed.get(lease.token, 0) + 1
+            if urgent:
+                self._urgent += 1
             self._cv.notify_all()
 
     def flush(self, lease: Lease, timeout: float | None = None) -> bool:
@@ -106,17 +125,28 @@ class StepPublisher:
                     self._cv.wait()
                 if self._stop and not self._items:
                     return
-            if self._items:
-                time.sleep(self.linger_s)  # let more records join this round trip
+            if self._items and not self._urgent:
+                self._linger()  # let more records join this round trip
             with self._cv:
                 n = min(len(self._items), self.max_batch)
                 batch = [self._items.popleft() for _ in range(n)]
+                self._urgent = 0
             if batch:
                 self._send(batch)
             else:
                 self._refresh_backlog()
 
-    def _send(self, batch: list[tuple[Lease, bytes]]) -> None:
+    def _linger(self) -> None:
+        """Wait ``linger_s`` for more items, less if an urgent one comes meanwhile."""
+        end = time.monotonic() + self.linger_s
+        with self._cv:
+            while not self._urgent and not self._stop:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._cv.wait(left)
+
+    def _send(self, batch: list[tuple[Lease, bytes, Progress | None]]) -> None:
         delay = 0.05
         while True:
             try:
@@ -135,7 +165,7 @@ class StepPublisher:
         self.stats["records"] += len(batch) - refused
         self.stats["refused"] += refused
         with self._cv:
-            for lease, _ in batch:
+            for lease, *_ in batch:
                 left = self._unconfirmed.get(lease.token, 0) - 1
                 if left > 0:
                     self._unconfirmed[lease.token] = left

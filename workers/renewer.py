@@ -15,7 +15,8 @@ import time
 import redis
 
 from broker.duty import Duty
-from broker.ledger import Lease, Ledger
+from broker.lease import Lease
+from broker.ledger import Ledger
 
 
 log = logging.getLogger("interactor.renewer")
@@ -31,8 +32,8 @@ class LeaseRenewer(Duty):
         self._leases: dict[str, Lease] = {}
         # Members received from the broker and not started yet. Their reservations are
         # written on the next round: a task usually starts at once and then never needs one,
-        # and a worker that dies before that round leaves the message in kombu's unacked hash,
-        # which reconcile counts as lost once it is older than the lease.
+        # and a worker that dies before that round took the message with it: reconcile finds
+        # the episode queued with no message and no reservation, and sends it again.
         self._received: set[str] = set()
         self._reserved: set[str] = set()
         self.last_renewed = time.monotonic()  # when a round last succeeded

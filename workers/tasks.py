@@ -18,7 +18,7 @@ from celery import signals
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Reject
 
-from broker.app import EPISODE_TASK, make_app
+from broker.celery_app import EPISODE_TASK, make_app
 from broker.settings import Settings
 from workers.runner import WorkerRuntime
 

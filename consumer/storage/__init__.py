@@ -15,11 +15,23 @@ import os
 
 from consumer.storage.backend import ResultStore, StoreError, WriteResult
 
-__all__ = ["open_store", "is_postgres", "ResultStore", "StoreError", "WriteResult"]
+__all__ = ["open_store", "is_postgres", "sqlite_path", "ResultStore", "StoreError", "WriteResult"]
 
 
 def is_postgres(target: str) -> bool:
     return target.startswith(("postgresql://", "postgres://"))
+
+
+def sqlite_path(target: str | os.PathLike) -> str | None:
+    """The SQLite file a target names (a path or ``sqlite:///path``); None for PostgreSQL."""
+    target = os.fspath(target)
+    if is_postgres(target):
+        return None
+    if target.startswith("sqlite://"):
+        target = target[len("sqlite://"):]
+        if target.startswith("/") and target[1:2] == "/":
+            target = target[1:]  # sqlite:///abs/path -> /abs/path
+    return target
 
 
 def open_store(target: str | os.PathLike, *, readonly: bool = False) -> ResultStore:
@@ -31,10 +43,7 @@ def open_store(target: str | os.PathLike, *, readonly: bool = False) -> ResultSt
         from consumer.storage.postgres import PostgresStore
 
         return PostgresStore(target, readonly=readonly)
-    if target.startswith("sqlite://"):
-        target = target[len("sqlite://"):]
-        if target.startswith("/") and target[1:2] == "/":
-            target = target[1:]  # sqlite:///abs/path -> /abs/path
+    target = sqlite_path(target)
     if "://" in target:
         raise StoreError(f"unknown results store {target!r}: give a file path, sqlite:///path or postgresql://...")
     from consumer.storage.sqlite import SQLiteStore

@@ -33,8 +33,9 @@ Tables (docs/protocol.md, "What is stored"; columns in schema.py):
   ended_by, latencies, token counts, created_ts).
 * ``superseded_steps``: step rows that are not an episode's trajectory, with the reason.
 * ``episodes``, ``attempts``, ``groups``, ``jobs``: our bookkeeping.
-* ``step_tokens``, ``attempt_phases``: additive tables of ours (consumer/storage/tokens.py,
-  phases.py), created by a writer that opens a store lacking them; no schema version.
+* ``step_tokens``, ``attempt_phases``, ``attempt_resumes``: additive tables of ours
+  (consumer/storage/step_tokens.py, phases.py, resumes.py), created by a writer that opens a store
+  lacking them; no schema version.
 """
 
 from __future__ import annotations
@@ -47,17 +48,19 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import orjson
 
+from broker import errors
 from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord
-from broker.settings import redact_url
+from broker.settings import redact_url, store_identity
 from broker.states import AttemptStatus, StoredStatus
 from consumer.storage import phases as attempt_phases_table
+from consumer.storage import resumes as attempt_resumes_table
 from consumer.storage import schema
-from consumer.storage import tokens as step_tokens_table
+from consumer.storage import step_tokens as step_tokens_table
 from consumer.storage.browse import StoreBrowse
 from consumer.storage.group_stats import reward_mean_std
 from consumer.storage.plan import STEPS_LOST, Batch, EpisodeState, Plan, lost_completion, plan_batch, settle
 from consumer.storage.reads import StoreReads
-from consumer.storage.sqltext import chunks, marks, values
+from consumer.storage.sqltext import chunks, completed_close_wins, marks, values
 
 log = logging.getLogger("interactor.store")
 
@@ -93,6 +96,12 @@ class ResultStore(StoreReads, StoreBrowse):
     #: SQL expression turning an epoch-seconds parameter into the backend's timestamp type.
     TS: str = "?"
     url: str = ""
+
+    @property
+    def identity(self) -> str:
+        """Which store this is, comparable across processes and free of secrets: what a feed
+        server checks against the store its job's consumer writes (``Keys.job_store``)."""
+        return store_identity(self.url)
 
     # --- primitives (each backend) -------------------------------------------------------
     @contextmanager
@@ -214,7 +223,7 @@ class ResultStore(StoreReads, StoreBrowse):
                 [_step_row(s) + (_nul_free(reason), now) for s, reason in plan.superseded_steps],
             )
         # Token rows of every step that asked, trajectory or set aside: keyed by attempt, they
-        # never move (consumer/storage/tokens.py).
+        # never move (consumer/storage/step_tokens.py).
         token_rows = step_tokens_table.rows(
             [*plan.session_steps, *(s for s, _ in plan.superseded_steps)])
         if token_rows:
@@ -250,21 +259,18 @@ class ResultStore(StoreReads, StoreBrowse):
         self.execute(f"DELETE FROM superseded_steps {where}", args)
 
     def _write_closes(self, closes: list[AttemptRecord]) -> None:
-        cols = ", ".join(ATTEMPT_COLUMNS)
         # A 'completed' close wins over any other close of the same attempt; otherwise the
         # first one stored is kept.
-        updates = ", ".join(f"{c} = excluded.{c}" for c in ATTEMPT_COLUMNS[2:])
-        self.executemany(
-            f"INSERT INTO attempts ({cols}) VALUES ({marks(ATTEMPT_COLUMNS)}) "
-            "ON CONFLICT (episode_id, attempt_id) DO UPDATE SET "
-            f"{updates} WHERE excluded.status = '{AttemptStatus.COMPLETED}' "
-            f"AND attempts.status <> '{AttemptStatus.COMPLETED}'",
-            [_attempt_row(c) for c in closes],
-        )
+        self.executemany(completed_close_wins("attempts", ATTEMPT_COLUMNS, completed=AttemptStatus.COMPLETED),
+                         [_attempt_row(c) for c in closes])
         # where each attempt's time went (records v5), kept by the same rule (consumer/storage/phases.py)
         phase_rows = attempt_phases_table.rows(closes)
         if phase_rows:
             self.executemany(attempt_phases_table.INSERT, phase_rows)
+        # which attempts continued their predecessor's env instance, or why not (consumer/storage/resumes.py)
+        resume_rows = attempt_resumes_table.rows(closes)
+        if resume_rows:
+            self.executemany(attempt_resumes_table.INSERT, resume_rows)
 
     def _load_states(self, ids: Sequence[str]) -> dict[str, EpisodeState]:
         out: dict[str, EpisodeState] = {}
@@ -320,7 +326,8 @@ class ResultStore(StoreReads, StoreBrowse):
                                      f"({marks(chunk)}) GROUP BY group_id", chunk):
                 if n > groups[gid][2]:
                     groups[gid][2] = int(n)
-        members: dict[str, list] = {gid: [[], []] for gid in ids}  # completed rewards, failed (id, reason)
+        # completed rewards, failed (id, reason), how many cancelled
+        members: dict[str, list] = {gid: [[], [], 0] for gid in ids}
         for chunk in chunks(ids):
             for gid, ep_id, st, tr, reason in self.query(
                 "SELECT group_id, episode_id, status, total_reward, reason FROM episodes "
@@ -330,18 +337,22 @@ class ResultStore(StoreReads, StoreBrowse):
                     members[gid][0].append(float(tr or 0.0))
                 elif st == StoredStatus.FAILED:
                     members[gid][1].append((ep_id, reason))
+                elif st == StoredStatus.CANCELLED:
+                    members[gid][2] += 1
         rows = []
         for gid in ids:
             job_id, env_name, size = groups[gid]
-            done, failed = members[gid]
+            done, failed, cancelled = members[gid]
             nc = len(done)
             mean, std = reward_mean_std(done)
-            complete = 1 if size > 0 and nc >= size and not failed else 0
+            complete = 1 if size > 0 and nc >= size and not failed and not cancelled else 0
             why = None
             if failed:
                 why = f"episode {failed[0][0]} failed: {failed[0][1] or 'unknown'}"
                 if len(failed) > 1:
                     why += f" (+{len(failed) - 1} more failed)"
+            elif cancelled:  # its job was cancelled before the group was through (broker/cancel.py)
+                why = errors.CANCELLED
             rows.append((gid, job_id, env_name, size, nc, len(failed), mean, std, complete, why))
         updates = ", ".join(f"{c} = excluded.{c}" for c in _GROUP_COLUMNS[1:])
         self.executemany(

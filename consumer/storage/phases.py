@@ -5,7 +5,7 @@ can say whether the env, the model or the queue held a job's episodes up.
 A table of its own rather than columns of ``attempts``: adding columns would be a schema
 version, and a store of a newer version is refused by older code (a fleet upgraded one
 consumer at a time would stop); a new table is an additive step like ``step_tokens``
-(consumer/storage/tokens.py): a writer opening a store that lacks it creates it, nothing else
+(consumer/storage/step_tokens.py): a writer opening a store that lacks it creates it, nothing else
 changes, the schema version is not touched, older code keeps reading and writing the store
 (it simply does not fill the table) and a reader of a store without it sees no timings.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 from broker.records import AttemptRecord
 from broker.states import AttemptStatus
 from consumer.storage import schema
+from consumer.storage.sqltext import completed_close_wins
 
 TABLE = schema.ATTEMPT_PHASES.name
 #: Column of each phase (broker/records.py PHASES): ``<phase>_s``, as AttemptRecord names it.
@@ -30,11 +31,7 @@ COLUMNS = schema.ATTEMPT_PHASES.names
 SQLITE_DDL = schema.ATTEMPT_PHASES.ddl(schema.SQLITE)
 POSTGRES_DDL = schema.ATTEMPT_PHASES.ddl(schema.POSTGRES)
 
-INSERT = (f"INSERT INTO attempt_phases ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)}) "
-          f"ON CONFLICT (episode_id, attempt_id) DO UPDATE SET "
-          + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[2:])
-          + f" WHERE excluded.status = '{AttemptStatus.COMPLETED}'"
-          + f" AND attempt_phases.status <> '{AttemptStatus.COMPLETED}'")
+INSERT = completed_close_wins(TABLE, COLUMNS, completed=AttemptStatus.COMPLETED)
 
 
 def rows(closes: list[AttemptRecord]) -> list[tuple]:

@@ -22,8 +22,18 @@ The rules (docs/protocol.md, "What is stored"):
   dead letter (a ``failed`` close) of such an attempt likewise fails the episode: the ledger
   holds it failed, and a database still saying running would leave its job unfinished. (A
   re-driven attempt arriving after it takes over again, by its higher number.)
-* An attempt that closes without completing (retrying, abandoned, failed) has its rows moved
-  aside; a failed episode keeps no rows in ``session_steps``.
+* An attempt that closes without completing (retrying, failed) has its rows moved aside; a
+  failed episode keeps no rows in ``session_steps``. An *abandoned* attempt (its worker died or
+  handed it back) keeps them: the next attempt may continue its trajectory (broker/resume.py).
+  A continuing attempt records its steps under the trajectory's attempt number and id, so they
+  join the rows already there; its own close names the trajectory (``AttemptRecord.trajectory``)
+  and is routed by it. A next attempt that starts afresh is a newer attempt, and moves them aside.
+* A cancelled episode (its job was cancelled, broker/cancel.py) keeps no rows in
+  ``session_steps`` either. It ends by its running attempt's ``cancelled`` close, or, while it
+  waited, by an ``EpisodesCancelled`` record naming the attempt the ledger last started, which
+  the cancel closes: steps of that attempt arriving later are set aside, its other closes change
+  nothing. Only a completion changes a cancelled episode (what completed is never lost), and a
+  cancel changes nothing of a completed or failed one.
 * A completed attempt whose steps are not all stored yet is ``completing``; it becomes
   ``completed`` when the last step arrives (with several consumers, steps and the close may be
   committed in any order). The consumer re-runs a completion whose steps were lost in Redis.
@@ -37,13 +47,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from broker import errors
 from broker.errors import STEPS_LOST
-from broker.records import AttemptRecord, EpisodesEnqueued, EpisodeSpec, JobSpec, StepRecord
+from broker.records import AttemptRecord, EpisodesCancelled, EpisodesEnqueued, EpisodeSpec, JobSpec, StepRecord
 from broker.states import AttemptStatus, StoredStatus
 
 # The row status an attempt's close (other than completed) leaves its episode in.
 _CLOSED_STATUS = {AttemptStatus.FAILED: StoredStatus.FAILED, AttemptStatus.RETRYING: StoredStatus.RETRYING,
-                  AttemptStatus.ABANDONED: StoredStatus.RETRYING}
+                  AttemptStatus.ABANDONED: StoredStatus.RETRYING, AttemptStatus.CANCELLED: StoredStatus.CANCELLED}
+# The row statuses that keep their finish time (the episode ended).
+_ENDED = (StoredStatus.FAILED, StoredStatus.CANCELLED)
 
 # Why rows are in superseded_steps (superseded_steps.superseded_reason).
 SUPERSEDED = "superseded"  # a newer attempt took over
@@ -119,6 +132,31 @@ class EpisodeState:
                                                                  now)
 
 
+@dataclass(frozen=True)
+class Cancel:
+    """One episode of an :class:`~broker.records.EpisodesCancelled` record: cancelled while it
+    waited; ``attempt``/``attempt_id``: the attempt the ledger last started (0, "": none)."""
+
+    job_id: str
+    episode_id: str
+    group_id: str | None
+    group_size: int
+    env_name: str
+    llm_model: str
+    attempt: int
+    attempt_id: str
+    cancelled_at: float
+
+    @classmethod
+    def each(cls, rec: EpisodesCancelled) -> list["Cancel"]:
+        out = []
+        for row in rec.episodes:
+            episode_id, group_id, group_size, env_name, attempt, attempt_id = row
+            out.append(cls(rec.job_id, str(episode_id), group_id, int(group_size or 0), env_name or "",
+                           rec.llm_model, int(attempt or 0), attempt_id or "", float(rec.cancelled_at)))
+        return out
+
+
 @dataclass
 class Batch:
     """A batch of records sorted by kind, in stream order within each episode."""
@@ -142,6 +180,9 @@ class Batch:
                 b.jobs.append(r)
             elif t is EpisodesEnqueued:
                 b.announced.append(r)
+            elif t is EpisodesCancelled:
+                for c in Cancel.each(r):
+                    b.events.setdefault(c.episode_id, []).append((c, entry))
             elif t is EpisodeSpec:
                 pass  # the ledger owns specs
             else:
@@ -258,7 +299,12 @@ class _Planner:
         if st.started_at is None or (s.created_at and s.created_at < st.started_at):
             st.started_at = s.created_at
         why = self._route(st, s.attempt, attempt_id, s.created_at)
-        if why is None and st.attempt_closed and st.attempt_closed != AttemptStatus.COMPLETED:
+        if why is None and st.attempt_closed == AttemptStatus.ABANDONED:
+            # its trajectory goes on: continued by the next attempt (or a step its dead worker
+            # published just before it died, stored late)
+            st.attempt_closed, st.status = "", StoredStatus.RUNNING
+            st.reason = st.error_class = st.error = None
+        elif why is None and st.attempt_closed and st.attempt_closed != AttemptStatus.COMPLETED:
             why = f"closed:{st.attempt_closed}"
         if why is not None:
             self.plan.superseded_steps.append((s, why))
@@ -268,18 +314,23 @@ class _Planner:
         self.pending.setdefault(st.episode_id, []).append(s)
 
     def close(self, st: EpisodeState, c: AttemptRecord, entry: str) -> None:
-        attempt_id = attempt_key(c)
         if not c.attempt_id:
-            c.attempt_id = attempt_id
+            c.attempt_id = attempt_key(c)
         self.plan.closes.append(c)
         st.attempts = max(st.attempts, c.attempt)
         if c.group_size and c.group_size > st.group_size:
             st.group_size = c.group_size
         if c.started_at and c.started_at > 0 and (st.started_at is None or c.started_at < st.started_at):
             st.started_at = c.started_at
-        why = self._route(st, c.attempt, attempt_id, c.started_at or None)
+        # Routed as the trajectory its steps were recorded under (a continuing attempt's is its
+        # predecessor's): the rows it completes, or leaves, are that trajectory's.
+        number, attempt_id = c.trajectory_key
+        started = c.started_at or None
+        if c.trajectory and attempt_id == st.attempt_id:
+            started = st.attempt_started
+        why = self._route(st, number, attempt_id, started)
         if why in (STALE, ROLLED_BACK) and c.status in (AttemptStatus.COMPLETED, AttemptStatus.FAILED):
-            self._adopt(st, c.attempt, attempt_id, c.started_at or None, completed=c.status == AttemptStatus.COMPLETED)
+            self._adopt(st, number, attempt_id, started, completed=c.status == AttemptStatus.COMPLETED)
             why = None
         if why is not None:
             # An older attempt's close, or a close after another attempt's completion: recorded,
@@ -289,7 +340,9 @@ class _Planner:
             return
         if st.completed_attempt_id:
             return  # the completing attempt's close, again
-        if c.started_at and c.started_at > 0:
+        if st.attempt_closed == AttemptStatus.CANCELLED and c.status != AttemptStatus.COMPLETED:
+            return  # the job was cancelled: only a completion ends the episode otherwise
+        if c.started_at and c.started_at > 0 and not c.trajectory:
             st.attempt_started = c.started_at
         st.attempt_closed = c.status
         if c.status == AttemptStatus.COMPLETED:
@@ -301,10 +354,28 @@ class _Planner:
             st.close_entry = entry
             st.reason = st.error_class = st.error = None
             return
-        self._set_aside_current(st, closed_reason(c))
+        if c.status != AttemptStatus.ABANDONED:  # an abandoned trajectory may be continued: its rows stay
+            self._set_aside_current(st, closed_reason(c))
         st.status = _CLOSED_STATUS.get(c.status, StoredStatus.RETRYING)
         st.reason, st.error_class, st.error = c.reason or None, c.error_class or None, c.error or None
-        st.finished_at = c.finished_at if st.status == StoredStatus.FAILED else None
+        st.finished_at = c.finished_at if st.status in _ENDED else None
+
+    def cancel(self, st: EpisodeState, c: Cancel) -> None:
+        """The episode's job was cancelled while it waited: it ends cancelled, its latest attempt
+        closed by the cancel (made the current one first, if the store has not seen it yet: its
+        late steps and closes then find it closed). A completed or failed episode stays so."""
+        st.group_size = max(st.group_size, c.group_size)
+        if st.completed_attempt_id or st.status == StoredStatus.FAILED or st.attempt_closed == AttemptStatus.CANCELLED:
+            return
+        if c.attempt_id and c.attempt_id != st.attempt_id:
+            self._route(st, c.attempt, c.attempt_id, None)  # switches to it, unless it is older
+            st.attempts = max(st.attempts, c.attempt)
+        self._set_aside_current(st, f"closed:{AttemptStatus.CANCELLED}")
+        st.attempt_closed = AttemptStatus.CANCELLED
+        st.status = StoredStatus.CANCELLED
+        st.reason, st.error_class = errors.CANCELLED, None
+        st.error = "its job was cancelled (interactor cancel) while it waited"
+        st.finished_at = c.cancelled_at
 
 
 def plan_batch(batch: Batch, loaded: dict[str, EpisodeState]) -> Plan:
@@ -321,8 +392,11 @@ def plan_batch(batch: Batch, loaded: dict[str, EpisodeState]) -> Plan:
                               llm_model=first.llm_model, new=True)
         plan.states[episode_id] = st
         for rec, entry in events:
-            if type(rec) is StepRecord:
+            t = type(rec)
+            if t is StepRecord:
                 planner.step(st, rec)
+            elif t is Cancel:
+                planner.cancel(st, rec)
             else:
                 planner.close(st, rec, entry)
     for rows in planner.pending.values():

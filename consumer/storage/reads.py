@@ -1,6 +1,6 @@
 """The store's readers of jobs, episodes, groups and their steps: what ``interactor
-results``, ``status``, the exports (consumer/export.py), the feed (consumer/feed.py,
-interactor/feed.py) and the results browser's single-item pages read.
+results``, ``status``, the exports (consumer/export.py), the feed (consumer/announce.py,
+interactor/feed_service.py) and the results browser's single-item pages read.
 
 A mixin of :class:`consumer.storage.backend.ResultStore`, kept apart from the write path so
 that backend.py holds the writer and its primitives only; these methods use nothing of a
@@ -16,9 +16,11 @@ from typing import Any, Sequence
 
 import orjson
 
+from broker import errors
 from broker.states import LedgerState, Phase, StoredStatus
 from consumer.storage import phases as attempt_phases_table
-from consumer.storage import tokens as step_tokens_table
+from consumer.storage import resumes as attempt_resumes_table
+from consumer.storage import step_tokens as step_tokens_table
 from consumer.storage.sqltext import chunks, marks
 
 
@@ -77,12 +79,15 @@ class StoreReads:
         ):
             by_env[env] = {"episodes": n, "completed": int(comp or 0), "failed": int(fail or 0), "mean": mean,
                            "min": lo, "max": hi, "prompt_tokens": int(pt), "completion_tokens": int(ct)}
-        total, complete, with_failure, mean_std, zero_std = self.query(
+        # A group is incomplete for a dead-lettered member (incomplete_reason says which), or its
+        # job was cancelled before it was through (incomplete_reason: cancelled).
+        total, complete, with_failure, cancelled_groups, mean_std, zero_std = self.query(
             "SELECT COUNT(*), COALESCE(SUM(complete), 0), "
-            "SUM(CASE WHEN incomplete_reason IS NOT NULL THEN 1 ELSE 0 END), "
+            "SUM(CASE WHEN failed > 0 THEN 1 ELSE 0 END), "
+            "SUM(CASE WHEN failed = 0 AND incomplete_reason = ? THEN 1 ELSE 0 END), "
             "AVG(CASE WHEN complete = 1 THEN reward_std END), "
             "SUM(CASE WHEN complete = 1 AND reward_std = 0 THEN 1 ELSE 0 END) FROM groups WHERE job_id = ?",
-            (job_id,),
+            (errors.CANCELLED, job_id),
         )[0]
         started = sum(counts.values())
         expected = spec.get("episodes")
@@ -104,6 +109,7 @@ class StoreReads:
                 StoredStatus.RUNNING: counts.get(StoredStatus.RUNNING, 0),
                 StoredStatus.RETRYING: counts.get(StoredStatus.RETRYING, 0),
                 StoredStatus.COMPLETING: counts.get(StoredStatus.COMPLETING, 0),
+                StoredStatus.CANCELLED: counts.get(StoredStatus.CANCELLED, 0),
                 "attempts": int(n_attempts),
                 "steps": int(n_steps),
                 "short_trajectories": counts.get(StoredStatus.COMPLETING, 0),
@@ -115,15 +121,20 @@ class StoreReads:
                 "ended_by": ended_by,
             },
             "by_env": by_env,
+            # why episodes failed: each reason with its count and one example
+            "failures": self.failure_reasons(job_id),
             # token-exact trajectories (jobs run with tokens): None when no step asked
             "token_ids": self.token_summary(job_id),
             # where the attempts' time went (attempt_phases): None when no attempt was timed
             "phases": self.phase_summary(job_id),
+            # attempts that continued their predecessor's env instance, or why not: None when none had one
+            "resumes": self.resume_summary(job_id),
             "groups": {
                 "total": int(total),
                 "complete": int(complete),
                 "incomplete": int(total) - int(complete),
                 "failed": int(with_failure or 0),
+                "cancelled": int(cancelled_groups or 0),
                 "mean_std": mean_std,
                 "zero_std": int(zero_std or 0),
             },
@@ -201,9 +212,18 @@ class StoreReads:
             return [d | dict.fromkeys(attempt_phases_table.PHASE_COLUMNS) for d in self.query_dicts(
                 "SELECT * FROM attempts WHERE episode_id = ? ORDER BY attempt, started_at", (episode_id,))]
         cols = ", ".join(f"p.{c}" for c in attempt_phases_table.PHASE_COLUMNS)
-        return self.query_dicts(
+        rows = self.query_dicts(
             f"SELECT a.*, {cols} FROM attempts a LEFT JOIN attempt_phases p ON p.episode_id = a.episode_id "
             "AND p.attempt_id = a.attempt_id WHERE a.episode_id = ? ORDER BY a.attempt, a.started_at", (episode_id,))
+        resumes = {}
+        if self.has_table(attempt_resumes_table.TABLE):
+            resumes = {d["attempt_id"]: d for d in self.query_dicts(
+                "SELECT attempt_id, trajectory, resumed_at, resume_note FROM attempt_resumes WHERE episode_id = ?",
+                (episode_id,))}
+        for d in rows:  # resumed at step k, or why not (consumer/storage/resumes.py)
+            r = resumes.get(d["attempt_id"], {})
+            d.update(trajectory=r.get("trajectory"), resumed_at=r.get("resumed_at"), resume_note=r.get("resume_note"))
+        return rows
 
     def episode_trajectory(self, episode_id: str) -> list[dict]:
         """The episode's trajectory (its session_steps rows) in step order, JSON decoded."""
@@ -267,7 +287,7 @@ class StoreReads:
             "GROUP BY session_id, weight_version", (job_id,))
 
     def feed_groups(self, group_ids: Sequence[str]) -> dict[str, dict]:
-        """What the feed announces of each group (consumer/feed.py): its row of ``groups``, its
+        """What the feed announces of each group (consumer/announce.py): its row of ``groups``, its
         members (episode_id, status, total_reward, reason) and the weight versions of its
         trajectories' steps."""
         out: dict[str, dict] = {}
@@ -296,6 +316,41 @@ class StoreReads:
             "CAST(is_truncated AS INTEGER), prompt_tokens, completion_tokens, ended_by, finish_reason, created_ts "
             "FROM session_steps WHERE session_id = ? ORDER BY step_id", (episode_id,))
 
+    def resume_summary(self, job_id: str) -> dict | None:
+        """Resumed attempts, the steps they did not run again, and the attempts that started
+        afresh though they had a predecessor, by why (consumer/storage/resumes.py)."""
+        if not self.has_table(attempt_resumes_table.TABLE):
+            return None
+        rows = self.query("SELECT resumed_at, resume_note FROM attempt_resumes WHERE job_id = ?", (job_id,))
+        if not rows:
+            return None
+        resumed = [int(r) for r, _ in rows if r]
+        fallbacks: dict[str, int] = {}
+        for r, note in rows:
+            if not r and note:
+                fallbacks[note] = fallbacks.get(note, 0) + 1
+        return {"resumed": len(resumed), "steps_saved": sum(r - 1 for r in resumed), "fallbacks": fallbacks}
+
+    def failure_reasons(self, job_id: str) -> list[dict]:
+        """The reasons the job's failed episodes failed for, most frequent first: each with its
+        count and one episode and error message as an example."""
+        out = []
+        for reason, n, example in self.query(
+                "SELECT COALESCE(reason, ''), COUNT(*), MIN(episode_id) FROM episodes "
+                f"WHERE job_id = ? AND status = '{StoredStatus.FAILED}' GROUP BY COALESCE(reason, '') "
+                "ORDER BY COUNT(*) DESC, 1", (job_id,)):
+            error = self.query("SELECT error FROM episodes WHERE episode_id = ?", (example,))
+            out.append({"reason": reason or "unknown", "count": int(n), "episode_id": example,
+                        "error": (error[0][0] if error else None) or ""})
+        return out
+
+    def settled_group_count(self, job_id: str) -> int:
+        """How many groups of a job have no member left to run: a feed's catching up
+        (consumer/announce.py) reads the ids only when this moved."""
+        rows = self.query("SELECT COUNT(*) FROM groups WHERE job_id = ? AND size > 0 AND completed + failed >= size",
+                          (job_id,))
+        return int(rows[0][0]) if rows else 0
+
     def settled_group_ids(self, job_id: str) -> list[str]:
         """Groups of a job with no member left to run (every one completed or failed): what a
         feed attached late, or a consumer that crashed between commit and announce, catches up on."""
@@ -309,7 +364,7 @@ class StoreReads:
 
     def episode_tokens(self, episode_id: str, step_id: int | None = None) -> list[dict]:
         """The token rows of the episode's trajectory (the attempt its session_steps rows are
-        of), in step order, ids and logprobs decoded (consumer/storage/tokens.py)."""
+        of), in step order, ids and logprobs decoded (consumer/storage/step_tokens.py)."""
         if not self.has_step_tokens():
             return []
         sql = ("SELECT t.* FROM step_tokens t JOIN session_steps s ON s.session_id = t.session_id "

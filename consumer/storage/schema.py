@@ -278,7 +278,7 @@ BROWSE_INDEXES = (
 
 # --- additive tables: no schema version (see their modules) ---------------------------------
 
-# consumer/storage/tokens.py. A rowid table, not WITHOUT ROWID: SQLite keeps large rows out of
+# consumer/storage/step_tokens.py. A rowid table, not WITHOUT ROWID: SQLite keeps large rows out of
 # the key's B-tree that way.
 STEP_TOKENS = Table("step_tokens", (
     _c("id", "rowid"),
@@ -312,6 +312,19 @@ ATTEMPT_PHASES = Table("attempt_phases", (
     *(_c(c, "real") for c in PHASE_COLUMNS),
 ), constraints=("PRIMARY KEY (episode_id, attempt_id)",),
     indexes=(Index("attempt_phases_job", "attempt_phases", "job_id"),))
+
+
+# consumer/storage/resumes.py
+ATTEMPT_RESUMES = Table("attempt_resumes", (
+    _c("episode_id", "text", not_null=True),
+    _c("attempt_id", "text", not_null=True),
+    _c("job_id", "text"),
+    _c("status", "text", not_null=True),
+    _c("trajectory", "text"),
+    _c("resumed_at", "int"),
+    _c("resume_note", "text"),
+), constraints=("PRIMARY KEY (episode_id, attempt_id)",),
+    indexes=(Index("attempt_resumes_job", "attempt_resumes", "job_id"),))
 
 
 def schema_ddl(dialect: str) -> str:

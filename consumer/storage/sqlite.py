@@ -22,8 +22,9 @@ from typing import Any, Iterator, Sequence
 
 from broker.states import StoredStatus
 from consumer.storage import phases as attempt_phases_table
+from consumer.storage import resumes as attempt_resumes_table
 from consumer.storage import schema
-from consumer.storage import tokens as step_tokens_table
+from consumer.storage import step_tokens as step_tokens_table
 from consumer.storage.backend import ResultStore, StoreError
 from consumer.storage.schema import BROWSE_INDEXES, SCHEMA_VERSION
 
@@ -140,7 +141,8 @@ class SQLiteStore(ResultStore):
         self._tables: set[str] = set()
         if not readonly:
             for table, ddl in ((step_tokens_table.TABLE, step_tokens_table.SQLITE_DDL),
-                               (attempt_phases_table.TABLE, attempt_phases_table.SQLITE_DDL)):
+                               (attempt_phases_table.TABLE, attempt_phases_table.SQLITE_DDL),
+                               (attempt_resumes_table.TABLE, attempt_resumes_table.SQLITE_DDL)):
                 self._ensure_table(table, ddl)
 
     def _ensure_schema(self, readonly: bool) -> None:

@@ -28,3 +28,14 @@ def values(columns: Sequence[str], **exprs: str) -> str:
 def chunks(items: Sequence[Any], n: int = CHUNK) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
+
+
+def completed_close_wins(table: str, columns: Sequence[str], status: str = "status", completed: str = "completed"
+                         ) -> str:
+    """The insert of a per-attempt table keyed ``(episode_id, attempt_id)`` by its first two
+    columns: a ``completed`` close replaces any other of the attempt, otherwise the first stored
+    stays (the rule of ``attempts`` and of the additive tables beside it)."""
+    return (f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks(columns)}) "
+            "ON CONFLICT (episode_id, attempt_id) DO UPDATE SET "
+            + ", ".join(f"{c} = excluded.{c}" for c in columns[2:])
+            + f" WHERE excluded.{status} = '{completed}' AND {table}.{status} <> '{completed}'")

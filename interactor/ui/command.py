@@ -3,13 +3,17 @@ Flask is imported only when the command runs."""
 
 from __future__ import annotations
 
+from broker.settings import REDIS, REDRIVE, STORE
 from interactor.ui import DEFAULT_PORT
 
 
 def register(sub, add) -> None:
-    sp = add("ui", cmd_ui, "browse results in a web page: jobs, groups, episodes and their transcripts, dead letters")
-    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    sp.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    # The store, and Redis for live state (and re-drives) when a URL is set.
+    sp = add("ui", cmd_ui, "browse results in a web page: jobs, groups, episodes and their transcripts, dead letters",
+             reads=(STORE, REDIS, REDRIVE))
+    sp.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on; 0.0.0.0: every interface (default: %(default)s)")
+    sp.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port (default: %(default)s)")
     sp.add_argument("--allow-actions", action="store_true",
                     help="enable re-driving dead letters from the page; prints the token the page needs")
     sp.add_argument("--allow-host", action="append", default=[], metavar="NAME[:PORT]",

@@ -3,7 +3,6 @@ in a thread of ``interactor run --ui``."""
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
 import threading
@@ -11,6 +10,7 @@ import threading
 from broker.settings import Settings, SettingsError
 from interactor.ui import DEFAULT_PORT
 from interactor.ui.source import LiveState, Source
+from interactor.webguard import allowed_hosts
 
 
 def open_source(settings: Settings, *, redis_client=None) -> Source:
@@ -20,36 +20,6 @@ def open_source(settings: Settings, *, redis_client=None) -> Source:
     store = open_store(settings.results_store, readonly=True)
     live = LiveState(settings, redis_client) if settings.redis_url else None
     return Source(store, store_shown=settings.results_store_shown, live=live)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def allowed_hosts(host: str, port: int, extra: tuple[str, ...] | list[str] = ()) -> set[str] | None:
-    """Host header values a request may carry: the address we listen on and, on loopback, the
-    loopback names, plus ``extra`` (``--allow-host``, as ``name:port`` or ``name``). A page on
-    another site that points its own DNS name at 127.0.0.1 (DNS rebinding) sends its own name
-    and is refused. Listening on every interface (0.0.0.0, ::) without ``extra`` accepts any
-    name: the people reaching it use names we cannot know."""
-    extra_set = {h.strip().lower() for h in extra if h.strip()}
-    if host in ("", "0.0.0.0", "::"):
-        return extra_set or None
-    names = {host}
-    if _is_loopback(host):
-        names |= {"127.0.0.1", "localhost", "::1"}
-    out = set()
-    for name in names:
-        shown = f"[{name}]" if ":" in name and not name.startswith("[") else name
-        out.add(f"{shown}:{port}".lower())
-        if port == 80:
-            out.add(shown.lower())
-    return out | extra_set
 
 
 class UIServer:

@@ -42,7 +42,7 @@ class LiveState:
         from broker.ledger import Ledger
         from broker.pause import JobPause
         from broker.redisconn import connect
-        from interactor.metrics import FleetReader
+        from interactor.fleet_reader import FleetReader
 
         self.settings = settings
         self.url_shown = redact_url(settings.redis_url)
@@ -72,13 +72,11 @@ class LiveState:
         return time.monotonic() >= self._down_until
 
     def _redacted(self, text: str) -> str:
-        from urllib.parse import urlsplit
+        from broker.redisurl import redis_password
 
-        try:
-            pw = urlsplit(self.settings.redis_url).password
-        except ValueError:
-            pw = None
-        return text.replace(pw, "***") if pw else text
+        for secret in (redis_password(self.settings.redis_url), self.settings.redis_sentinel_password.reveal()):
+            text = text.replace(secret, "***") if secret else text
+        return text
 
 
 class RateMeter:
@@ -182,16 +180,19 @@ class Source:
         total = p["episodes_expected"] or (sum(ledger.values()) if ledger else stored)
         if ledger:
             done, failed = ledger[LedgerState.DONE], ledger[LedgerState.FAILED]
+            cancelled = ledger.get(LedgerState.CANCELLED, 0)
             running, queued = ledger[LedgerState.RUNNING], ledger[LedgerState.QUEUED]
             retrying = ledger[LedgerState.RETRYING]
             source = "redis"
         else:
             done, failed = st.get(StoredStatus.COMPLETED, 0), st.get(StoredStatus.FAILED, 0)
+            cancelled = st.get(StoredStatus.CANCELLED, 0)
             running = st.get(StoredStatus.RUNNING, 0) + st.get(StoredStatus.COMPLETING, 0)
             retrying = st.get(StoredStatus.RETRYING, 0)
             queued = max(0, total - stored)
             source = "store"
-        active = running + queued + retrying > 0 or (source == "store" and done + failed < total)
+        ended = done + failed + cancelled  # a cancelled job (broker/cancel.py) is finished too
+        active = running + queued + retrying > 0 or (source == "store" and ended < total)
         if active:
             self._finished.pop(job_id, None)
             rate = self.rates.sample(job_id, p["steps"])
@@ -204,8 +205,8 @@ class Source:
         return {
             "job_id": job_id, "model": p["model"], "created_at": p["created_at"], "total": total,
             LedgerState.DONE: done, LedgerState.FAILED: failed, LedgerState.RUNNING: running,
-            LedgerState.QUEUED: queued, LedgerState.RETRYING: retrying,
-            "progress": (done + failed) / total if total else 1.0, "steps": p["steps"], "steps_per_s": rate,
+            LedgerState.QUEUED: queued, LedgerState.RETRYING: retrying, LedgerState.CANCELLED: cancelled,
+            "progress": ended / total if total else 1.0, "steps": p["steps"], "steps_per_s": rate,
             "mean_reward": p["mean_reward"], "active": active, "counts_from": source,
         }
 

@@ -28,7 +28,8 @@ def cmd_bench(args) -> int:
     base = settings_from_args(args)
     kw = {}
     for name in ("pool_level", "feed_level", "caps_level", "caps_factor", "workers", "model_latency_ms", "env_latency_ms", "steps", "ingest_records",
-                 "enqueue_episodes", "out", "png", "work", "src"):
+                 "enqueue_episodes", "out", "png", "work", "src", "original", "original_level", "original_log_level",
+                 "original_reset_concurrency"):
         v = getattr(args, name)
         if v is not None:
             kw[name] = v
@@ -44,6 +45,8 @@ def cmd_bench(args) -> int:
         kw["pools"] = _words(args.pools)
     if args.process_counts is not None:
         kw["process_counts"] = _ints(args.process_counts)
+    if args.original_steps is not None:
+        kw["original_steps"] = _ints(args.original_steps)
     if args.skip is not None:
         kw["skip"] = _words(args.skip)
     kw["pool"] = base.pool
@@ -62,6 +65,7 @@ def cmd_bench(args) -> int:
 
 
 def register(sub, add) -> None:
+    # It runs jobs with their workers and consumer here: the flags of `interactor run` (the default).
     sp = add("bench", cmd_bench, "run the benchmark harness; writes docs/benchmarks.md and docs/benchmarks.png")
     sp.add_argument("--quick", action="store_true", help="a small, fast configuration (writes under runs/bench/)")
     sp.add_argument("--levels", help="concurrency levels of the load runs, e.g. 64,256,1000")
@@ -70,17 +74,28 @@ def register(sub, add) -> None:
     sp.add_argument("--pool-level", type=int, help="concurrency of the pool and process comparisons (1000)")
     sp.add_argument("--feed-level", type=int, help="concurrency of the rollout feed run (1000; 0 for none)")
     sp.add_argument("--caps-level", type=int,
-                    help="concurrency of the caps' cost run: that load with never-binding caps (256; 0 for none)")
+                    help="concurrency of the caps', resume's and replica waits' cost runs: that load with never-binding "
+                         "caps, with resume off, and with a replica, waits off and on (256; 0 for none)")
     sp.add_argument("--caps-factor", type=float, help="the caps of that run, times its concurrency (10; above 1)")
     sp.add_argument("--workers", type=int, help="worker processes sharing the concurrency (2)")
-    sp.add_argument("--model-latency-ms", type=float)
-    sp.add_argument("--env-latency-ms", type=float)
+    sp.add_argument("--model-latency-ms", type=float, help="the model stand-in's latency per call, ms (1000)")
+    sp.add_argument("--env-latency-ms", type=float, help="the env stand-in's latency per call, ms (20)")
     sp.add_argument("--steps", type=int, help="steps per episode (20)")
     sp.add_argument("--window", type=float, help="measured window per load run, seconds (20)")
     sp.add_argument("--warmup", type=float, help="seconds between all slots busy and the window (3)")
-    sp.add_argument("--ingest-records", type=int)
-    sp.add_argument("--enqueue-episodes", type=int)
-    sp.add_argument("--skip", help="parts to skip: load,single,processes,pools,feed,caps,ingest,tokens,enqueue")
+    sp.add_argument("--ingest-records", type=int, help="step records of the consumer's ingest run (50000)")
+    sp.add_argument("--enqueue-episodes", type=int, help="episodes of the enqueue run (100000)")
+    sp.add_argument("--skip", help="parts to skip: load,single,processes,pools,feed,caps,resume,waits,ingest,tokens,"
+                                   "enqueue,original")
+    sp.add_argument("--original", metavar="CHECKOUT",
+                    help="a checkout of the original driver (BinHuangPJLAB/Safactory): compare against it "
+                         "(bench/original_driver.py); without it that part is skipped")
+    sp.add_argument("--original-level", type=int, help="concurrency of the comparison with the original driver (1000)")
+    sp.add_argument("--original-steps", help="episode lengths of that comparison (1,5,20)")
+    sp.add_argument("--original-log-level", help="the original's log level in that comparison (WARNING; its "
+                                                 "launcher's own defaults are INFO on the console, DEBUG to a file)")
+    sp.add_argument("--original-reset-concurrency", type=int,
+                    help="the original's cluster.http.startup_concurrency (0: C, never binding; 16 in its shipped config)")
     sp.add_argument("--process-counts", help="worker process counts compared at --pool-level, e.g. 2,4 ('' for none)")
     sp.add_argument("--out", help="the Markdown report (docs/benchmarks.md)")
     sp.add_argument("--png", help="the plot (docs/benchmarks.png); '' for none")

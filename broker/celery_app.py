@@ -2,11 +2,11 @@
 
 Why each setting (see the README's delivery guarantee):
 * late ack + reject on worker lost: a task is acknowledged only after its episode finished, so
-  a killed pool process sends its episode back to the queue instead of dropping it.
+  a warm shutdown or a pool process that dies gives the message back (kombu's in-memory QoS).
 * prefetch 1: a worker holds no more episodes than it runs; the rest stay in Redis for others.
-* visibility timeout above the episode budget: Redis redelivers an unacknowledged task after
-  this long, and a running episode must never be redelivered while it runs. A dead worker's
-  episode comes back much sooner through its lease (broker/recovery.py), not through this.
+* no ack emulation in the transport (broker/kombu_redis.py says why): a message is gone from
+  Redis once a worker takes it; what a dead worker held comes back through the ledger (its
+  reservation or lease lapses, or reconcile finds the episode queued with no message).
 * msgpack/json only: no pickle, a pickled message is rejected and logged by kombu.
 * no result backend: outcomes travel in the results stream, not in Celery results.
 * cancel_long_running_tasks_on_connection_loss stays False: a Redis restart must not abort
@@ -15,7 +15,8 @@ Why each setting (see the README's delivery guarantee):
   slot freed by a finished episode takes the next one at once (workers/celery_consumer.py).
   The worker names it (workers/tasks.py passes it to ``make_app``): broker/ names nothing above it.
 * broker_transport: kombu's Redis transport, keeping one client per channel
-  (broker/kombu_redis.py).
+  (broker/kombu_redis.py); its Sentinel transport for a ``redis+sentinel://`` URL, which
+  connects by the address broker/redisconn.py read (the broker URL only names a Sentinel).
 * remote control off unless ``worker_remote_control`` (broker/settings.py says why).
 * per-task log lines ("received", "succeeded") are off (workers/tasks.py): at a thousand
   episodes a minute they cost more CPU than the bookkeeping they report.
@@ -25,8 +26,8 @@ from __future__ import annotations
 
 from celery import Celery
 
-from broker.kombu_redis import TRANSPORT
-from broker.redisconn import broker_transport_options, broker_use_ssl
+from broker.kombu_redis import SENTINEL_TRANSPORT, TRANSPORT
+from broker.redisconn import broker_transport_options, broker_use_ssl, sentinel_address
 from broker.settings import Settings
 
 EPISODE_TASK = "interactor.run_episode"
@@ -35,7 +36,12 @@ EPISODE_TASK = "interactor.run_episode"
 def make_app(settings: Settings, *, main: str = "interactor", worker_consumer: str | None = None) -> Celery:
     """The Celery app. ``worker_consumer``: the consumer class a worker runs (``module:Class``),
     named by the worker that runs it (workers/tasks.py); Celery's own when None."""
-    app = Celery(main, broker=settings.redis_url, set_as_current=False)
+    address = sentinel_address(settings)
+    broker, transport = settings.redis_url, TRANSPORT
+    if address is not None:  # what Celery logs; the transport connects by the address itself
+        host, port = address.sentinels[0]
+        broker, transport = f"sentinel://{f'[{host}]' if ':' in host else host}:{port}/{address.db}", SENTINEL_TRANSPORT
+    app = Celery(main, broker=broker, set_as_current=False)
     app.conf.update(
         task_serializer="msgpack",
         accept_content=["msgpack", "json"],
@@ -47,7 +53,8 @@ def make_app(settings: Settings, *, main: str = "interactor", worker_consumer: s
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
         worker_concurrency=settings.concurrency,
-        worker_pool=settings.pool,
+        # The pool is chosen by the worker's -P (interactor/cli.py): Celery warns that gevent
+        # must not be chosen by this setting, and it would take it from here too late anyway.
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_send_task_events=False,
         worker_enable_remote_control=settings.worker_remote_control,
@@ -56,7 +63,7 @@ def make_app(settings: Settings, *, main: str = "interactor", worker_consumer: s
         worker_redirect_stdouts=False,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
-        broker_transport=TRANSPORT,
+        broker_transport=transport,
         broker_transport_options=broker_transport_options(settings),
         broker_use_ssl=broker_use_ssl(settings),
         broker_heartbeat=0,

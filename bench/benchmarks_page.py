@@ -1,4 +1,4 @@
-"""docs/benchmarks.md and its plot, from one run's results (a JSON-able dict).
+"""docs/benchmarks.md, from one run's results (a JSON-able dict); its plot is bench/benchmarks_plot.py.
 
 Every figure of a table comes from the same run. ``bench/notes.md`` (hand-written: the
 before/after of each fix and why a target misses) is appended verbatim.
@@ -10,6 +10,8 @@ import math
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.original_driver import section as original_section
 
 TARGETS = {
     "efficiency_256": 0.97,
@@ -254,7 +256,7 @@ def choose_pool(pools: list[dict]) -> tuple[str, list[str]]:
 
 
 def feed_section(fd: dict) -> list[str]:
-    """The rollout feed's figures (bench/harness.py ``run_feed``)."""
+    """The rollout feed's figures (bench/feed_run.py ``run_feed``)."""
     s = fd["spec"]
     lat = fd.get("latency_ms") or {}
     st = fd.get("stats") or {}
@@ -276,14 +278,37 @@ def feed_section(fd: dict) -> list[str]:
     return out
 
 
+def cost_rows(level: int, runs: list[tuple[str, dict]], cost: dict, names: tuple[str, str]) -> str:
+    """The table of a feature's cost per step: one row per load run (label, run), the CPU and
+    Redis figures of ``cost`` (bench/feature_costs.py ``added_cost``, keys named by ``names``)."""
+    return _table(
+        ["C", runs[0][0].split("=")[0], "steps/s", "efficiency", "orchestration CPU per step",
+         "Redis commands per step", "problems"],
+        [(level, label.split("=")[-1], _f(r["rate"], 1), _f(r["efficiency"], 3),
+          _f(cost[f"cpu_ms_per_step_{n}"], 3) + " ms", _f(cost[f"redis_per_step_{n}"], 2),
+          "; ".join(r.get("errors") or []))
+         for (label, r), n in zip(runs, names)]) + "\n"
+
+
+def cost_line(what: str, cost: dict, names: tuple[str, str]) -> str:
+    """``**<what> cost per step:** ...`` (``what`` possessive: "Caps'"): the CPU ratio and difference, the Redis commands added,
+    and whether the per-step CPU target holds with the feature."""
+    without, with_ = names
+    target = TARGETS["cpu_ms_per_step"]
+    within = "yes" if cost[f"cpu_ms_per_step_{with_}"] <= target else "**no**"
+    return (f"**{what} cost per step:** orchestration CPU x{_f(cost['cpu_ratio'], 2)} "
+            f"({_f(cost[f'cpu_ms_per_step_{with_}'] - cost[f'cpu_ms_per_step_{without}'], 3)} ms), "
+            f"{_f(cost['redis_extra_per_step'], 2)} Redis commands more (so at most that many round trips); "
+            f"with it, within the per-step CPU target (<= {target:g} ms): {within}.\n")
+
+
 def caps_section(cp: dict) -> list[str]:
-    """The caps' cost per step (bench/run.py ``run_caps``, harness ``caps_cost``): the same load
-    with and without fleet-wide caps that never bind."""
+    """The caps' cost per step (bench/run.py ``run_caps``, bench/feature_costs.py ``caps_cost``): the
+    same load with and without fleet-wide caps that never bind."""
     u, c = cp["uncapped"], cp["capped"]
     s = c["spec"]
     n = math.ceil(cp["factor"] * cp["level"])
-    target = TARGETS["cpu_ms_per_step"]
-    within = "yes" if cp["cpu_ms_per_step_capped"] <= target else "**no**"
+    names = ("uncapped", "capped")
     return ["## Cost of the fleet-wide caps\n",
             f"The load at concurrency {cp['level']} ({s['steps']}-step `countdown` episodes, the load runs' "
             f"latencies) run again with a model cap and an env-server cap (`max_concurrency` {n:,}, "
@@ -292,22 +317,70 @@ def caps_section(cp: dict) -> list[str]:
             "lends them to its calls, renews its lease every second and gives back what it did not need "
             "(workers/fleetcaps.py). Every round trip is at least one command, so the commands the caps add "
             "per step bound the round trips they add.\n",
-            _table(["C", "caps", "steps/s", "efficiency", "orchestration CPU per step", "Redis commands per step",
-                    "problems"],
-                   [(cp["level"], "none", _f(u["rate"], 1), _f(u["efficiency"], 3),
-                     _f(cp["cpu_ms_per_step_uncapped"], 3) + " ms", _f(cp["redis_per_step_uncapped"], 2),
-                     "; ".join(u.get("errors") or [])),
-                    (cp["level"], f"{n:,}", _f(c["rate"], 1), _f(c["efficiency"], 3),
-                     _f(cp["cpu_ms_per_step_capped"], 3) + " ms", _f(cp["redis_per_step_capped"], 2),
-                     "; ".join(c.get("errors") or []))]) + "\n",
-            f"**Caps' cost per step:** orchestration CPU x{_f(cp['cpu_ratio'], 2)} "
-            f"({_f(cp['cpu_ms_per_step_capped'] - cp['cpu_ms_per_step_uncapped'], 3)} ms), "
-            f"{_f(cp['redis_extra_per_step'], 2)} Redis commands more (so at most that many round trips); "
-            f"with the caps, within the per-step CPU target (<= {target:g} ms): {within}.\n"]
+            cost_rows(cp["level"], [("caps=none", u), (f"caps={n:,}", c)], cp, names),
+            cost_line("Caps'", cp, names)]
+
+
+def resume_section(rs: dict) -> list[str]:
+    """The progress snapshots' cost per step (bench/run.py ``run_resume``): the same load with
+    resume off and on."""
+    names = ("off", "on")
+    return ["## Cost of resumable episodes\n",
+            f"The load at concurrency {rs['level']} run with `resume: false` against the same load with resume on "
+            "(the default): what the workers' progress snapshots cost (broker/resume.py: from an episode's second "
+            "step, one after each prompt and one with each step's record, through the step publisher, and one "
+            "sent and waited for before each `step` call).\n",
+            cost_rows(rs["level"], [("resume=off", rs["off"]), ("resume=on", rs["on"])], rs, names),
+            cost_line("Resume's", rs, names)]
+
+
+def waits_section(wt: dict) -> list[str]:
+    """What waiting for a replica costs (bench/run.py ``run_waits``): the same load with a replica,
+    the commit points' waits off and on, and the commit points' own latency each way."""
+    names = ("off", "on")
+    c = wt["commits"]
+    off, on = c["ms_per_commit"].get("off", {}), c["ms_per_commit"].get("on", {})
+    steps = wt["on"]["spec"]["steps"]
+    return ["## Cost of waiting for a replica\n",
+            f"The load at concurrency {wt['level']} with a replica beside the primary (on loopback; its CPU counted "
+            "as Redis's), run with the commit points' waits off and on (`INTERACTOR_REDIS_WAIT`, broker/replicas.py: a "
+            "`WAIT 1` after each START and FINISH, in the same round trip, so an episode pays two replica "
+            f"acknowledgements; with {steps}-step episodes that is 2/{steps} per step).\n",
+            cost_rows(wt["level"], [("waits=off", wt["off"]), ("waits=on", wt["on"])], wt, names),
+            cost_line("Replica waits'", wt, names),
+            f"Each commit point alone ({c['commits']:,} START and FINISH pairs, one at a time, against the same "
+            f"primary and replica): {_f(off.get('p50'), 3)} ms without a wait, {_f(on.get('p50'), 3)} ms with "
+            f"(median; p99 {_f(off.get('p99'), 3)} and {_f(on.get('p99'), 3)} ms). **A wait adds "
+            f"{_f(c['added_ms_p50'], 3)} ms to a commit point**, so {_f(2 * c['added_ms_p50'], 3)} ms to an episode "
+            f"and {_f(2 * c['added_ms_p50'] / steps, 3)} ms to each step of a {steps}-step one; on a network, add the "
+            "round trip to the replica." + (f" Problems: {'; '.join(c['errors'])}." if c.get("errors") else "") + "\n"]
 
 
 def render(res: dict, png_name: str | None) -> str:
-    m = res["machine"]
+    """The page: how it was made and measured, the machine, the targets, then one section per
+    part of the run that has results, then the hand-written notes."""
+    out = intro_section(res) + machine_section(res["machine"]) + targets_section(res)
+    out += load_section(res) + single_turn_section(res)
+    if png_name:
+        out.append(f"![benchmarks]({png_name})\n")
+    out += processes_section(res) + pools_section(res)
+    if res.get("feed"):
+        out += feed_section(res["feed"])
+    if res.get("caps"):
+        out += caps_section(res["caps"])
+    if res.get("resume"):
+        out += resume_section(res["resume"])
+    if res.get("waits"):
+        out += waits_section(res["waits"])
+    out += ingest_section(res) + token_storage_section(res) + enqueue_section(res) + original_section(res)
+    if NOTES.exists():
+        out.append(NOTES.read_text().rstrip() + "\n")
+    return "\n".join(out)
+
+
+def intro_section(res: dict) -> list[str]:
+    """The title, when and from which code the run was made, how to run it, and how each figure
+    is measured."""
     cfg = res["config"]
     out = []
     out.append("# Benchmarks\n")
@@ -319,6 +392,7 @@ def render(res: dict, png_name: str | None) -> str:
                "interactor bench --quick       # a 20-second smoke version (writes to runs/bench/)\n"
                "interactor bench --levels 256 --pools '' --skip ingest,enqueue   # one load level only\n"
                "interactor bench --src /path/to/other/checkout   # workers, consumer, stand-ins from another checkout\n"
+               "interactor bench --original /path/to/Safactory   # also against the original driver, from a checkout\n"
                "interactor bench --render runs/bench/results.json  # re-render this page from a run's raw results\n```\n")
     out.append("The load runs start, per level and in a fresh folder: an embedded Redis (append-only file on, as "
                "`interactor run` uses it), the env and model stand-ins in their own processes (`bench/standins.py`: "
@@ -352,13 +426,23 @@ def render(res: dict, png_name: str | None) -> str:
                "episode) are added as fast as a pipeline can, and the clock stops when all are acknowledged.")
     out.append("* **Enqueue**: `interactor submit` of a task file expanding to the job (plan: read, validate, "
                "expand; then the ledger and the queue), episodes/s end to end.\n")
+    return out
 
+
+def machine_section(m: dict) -> list[str]:
+    """The machine the run was made on, and how busy it was when the run started."""
+    out = []
     out.append("## The machine\n")
     out.append(f"{m['cores']} cores ({m['cpu']}), {m['ram_gb']} GB RAM, {m['os']}, Python {m['python']}, "
                f"Redis {m.get('redis', '?')}, Celery {m.get('celery', '?')}. Load average when the run started: "
                f"{', '.join(str(x) for x in m['loadavg'])} (the machine is shared: the *machine busy* column is "
                "everything running on it, not only this benchmark).\n")
+    return out
 
+
+def targets_section(res: dict) -> list[str]:
+    """Each target against the run's figure, then the misses named."""
+    out = []
     out.append("## Targets\n")
     out.append("Ratio: measured / target for a floor, target / measured for a ceiling; at least 1.00x means met.\n")
     out.append(_table(["Metric", "Target", "Measured", "Ratio", "Met?"], target_rows(res)) + "\n")
@@ -367,173 +451,132 @@ def render(res: dict, png_name: str | None) -> str:
     if misses:
         out.append("Missed in this run: " + "; ".join(f"{r[0]} ({r[2]} against {r[1]}, {r[3]})" for r in misses)
                    + ". Why, and what would close each gap: see *Notes* below.\n")
+    return out
 
-    if res.get("load"):
-        out.append("## Load runs\n")
-        out.append(f"Model latency {cfg['model_latency_ms']:g} ms, env latency {cfg['env_latency_ms']:g} ms per call, "
-                   f"pool `{res['load'][0]['spec']['pool']}`. CPU columns are ms per step.\n")
-        out.append(_table(LOAD_HEADER, load_rows(res["load"])) + "\n")
+
+def load_section(res: dict) -> list[str]:
+    """The load levels' table."""
+    if not res.get("load"):
+        return []
+    cfg = res["config"]
+    return ["## Load runs\n",
+            f"Model latency {cfg['model_latency_ms']:g} ms, env latency {cfg['env_latency_ms']:g} ms per call, "
+            f"pool `{res['load'][0]['spec']['pool']}`. CPU columns are ms per step.\n",
+            _table(LOAD_HEADER, load_rows(res["load"])) + "\n"]
+
+
+def single_turn_section(res: dict) -> list[str]:
+    """The 1-step levels' table, and what an episode costs beyond its steps against the load
+    level of the same concurrency."""
     single = res.get("single_turn") or []
-    if single:
-        out.append("## Single-turn episodes\n")
-        out.append("The same load with 1-step episodes (a prompt, one answer, one step: single-turn RL), where "
-                   "what an episode costs beyond its steps (its task message, lease, reset and close, attempt "
-                   "record, rows) is paid on every step. Ideal steps/s = C / (model + 4 x env).\n")
-        out.append(_table(LOAD_HEADER, load_rows(single)) + "\n")
-        rows = []
-        for r in single:
-            c = r["spec"]["concurrency"]
-            multi = _by_c(res.get("load") or [], c)
-            rows.append((c, _f(r.get("episodes"), 0), _f(ms_per_episode(r), 3),
-                         _f(episode_overhead_ms(r, multi), 3) if multi else "n/a",
-                         _f(redis_calls_per_episode(r), 1),
-                         _f(redis_extra_per_episode(r, multi), 1) if multi else "n/a",
-                         ", ".join(f"{k} {v / max(1, r['episodes']):.1f}" for k, v in
-                                   sorted((r.get("redis_calls") or {}).items(), key=lambda kv: -kv[1])[:8])))
-        out.append(_table(["C", "episodes in window", "orch. CPU ms/episode (1 step)",
-                           "CPU ms/episode beyond its steps", "Redis commands/episode",
-                           "Redis commands/episode beyond its steps", "top commands per episode"], rows) + "\n")
-        out.append("*Beyond its steps*: per step, a 1-step episode costs a + b and an n-step episode a + b / n "
-                   "(b: what the episode itself costs), so b = (1-step - n-step) x n / (n - 1), from the two runs "
-                   "at the same concurrency. Redis commands count those Lua scripts run under their own names.\n")
-    if png_name:
-        out.append(f"![benchmarks]({png_name})\n")
+    if not single:
+        return []
+    out = []
+    out.append("## Single-turn episodes\n")
+    out.append("The same load with 1-step episodes (a prompt, one answer, one step: single-turn RL), where "
+               "what an episode costs beyond its steps (its task message, lease, reset and close, attempt "
+               "record, rows) is paid on every step. Ideal steps/s = C / (model + 4 x env).\n")
+    out.append(_table(LOAD_HEADER, load_rows(single)) + "\n")
+    rows = []
+    for r in single:
+        c = r["spec"]["concurrency"]
+        multi = _by_c(res.get("load") or [], c)
+        rows.append((c, _f(r.get("episodes"), 0), _f(ms_per_episode(r), 3),
+                     _f(episode_overhead_ms(r, multi), 3) if multi else "n/a",
+                     _f(redis_calls_per_episode(r), 1),
+                     _f(redis_extra_per_episode(r, multi), 1) if multi else "n/a",
+                     ", ".join(f"{k} {v / max(1, r['episodes']):.1f}" for k, v in
+                               sorted((r.get("redis_calls") or {}).items(), key=lambda kv: -kv[1])[:8])))
+    out.append(_table(["C", "episodes in window", "orch. CPU ms/episode (1 step)",
+                       "CPU ms/episode beyond its steps", "Redis commands/episode",
+                       "Redis commands/episode beyond its steps", "top commands per episode"], rows) + "\n")
+    out.append("*Beyond its steps*: per step, a 1-step episode costs a + b and an n-step episode a + b / n "
+               "(b: what the episode itself costs), so b = (1-step - n-step) x n / (n - 1), from the two runs "
+               "at the same concurrency. Redis commands count those Lua scripts run under their own names.\n")
+    return out
 
+
+def processes_section(res: dict) -> list[str]:
+    """The same load over different numbers of worker processes."""
     procs = res.get("processes") or []
-    if procs:
-        out.append("## Worker processes\n")
-        out.append(f"The same load (concurrency {procs[0]['spec']['concurrency']}, pool "
-                   f"`{procs[0]['spec']['pool']}`) split over a different number of worker processes:\n")
-        out.append(_table(LOAD_HEADER, load_rows(procs)) + "\n")
+    if not procs:
+        return []
+    return ["## Worker processes\n",
+            f"The same load (concurrency {procs[0]['spec']['concurrency']}, pool "
+            f"`{procs[0]['spec']['pool']}`) split over a different number of worker processes:\n",
+            _table(LOAD_HEADER, load_rows(procs)) + "\n"]
 
+
+def pools_section(res: dict) -> list[str]:
+    """The same load with each pool, and the default chosen from them."""
     pools = res.get("pools") or []
-    if pools:
-        out.append("## Worker pools\n")
-        out.append(f"The same load (concurrency {pools[0]['spec']['concurrency']}, same latencies, "
-                   f"{pools[0]['spec']['workers']} worker processes) with each pool:\n")
-        out.append(_table(LOAD_HEADER, load_rows(pools)) + "\n")
-        pick, why = choose_pool(pools)
-        out.append(f"**Chosen default: `{pick}`** (rule: the best efficiency, within 0.02 counting as a tie, then the "
-                   "least orchestration CPU per step, then memory).\n")
-        out += [f"* {w}" for w in why]
-        out.append("")
+    if not pools:
+        return []
+    out = []
+    out.append("## Worker pools\n")
+    out.append(f"The same load (concurrency {pools[0]['spec']['concurrency']}, same latencies, "
+               f"{pools[0]['spec']['workers']} worker processes) with each pool:\n")
+    out.append(_table(LOAD_HEADER, load_rows(pools)) + "\n")
+    pick, why = choose_pool(pools)
+    out.append(f"**Chosen default: `{pick}`** (rule: the best efficiency, within 0.02 counting as a tie, then the "
+               "least orchestration CPU per step, then memory).\n")
+    out += [f"* {w}" for w in why]
+    out.append("")
+    return out
 
-    fd = res.get("feed")
-    if fd:
-        out += feed_section(fd)
 
-    if res.get("caps"):
-        out += caps_section(res["caps"])
-
+def ingest_section(res: dict) -> list[str]:
+    """The consumer's ingest runs: records/s and CPU per record of each role."""
     runs = res.get("ingest_runs") or []
-    if runs:
-        out.append("## Consumer ingest\n")
-        rows = []
-        for r in runs:
-            n = max(1, r["records"])
-            rows.append((r["backend"], r["consumers"], f"{r['records']:,}", f"{r['seconds']:.2f}",
-                         f"**{r['rate']:,.0f}**", f"{1e6 * r['cpu_consumers_s'] / n:.0f}",
-                         f"{1e6 * r['cpu_redis_s'] / n:.0f}",
-                         f"{1e6 * r['cpu_database_s'] / n:.0f}" if r["backend"] == "postgres" else "(in the consumer)",
-                         "; ".join(r.get("errors") or [])))
-        out.append(_table(["backend", "consumer processes", "records", "seconds", "records/s",
-                           "consumer CPU us/record", "Redis CPU us/record", "database server CPU us/record",
-                           "problems"], rows) + "\n")
+    if not runs:
+        return []
+    rows = []
+    for r in runs:
+        n = max(1, r["records"])
+        rows.append((r["backend"], r["consumers"], f"{r['records']:,}", f"{r['seconds']:.2f}",
+                     f"**{r['rate']:,.0f}**", f"{1e6 * r['cpu_consumers_s'] / n:.0f}",
+                     f"{1e6 * r['cpu_redis_s'] / n:.0f}",
+                     f"{1e6 * r['cpu_database_s'] / n:.0f}" if r["backend"] == "postgres" else "(in the consumer)",
+                     "; ".join(r.get("errors") or [])))
+    return ["## Consumer ingest\n",
+            _table(["backend", "consumer processes", "records", "seconds", "records/s",
+                    "consumer CPU us/record", "Redis CPU us/record", "database server CPU us/record",
+                    "problems"], rows) + "\n"]
+
+
+def token_storage_section(res: dict) -> list[str]:
+    """What token-exact trajectories cost on disk."""
     tok = res.get("token_storage")
-    if tok:
-        ids = max(1, tok["stored_ids"])
-        out.append("## Token storage\n")
-        out.append(f"{tok['episodes']} full-history episodes of {tok['turns']} turns (each turn's prompt is the last "
-                   "one plus the answer and the env's reply) written through the real SQLite store with their token "
-                   "fields: prompt ids and completion ids packed little-endian int32, logprobs float32, as blobs.\n")
-        out.append(_table(["figure", "value"], [
-            ("sampled tokens (completion ids)", f"{tok['sampled_tokens']:,}"),
-            ("stored ids (each turn's prompt and completion)", f"{tok['stored_ids']:,}"),
-            ("**bytes per stored id** (ids + logprobs)", f"**{tok['token_bytes'] / ids:.2f}**"),
-            ("bytes per sampled token (the prompts' repeats included)",
-             f"{tok['token_bytes'] / max(1, tok['sampled_tokens']):.1f}"),
-            ("the same numbers as JSON text, bytes per stored id", f"{tok['json_bytes'] / ids:.2f}"),
-            ("sampled tokens' strings (for the browser), bytes per sampled token",
-             f"{tok['texts_bytes'] / max(1, tok['sampled_tokens']):.1f}"),
-            ("SQLite file growth over the same job without tokens, bytes per stored id",
-             f"{tok['file_growth_bytes'] / ids:.2f}"),
-        ]) + "\n")
+    if not tok:
+        return []
+    ids = max(1, tok["stored_ids"])
+    return ["## Token storage\n",
+            f"{tok['episodes']} full-history episodes of {tok['turns']} turns (each turn's prompt is the last "
+            "one plus the answer and the env's reply) written through the real SQLite store with their token "
+            "fields: prompt ids and completion ids packed little-endian int32, logprobs float32, as blobs.\n",
+            _table(["figure", "value"], [
+                ("sampled tokens (completion ids)", f"{tok['sampled_tokens']:,}"),
+                ("stored ids (each turn's prompt and completion)", f"{tok['stored_ids']:,}"),
+                ("**bytes per stored id** (ids + logprobs)", f"**{tok['token_bytes'] / ids:.2f}**"),
+                ("bytes per sampled token (the prompts' repeats included)",
+                 f"{tok['token_bytes'] / max(1, tok['sampled_tokens']):.1f}"),
+                ("the same numbers as JSON text, bytes per stored id", f"{tok['json_bytes'] / ids:.2f}"),
+                ("sampled tokens' strings (for the browser), bytes per sampled token",
+                 f"{tok['texts_bytes'] / max(1, tok['sampled_tokens']):.1f}"),
+                ("SQLite file growth over the same job without tokens, bytes per stored id",
+                 f"{tok['file_growth_bytes'] / ids:.2f}"),
+            ]) + "\n"]
+
+
+def enqueue_section(res: dict) -> list[str]:
+    """The producer's enqueue rate."""
     enq = res.get("enqueue")
-    if enq:
-        out.append("## Enqueue\n")
-        out.append(f"{enq['episodes']:,} episodes: plan {enq['plan_s']:.2f} s, ledger + queue {enq['enqueue_s']:.2f} s: "
-                   f"**{enq['rate']:,.0f} episodes/s** end to end ({enq['enqueue_rate']:,.0f}/s for ledger + queue alone)."
-                   + (f" Problems: {'; '.join(enq['errors'])}." if enq.get("errors") else "") + "\n")
-
-    if NOTES.exists():
-        out.append(NOTES.read_text().rstrip() + "\n")
-    return "\n".join(out)
-
-
-def plot(res: dict, path: str) -> None:
-    import logging
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    import matplotlib.pyplot as plt
-
-    load = res.get("load") or []
-    pools = res.get("pools") or []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    ax = axes[0]
-    labels = [str(r["spec"]["concurrency"]) for r in load]
-    ax.bar(labels, [r["efficiency"] for r in load], color="#4c72b0")
-    for i, r in enumerate(load):
-        ax.text(i, r["efficiency"] + 0.01, f"{r['efficiency']:.3f}", ha="center", fontsize=9)
-        t = {256: TARGETS["efficiency_256"], 1000: TARGETS["efficiency_1000"]}.get(r["spec"]["concurrency"])
-        if t:
-            ax.hlines(t, i - 0.4, i + 0.4, colors="red", linestyles="dashed")
-    ax.set_ylim(0, 1.1)
-    ax.set_title("Efficiency (achieved / ideal steps/s)")
-    ax.set_xlabel("concurrency")
-
-    ax = axes[1]
-    bottom = [0.0] * len(load)
-    for role, color in (("workers", "#4c72b0"), ("consumer", "#55a868"), ("redis", "#c44e52"),
-                        ("env", "#cccccc"), ("model", "#eeeeee")):
-        vals = [role_ms(r, role) for r in load]
-        ax.bar(labels, vals, bottom=bottom, label=role + (" (stand-in)" if role in ("env", "model") else ""),
-               color=color, edgecolor="#999999" if role in ("env", "model") else None)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.axhline(TARGETS["cpu_ms_per_step"], color="red", linestyle="dashed", label="target (orchestration)")
-    ax.set_title("CPU ms per step")
-    ax.set_xlabel("concurrency")
-    ax.legend(fontsize=8)
-
-    ax = axes[2]
-    if pools:
-        pl = [r["spec"]["pool"] for r in pools]
-        x = range(len(pools))
-        ax.bar([i - 0.2 for i in x], [r["efficiency"] for r in pools], width=0.4, label="efficiency", color="#4c72b0")
-        ax2 = ax.twinx()
-        ax2.bar([i + 0.2 for i in x], [orch_ms(r) for r in pools], width=0.4, label="orch. CPU ms/step",
-                color="#dd8452")
-        ax.set_xticks(list(x), pl)
-        ax.set_ylim(0, 1.1)
-        ax.set_ylabel("efficiency")
-        ax2.set_ylabel("CPU ms/step")
-        ax.set_title(f"Pools at concurrency {pools[0]['spec']['concurrency']}")
-        h1, l1 = ax.get_legend_handles_labels()
-        h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
-    else:
-        lat = [(r.get("latency_ms") or {}) for r in load]
-        ax.plot(labels, [x.get("p50", 0) for x in lat], marker="o", label="p50")
-        ax.plot(labels, [x.get("p99", 0) for x in lat], marker="o", label="p99")
-        ax.axhline(TARGETS["latency_p99_ms_256"], color="red", linestyle="dashed", label="p99 target")
-        ax.set_title("Record latency (ms)")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"interactor benchmarks ({res['finished']}, {res['machine']['cores']} cores)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    if not enq:
+        return []
+    return ["## Enqueue\n",
+            f"{enq['episodes']:,} episodes: plan {enq['plan_s']:.2f} s, ledger + queue {enq['enqueue_s']:.2f} s: "
+            f"**{enq['rate']:,.0f} episodes/s** end to end ({enq['enqueue_rate']:,.0f}/s for ledger + queue alone)."
+            + (f" Problems: {'; '.join(enq['errors'])}." if enq.get("errors") else "") + "\n"]
 
 
 def now_text() -> str:

@@ -3,7 +3,9 @@
 :data:`TOKEN_ANSWERS` says, server by server, which request fields ask for token ids and
 logprobs and where the answer puts them, like :data:`workers.modelclient.CONTEXT_OVERFLOW_SIGNS`
 for context overflows. :func:`read_tokens` reads one chat-completion answer into a
-:class:`TokenAnswer`; :func:`check` validates it against the answer text. Nothing here raises
+:class:`TokenAnswer`; :func:`check` validates it against the answer text;
+:func:`step_token_fields` is the step loop's bookkeeping of one (the record's token fields, the
+job's warnings, the ids the next turn's prompt must extend). Nothing here raises
 for a bad token answer: the step keeps its text and its tokens are marked invalid with the
 reason (broker/tokens.py TOKEN_ERRORS), and the episode goes on.
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.tokens import (
+    MIN_LOGPROB,
     SERVER_LLAMA_CPP,
     SERVER_OPENAI,
     SERVER_SGLANG,
@@ -36,6 +39,7 @@ from broker.tokens import (
     TOKENS_MISSING,
     TOKENS_NO_IDS,
     TOKENS_OK,
+    first_difference,
     pack_ids,
     pack_logprobs,
     valid_id,
@@ -191,7 +195,8 @@ def read_tokens(mode: str, obj: dict, content: str) -> TokenAnswer:
             return ans.invalid(TOK_LENGTH_MISMATCH, f"logprobs.content[{i}] is not an object")
         lp = e.get("logprob")
         if not valid_logprob(lp):
-            return ans.invalid(TOK_BAD_LOGPROB, f"logprobs.content[{i}].logprob = {lp!r:.40} is not a finite number <= 0")
+            return ans.invalid(TOK_BAD_LOGPROB, f"logprobs.content[{i}].logprob = {lp!r:.40} is not a number in "
+                                                f"[{MIN_LOGPROB:.4g}, 0] (what float32 stores)")
         logprobs.append(float(lp))
         tok = e.get("token")
         texts.append(tok if isinstance(tok, str) else "")
@@ -288,3 +293,28 @@ def warn_once(job_id: str, text: str, key: str = "") -> bool:
         _warned.add(key)
     log.warning("job %s: %s", job_id, text)
     return True
+
+
+def step_token_fields(job_id: str, episode_id: str, step_id: int, tok: TokenAnswer | None,
+                      prev_tokens: list[int] | None) -> tuple[dict, list[int] | None]:
+    """One step's token bookkeeping: its StepRecord token fields (none when the job asked for
+    no tokens) and the ids the next turn's prompt must start with (``prev_tokens``: this turn's
+    prompt + completion ids, an append-only template; where the next prompt does not start with
+    them, its step records ``token_drift``, docs/protocol.md). The answer's warnings are logged
+    once per job."""
+    if tok is None:
+        return {}, prev_tokens
+    fields = tok.record_fields()
+    for text in tok.warnings:
+        warn_once(job_id, text)
+    if tok.status in (TOKENS_INVALID, TOKENS_MISSING):
+        # once per job and reason; each step's own reason is stored with it
+        code = tok.error.split(":", 1)[0]
+        warn_once(job_id, f"token answers {tok.status} ({code}), e.g. episode {episode_id} "
+                          f"step {step_id}: {tok.error}; the steps keep their text",
+                  key=f"{tok.status}:{code}")
+    if tok.status != TOKENS_OK:
+        return fields, None  # nothing to compare the next turn with
+    if prev_tokens is not None:
+        fields["token_drift"] = first_difference(prev_tokens, tok.prompt_ids)
+    return fields, list(tok.prompt_ids) + list(tok.completion_ids)

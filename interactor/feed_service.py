@@ -29,10 +29,11 @@ import redis
 from broker import feed
 from broker.keys import Keys
 from broker.records import FeedGroup, RecordError, unpack
-from broker.settings import Settings
+from broker.replicas import ReplicaWait
+from broker.settings import Settings, redact_url
 from broker.states import FeedGroupStatus
-from consumer.feed import FeedAnnouncer
-from consumer.storage.group_stats import group_stats
+from consumer.announce import FeedAnnouncer
+from consumer.storage.group_stats import group_stats, reward_mean_std
 from envs.base import import_object, valid_object_path
 from workers.allowlist import PathAllowlist
 
@@ -61,6 +62,8 @@ def load_filter(path: str, allowed: str) -> Callable[[dict], bool] | None:
 
 
 class FeedService:
+    COMPAT_TRAINER = COMPAT_TRAINER
+
     def __init__(self, client: redis.Redis, settings: Settings, job_id: str, store=None):
         self.r = client
         self.settings = settings
@@ -71,16 +74,34 @@ class FeedService:
         if cfg is None:
             raise feed.FeedError(f"job {job_id!r} has no feed (create it with `interactor feed serve`)", 404)
         self.cfg = cfg
+        self.check_store()
         self.user_filter = load_filter(cfg.filter, settings.feed_filters)
+        self.replicas = ReplicaWait.for_settings(settings)  # takes and acks wait for a replica (broker/replicas.py)
         self.announcer = FeedAnnouncer(client, self.keys, store) if store is not None else None
+
+    def check_store(self) -> None:
+        """Refuse (409) to hand out groups read from another store than the one the job's
+        consumer writes: every sample would come without its steps."""
+        if self.store is None:
+            return
+        theirs = self.r.get(self.keys.job_store(self.job_id))
+        theirs = theirs.decode() if isinstance(theirs, bytes) else theirs
+        if theirs and theirs != self.store.identity:
+            raise feed.FeedError(f"job {self.job_id}'s results are written to {theirs}, but this feed server reads "
+                                 f"{self.store.identity}: start it with that store (--db / --store)", 409)
 
     def refresh(self) -> None:
         self.cfg = feed.config(self.r, self.keys, self.job_id) or self.cfg
 
     # --- taking ---------------------------------------------------------------------------
     def take(self, trainer: str, batch: int, timeout_s: float) -> list[dict]:
-        """Up to ``batch`` groups for ``trainer``, waiting up to ``timeout_s`` for the first
-        ones and for replacements of filtered ones."""
+        """Up to ``batch`` distinct groups for ``trainer``, waiting up to ``timeout_s`` for the
+        first ones and for replacements of filtered ones.
+
+        Once it holds a group, a take waits at most half the ack timeout more: a group held
+        inside a take longer than the ack timeout could be claimed by another take (or by this
+        one, a second time). Before answering, the groups' idle clocks are reset, so that the
+        ack timeout runs from the answer, not from the read."""
         if not isinstance(trainer, str) or not trainer or len(trainer) > 200 or " " in trainer:
             raise feed.FeedError(f"trainer must be a name without spaces, got {trainer!r}")
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -90,9 +111,11 @@ class FeedService:
                                  "the producer would never have that many groups ready")
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 <= timeout_s <= MAX_TIMEOUT_S:
             raise feed.FeedError(f"timeout must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}], got {timeout_s!r}")
+        self.check_store()
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         out: list[dict] = []
+        held: list[str] = []  # entry ids this take hands out, in order
         stream = self.keys.feed_stream(self.job_id)
         while len(out) < batch:
             want = batch - len(out)
@@ -103,19 +126,62 @@ class FeedService:
                                          block=max(1, min(left_ms, 1000)) if left_ms > 0 else None)
                 entries = [(e, False) for e in (resp[0][1] if resp else [])]
             for (entry_id, fields), again in entries:
-                item = self._decide(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, fields, again)
+                entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                if entry_id in held:
+                    continue  # never one group twice in an answer
+                item = self._decide(entry_id, fields, again)
                 if item is not None:
                     out.append(item)
+                    held.append(entry_id)
+                    if len(held) == 1:
+                        deadline = min(deadline, time.monotonic() + self.cfg.ack_timeout_s / 2)
             if time.monotonic() >= deadline:
                 break
         waited = time.monotonic() - t0
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hincrbyfloat(self.keys.feed_stats(self.job_id), feed.C_WAIT_S, waited)
-        pipe.hset(self.keys.feed_stats(self.job_id), feed.C_LAST_TAKE, f"{time.time():.3f}")
-        if out:
-            pipe.hincrby(self.keys.feed_stats(self.job_id), feed.C_TAKES, 1)
-        pipe.execute()
+        stats = self.keys.feed_stats(self.job_id)
+
+        def finish(pipe) -> None:
+            if held:  # the ack timeout runs from the answer (JUSTID: not counted as a delivery)
+                pipe.xclaim(stream, feed.TRAINERS, trainer, 0, held, justid=True)
+            pipe.hincrbyfloat(stats, feed.C_WAIT_S, waited)
+            pipe.hset(stats, feed.C_LAST_TAKE, f"{time.time():.3f}")
+            if out:
+                pipe.hincrby(stats, feed.C_TAKES, 1)
+
+        # With replica waits on, the answer goes out once a replica has the take (broker/replicas.py).
+        # The claim names the groups the primary that answers holds as this trainer's: after a
+        # failover that lost the read, the others are not in the answer (they are read afresh).
+        done = self.replicas.run(self.r, finish)
+        if held:
+            kept = {e.decode() if isinstance(e, bytes) else e for e in done[0]}
+            if len(kept) < len(held):
+                log.warning("job %s: %d groups read for trainer %s are not recorded as taken (a Redis failover lost "
+                            "the read); they are handed out later", self.job_id, len(held) - len(kept), trainer)
+                out = [item for item, entry in zip(out, held) if entry in kept]
         return out
+
+    def give_back(self, trainer: str, group_ids: list[str]) -> int:
+        """Groups handed out in an answer that never reached the trainer (its connection was
+        gone): made claimable by the next take at once, as if their ack timeout had passed.
+        Only those ``trainer`` still holds; returns how many."""
+        stream = self.keys.feed_stream(self.job_id)
+        entries = [e.decode() for e in self.r.hmget(self.keys.feed_seen(self.job_id), group_ids) if e is not None] \
+            if group_ids else []
+        mine = [e for e in entries if self._holder(stream, e) == trainer]
+        if mine:
+            self.r.xclaim(stream, feed.TRAINERS, trainer, 0, mine, idle=int(self.cfg.ack_timeout_s * 1000),
+                          justid=True)
+            log.warning("job %s: %d groups handed to trainer %s were not received (connection gone); "
+                        "they go to the next take", self.job_id, len(mine), trainer)
+        return len(mine)
+
+    def _holder(self, stream: str, entry: str) -> str | None:
+        """The trainer holding a feed entry (taken, not acknowledged); None when none does."""
+        pending = self.r.xpending_range(stream, feed.TRAINERS, min=entry, max=entry, count=1)
+        if not pending:
+            return None
+        holder = pending[0]["consumer"]
+        return holder.decode() if isinstance(holder, bytes) else holder
 
     def _claim(self, trainer: str, count: int) -> list:
         """Groups taken and not acknowledged within the ack timeout, whoever took them: this
@@ -165,15 +231,19 @@ class FeedService:
         behind = (current - group.oldest_version
                   if current is not None and group.oldest_version is not None else None)
         if cfg.max_staleness >= 0 and behind is not None and behind > cfg.max_staleness:
-            if cfg.stale_policy == feed.STALE_REQUEUE:
-                feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_STALE_REQUEUED,
-                            redo=_redo(group, f"{behind} versions behind"))
-            else:
-                feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_STALE_DROPPED)
+            self._stale(entry_id, group, behind)
             return None
         reason = self._filtered(group)
         if reason:
             feed.settle(self.r, self.keys, self.job_id, entry_id, f"{feed.C_FILTERED}:{reason}")
+            return None
+        try:
+            item = self._item(group, behind, again)
+        except UnreadableGroup as exc:
+            # Never delivered as if it had no steps: reported, as a failed group is.
+            group.reason = str(exc)
+            log.error("job %s: %s; reported as failed", self.job_id, exc)
+            feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_FAILED, failure=group.pack())
             return None
         pipe = self.r.pipeline(transaction=False)
         pipe.hincrby(stats, feed.C_REDELIVERED if again else feed.C_DELIVERED, 1)
@@ -181,7 +251,26 @@ class FeedService:
             pipe.hincrby(stats, feed.C_BEHIND, behind)
             pipe.hincrby(stats, feed.C_BEHIND_N, 1)
         pipe.execute()
-        return self._item(group, behind, again)
+        return item
+
+    def _stale(self, entry_id: str, group: FeedGroup, behind: int) -> None:
+        """A group too many versions behind: re-run as a fresh group of the same tasks (at most
+        ``refill_max`` re-runs in one group's line, as for failed groups: a model server whose
+        versions count differently from the trainer's would make every group stale for ever),
+        or dropped; either way counted, and reported once the bound is reached."""
+        cfg = self.cfg
+        runs = int(self.r.hget(self.keys.feed_refills(self.job_id), group.group_id) or 0)
+        if cfg.stale_policy == feed.STALE_REQUEUE and runs < cfg.refill_max:
+            feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_STALE_REQUEUED,
+                        redo=_redo(group, f"{behind} versions behind", runs + 1))
+            return
+        failure = b""
+        if cfg.stale_policy == feed.STALE_REQUEUE:
+            group.reason = (f"{behind} versions behind after {runs} re-runs of its tasks (feed_refill_max "
+                            f"{cfg.refill_max}): dropped")
+            failure = group.pack()
+            log.warning("group %s: %s", group.group_id, group.reason)
+        feed.settle(self.r, self.keys, self.job_id, entry_id, feed.C_STALE_DROPPED, failure=failure)
 
     def _filtered(self, group: FeedGroup) -> str:
         if self.cfg.drop_uniform and group.rewards and max(group.rewards) == min(group.rewards):
@@ -204,7 +293,11 @@ class FeedService:
         adv = group_stats(rewards)[2] if rewards else []
         samples = []
         for i, ep in enumerate(group.members):
-            steps = _with_tokens([_step(row) for row in self.store.feed_steps(ep)], self.store.episode_tokens(ep))
+            rows = self.store.feed_steps(ep)
+            if not rows:
+                raise UnreadableGroup(f"group {group.group_id}: member {ep} has no stored steps in "
+                                      f"{redact_url(str(getattr(self.store, 'url', '?')))}")
+            steps = _with_tokens([_step(row) for row in rows], self.store.episode_tokens(ep))
             samples.append({"episode_id": ep, "reward": rewards[i] if i < len(rewards) else None,
                             "advantage": adv[i] if i < len(adv) else None, "steps": steps})
         item["samples"] = samples
@@ -212,33 +305,32 @@ class FeedService:
 
     # --- acknowledging ----------------------------------------------------------------------
     def ack(self, trainer: str, group_ids: list[str]) -> dict:
-        """Acknowledge groups this trainer holds. Every id is checked before any is acknowledged:
-        an unknown group, or one another trainer holds now, is refused (404) naming it."""
+        """Acknowledge the groups this trainer holds. Those it does not (unknown, or held by
+        another trainer since its ack timeout passed) are refused, named, and answered 404,
+        while the ones it holds are acknowledged all the same: a trainer that trained on them
+        must not get them again."""
         if not isinstance(group_ids, list) or not all(isinstance(g, str) for g in group_ids):
             raise feed.FeedError(f"ids must be a list of group ids, got {group_ids!r}")
         stream = self.keys.feed_stream(self.job_id)
         entries = self.r.hmget(self.keys.feed_seen(self.job_id), group_ids) if group_ids else []
-        plan = []
+        acked, already, refused = [], [], {}
         for gid, entry in zip(group_ids, entries):
             if entry is None:
-                raise feed.FeedError(f"group {gid!r} is not on the feed of job {self.job_id!r}", 404)
+                refused[gid] = f"not on the feed of job {self.job_id}"
+                continue
             entry = entry.decode()
-            pending = self.r.xpending_range(stream, feed.TRAINERS, min=entry, max=entry, count=1)
-            if pending:
-                holder = pending[0]["consumer"]
-                holder = holder.decode() if isinstance(holder, bytes) else holder
-                if holder != trainer:
-                    raise feed.FeedError(f"group {gid!r} is held by trainer {holder!r}, not {trainer!r} "
-                                         "(its ack timeout passed and it was handed out again)", 404)
-                plan.append((gid, entry))
-            else:
-                plan.append((gid, None))  # settled already (acknowledged before, or never delivered)
-        acked, already = [], []
-        for gid, entry in plan:
-            if entry is not None and feed.settle(self.r, self.keys, self.job_id, entry, feed.C_ACKED):
+            holder = self._holder(stream, entry)
+            if holder is not None and holder != trainer:
+                refused[gid] = (f"held by trainer {holder!r}, not {trainer!r} (its ack timeout passed and it was "
+                                "handed out again)")
+            elif holder is not None and feed.settle(self.r, self.keys, self.job_id, entry, feed.C_ACKED,
+                                                    replicas=self.replicas):
                 acked.append(gid)
             else:
-                already.append(gid)
+                already.append(gid)  # settled already (acknowledged before, or never delivered)
+        if refused:
+            raise feed.FeedError("; ".join(f"group {g!r} {why}" for g, why in refused.items()), 404,
+                                 extra={"acked": acked, "already": already, "refused": refused})
         return {"acked": acked, "already": already}
 
     # --- versions and stats -----------------------------------------------------------------
@@ -246,11 +338,8 @@ class FeedService:
         return feed.set_version(self.r, self.keys, self.job_id, version)
 
     def stats(self) -> dict[str, Any]:
-        c = feed.counters(self.r, self.keys, self.job_id)
-        try:
-            taken = int(self.r.xpending(self.keys.feed_stream(self.job_id), feed.TRAINERS)["pending"])
-        except redis.ResponseError:
-            taken = 0
+        """``GET /stats``: the feed's one view (broker/feed.py ``summary``), its recent failures
+        and its configuration."""
         failures = []
         for raw in self.r.lrange(self.keys.feed_failures(self.job_id), 0, 19):
             try:
@@ -258,30 +347,8 @@ class FeedService:
                 failures.append({"group_id": g.group_id, "reason": g.reason})
             except RecordError:
                 continue
-        filtered = {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith(feed.C_FILTERED + ":")}
-        n_behind = c.get(feed.C_BEHIND_N, 0)
-        return {
-            "job_id": self.job_id,
-            "version": feed.current_version(self.r, self.keys, self.job_id),
-            "ready": c.get(feed.C_ANNOUNCED, 0) - c.get(feed.C_READ, 0),
-            "taken": taken,
-            "inflight": c.get(feed.C_PRODUCED, 0) - c.get(feed.C_SETTLED, 0),
-            "produced": c.get(feed.C_PRODUCED, 0),
-            "announced": c.get(feed.C_ANNOUNCED, 0),
-            "delivered": c.get(feed.C_DELIVERED, 0),
-            "redelivered": c.get(feed.C_REDELIVERED, 0),
-            "acked": c.get(feed.C_ACKED, 0),
-            "failed": c.get(feed.C_FAILED, 0),
-            "refilled": c.get(feed.C_REFILLED, 0),
-            "stale_requeued": c.get(feed.C_STALE_REQUEUED, 0),
-            "stale_dropped": c.get(feed.C_STALE_DROPPED, 0),
-            "filtered": filtered,
-            "versions_behind_mean": (c.get(feed.C_BEHIND, 0) / n_behind) if n_behind else None,
-            "trainer_wait_s": c.get(feed.C_WAIT_S, 0.0),
-            "takes": c.get(feed.C_TAKES, 0),
-            "recent_failures": failures,
-            "config": self.cfg.to_hash(),
-        }
+        return {"job_id": self.job_id, **feed.summary(self.r, self.keys, self.job_id),
+                "recent_failures": failures, "config": self.cfg.to_hash()}
 
     def backfill(self) -> int:
         """Announce settled groups the consumer has not (a feed attached to a running job, or a
@@ -289,9 +356,11 @@ class FeedService:
         return self.announcer.backfill(self.job_id) if self.announcer is not None else 0
 
     # --- the original system's shape ------------------------------------------------------------
-    def rollout_data(self, batch: int, timeout_s: float) -> dict:
+    def rollout_data(self, batch: int, timeout_s: float) -> tuple[dict, list[str]]:
         """``/get_rollout_data``: complete groups as the original buffer server answered, one
-        item per trainable step row; acknowledged as they are handed out (that route has no ack)."""
+        item per trainable step row, and the ids of the groups in it. That route has no ack: the
+        server acknowledges them once the answer is written (interactor/feedserve.py), and
+        gives them back when the connection is gone."""
         groups = self.take(COMPAT_TRAINER, batch, timeout_s)
         items, rewards, versions = [], [], []
         for g in groups:
@@ -318,14 +387,18 @@ class FeedService:
                     # Same item, more fields, where the step has the ids the model sampled.
                     item.update({k: st[k] for k in TOKEN_FIELDS if k in st})
                     items.append(item)
-        self.ack(COMPAT_TRAINER, [g["group_id"] for g in groups])
         return {"success": True, "message": f"{len(groups)} groups, {len(items)} samples",
                 "data": {"data": items, "meta_info": {
                     "total_samples": len(items),
-                    "avg_reward": sum(rewards) / len(rewards) if rewards else 0.0,
+                    # finite for finite rewards, however large (a plain sum of two 1e308 is inf)
+                    "avg_reward": reward_mean_std(rewards)[0] if rewards else 0.0,
                     "finished_groups": len(groups),
                     "avg_weight_version": sum(versions) / len(versions) if versions else None,
-                    "max_weight_version": max(versions) if versions else None}}}
+                    "max_weight_version": max(versions) if versions else None}}}, [g["group_id"] for g in groups]
+
+
+class UnreadableGroup(Exception):
+    """A group whose stored steps cannot be read: never handed to a trainer without them."""
 
 
 def _public(group: FeedGroup) -> dict:
@@ -345,7 +418,7 @@ _STEP_KEYS = ("job_id", "session_id", "group_id", "env_name", "step_id", "attemp
               "completion_tokens", "ended_by", "finish_reason", "created_at")
 
 
-# A step's token fields as a trainer gets them (consumer/storage/tokens.py): present only on
+# A step's token fields as a trainer gets them (consumer/storage/step_tokens.py): present only on
 # steps that asked the model for tokens; ids as lists of ints, logprobs as floats.
 TOKEN_FIELDS = ("token_status", "prompt_ids", "completion_ids", "completion_logprobs")
 

@@ -1,0 +1,22 @@
+-- PUBLISH_MANY: records and progress snapshots of many attempts, each fenced by its own lease.
+-- KEYS: stream, running, then per item: lease, state, attempt_ids, progress, progress_seq
+-- ARGV: ttl_ms, then per item: token, record, member, episode, "<attempt>:<attempt_id>", snapshot,
+--       "<trajectory> <seq>"
+-- Each item (a record, a progress snapshot, or both) is written only while its own attempt holds
+-- its episode: one round trip for the items of many episodes, fenced exactly as one PUBLISH each
+-- would be; a step's record and the snapshot after it land together. Returns {ok_1 .. ok_n, xlen}.
+local n = (#KEYS - 2) / 5
+local out = {}
+for i = 1, n do
+  local k, a = 2 + (i - 1) * 5, 1 + (i - 1) * 7
+  if holds(KEYS[k + 1], KEYS[2], KEYS[k + 2], KEYS[k + 3], ARGV[a + 1], ARGV[1], ARGV[a + 3], ARGV[a + 4],
+           ARGV[a + 5]) then
+    if ARGV[a + 2] ~= '' then redis.call('XADD', KEYS[1], '*', 'r', ARGV[a + 2]) end
+    if ARGV[a + 6] ~= '' then progress(KEYS[k + 4], KEYS[k + 5], ARGV[a + 4], ARGV[a + 6], ARGV[a + 7]) end
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+out[n + 1] = redis.call('XLEN', KEYS[1])
+return out

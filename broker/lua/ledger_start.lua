@@ -1,0 +1,67 @@
+-- START: a delivered episode becomes a running attempt under a fresh lease.
+-- KEYS: state, attempts, counts, lease, running, reserved, episodes, attempt_ids, attempt_previous,
+--       reclaim_hold, job cancel, progress
+-- ARGV: episode, token_prefix, ttl_ms, member, attempt_id
+-- Returns {'ok', attempt, token, episode spec, previous attempt, progress} so that starting costs
+-- one round trip (progress: the predecessor's snapshot, broker/resume.py decides on it).
+-- "<attempt>:<attempt_id>" is kept per episode: the renewer checks it before
+-- resuming a lease that lapsed during a Redis outage, the sweeper names the attempt it
+-- reclaims, and the next attempt closes the env instances of those before it.
+--
+-- attempt_previous holds, comma-separated, the earlier attempts whose env instance may still be
+-- open, so that a repeated START can name them too. With a progress snapshot kept, that is the
+-- latest attempt alone: the snapshot names the instance that lives on, and a fresh trajectory
+-- names itself in it before its reset (after closing those before it). Without one, the list
+-- grows by the latest attempt: an attempt killed in its first step writes no snapshot, and its
+-- successor killed before closing that instance must not leave it unknown to the next one.
+-- The list keeps its last MAX_EARLIER (each costs a fresh attempt one close).
+local MAX_EARLIER = 16
+--
+-- A START is idempotent per attempt_id: sent again with the same attempt_id (its reply was lost,
+-- and redis-py or the runtime sent it again), it finds its own attempt - under its own lease, or
+-- running with the lease lapsed and nobody else holding it - and returns that attempt again
+-- instead of finding it "busy" and counting another one.
+--
+-- Nothing starts in a cancelled job (broker/cancel.py): a stale message of a cancelled episode
+-- finds it finished, and any other episode of the job is refused - except the START sent
+-- again for an attempt that is already running, which gets its attempt back and learns of the
+-- cancel from its first renewal.
+redis.call('ZREM', KEYS[6], ARGV[4])
+local st = redis.call('HGET', KEYS[1], ARGV[1])
+if not st then return {'unknown', ''} end
+if st == $DONE or st == $FAILED or st == $CANCELLED then return {'finished', st} end
+local holder = redis.call('GET', KEYS[4])
+local latest = redis.call('HGET', KEYS[8], ARGV[1]) or ''
+local mine_attempt, mine_id = string.match(latest, '^(%d+):(.*)$')
+if st == $RUNNING and mine_id == ARGV[5] then
+  local token = ARGV[2] .. ':' .. mine_attempt
+  if holder and holder ~= token then return {'busy', holder} end
+  redis.call('SET', KEYS[4], token, 'PX', ARGV[3])  -- a full TTL from this call, which the worker counts from
+  redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
+  return {'ok', mine_attempt, token, redis.call('HGET', KEYS[7], ARGV[1]) or '',
+          redis.call('HGET', KEYS[9], ARGV[1]) or '', redis.call('HGET', KEYS[12], ARGV[1]) or ''}
+end
+if redis.call('EXISTS', KEYS[11]) == 1 then return {'refused', 'its job was cancelled'} end
+if holder then return {'busy', holder} end
+-- Running with its lease lapsed right after an outage: its attempt is alive and about to take
+-- the lease back; another delivery takes over only as the sweeper would, once the hold is over.
+if st == $RUNNING and redis.call('EXISTS', KEYS[10]) == 1 then return {'busy', 'lease lapsed in an outage'} end
+local attempt = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+local token = ARGV[2] .. ':' .. attempt
+redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], $RUNNING)
+move(KEYS[3], st, $RUNNING)
+redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
+local progress = redis.call('HGET', KEYS[12], ARGV[1]) or ''
+local earlier = latest
+if latest ~= '' and progress == '' then
+  local kept = redis.call('HGET', KEYS[9], ARGV[1]) or ''
+  if kept ~= '' then
+    earlier = kept .. ',' .. latest
+    local _, commas = string.gsub(earlier, ',', '')
+    if commas >= MAX_EARLIER then earlier = string.match(earlier, '^[^,]*,(.*)$') end
+  end
+end
+if earlier ~= '' then redis.call('HSET', KEYS[9], ARGV[1], earlier) else redis.call('HDEL', KEYS[9], ARGV[1]) end
+redis.call('HSET', KEYS[8], ARGV[1], attempt .. ':' .. ARGV[5])
+return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', earlier, progress}

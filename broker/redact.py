@@ -1,0 +1,49 @@
+"""What must not be shown: a secret value (:class:`Secret`), and a URL's credentials
+(:func:`redact_url`). URLs are logged and stored; secrets are not."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit, urlunsplit
+
+
+class Secret(str):
+    """A string that never prints itself (repr, str formatting in logs)."""
+
+    def __repr__(self) -> str:
+        return "Secret('***')" if self else "Secret('')"
+
+    def reveal(self) -> str:
+        return str.__str__(self)
+
+
+# Query (and fragment) parameters whose values are secrets: passwords, tokens, API keys, OAuth
+# codes, signed-URL signatures and credentials.
+_SECRET_QUERY_RE = re.compile(
+    r"(?i)((?:^|[&;])[^=&;]*(?:password|passwd|pwd|token|secret|key|auth|code|sig|credential|session)[^=&;]*=)"
+    r"[^&;]*")
+
+
+def redact_url(url: str) -> str:
+    """``redis://:pw@host/0`` -> ``redis://:***@host/0``, ``https://TOKEN@host`` ->
+    ``https://***@host``, ``...?password=pw`` -> ``...?password=***``: URLs are logged and
+    stored, secrets are not. A username alone is hidden too: it is often a token."""
+    if "@" not in url and "?" not in url and "#" not in url:  # nothing to hide (the common case)
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user, has_password, _ = userinfo.partition(":")
+        if has_password:
+            netloc = f"{user}:***@{host}"
+        else:
+            netloc = f"***@{host}"
+    query = _SECRET_QUERY_RE.sub(r"\1***", parts.query) if parts.query else parts.query
+    fragment = _SECRET_QUERY_RE.sub(r"\1***", parts.fragment) if parts.fragment else parts.fragment
+    if netloc == parts.netloc and query == parts.query and fragment == parts.fragment:
+        return url
+    return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))

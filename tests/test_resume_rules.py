@@ -1,0 +1,219 @@
+"""The rules behind resumable episodes, each on its own: whether a successor may continue
+(broker/resume.py), where an attempt stopped (workers/progress.py), how the ledger keeps the
+snapshots (fenced, never overwritten by an older one) and how the results store joins a
+continued trajectory (consumer/storage/plan.py, on SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from broker import resume
+from broker.keys import Keys
+from broker.ledger import Ledger
+from broker.records import AttemptRecord, EpisodeSpec, JobSpec, Progress, StepRecord
+from broker.states import AttemptStatus, LedgerState, ProgressPhase, ResumeNote
+from consumer.storage import open_store
+from workers.progress import ProgressTrack
+
+
+def snap(phase, step=3, trajectory="1:a1", **kw) -> Progress:
+    return Progress(trajectory=trajectory, phase=phase, step=step, **kw)
+
+
+# --- whether a successor may continue ---------------------------------------------------------
+@pytest.mark.parametrize("phase,resumes,note", [
+    (ProgressPhase.READY, True, ""),
+    (ProgressPhase.PROMPTED, True, ""),
+    (ProgressPhase.PROMPTING, False, ResumeNote.CALL_IN_FLIGHT),
+    (ProgressPhase.STEPPING, False, ResumeNote.CALL_IN_FLIGHT),
+])
+def test_only_a_snapshot_with_no_call_in_flight_is_continued(phase, resumes, note):
+    start = resume.decide(snap(phase), had_predecessor=True, enabled=True, inproc=False)
+    assert (start.resume is not None) == resumes and start.note == note
+
+
+def test_nothing_to_continue_says_why_only_when_there_was_a_predecessor():
+    assert resume.decide(None, had_predecessor=False, enabled=True, inproc=False) == resume.Start()
+    for kw in ({"enabled": False, "inproc": False}, {"enabled": True, "inproc": True}):
+        start = resume.decide(snap(ProgressPhase.PROMPTED), had_predecessor=True, **kw)
+        assert start.resume is None and start.note == ResumeNote.NOT_RESUMABLE
+    assert resume.decide(None, had_predecessor=True, enabled=True, inproc=False).note == ResumeNote.NOT_RESUMABLE
+
+
+# --- where an attempt stopped -----------------------------------------------------------------
+def test_an_attempt_stopped_between_calls_leaves_the_exact_point():
+    marks = []
+    track = ProgressTrack("1:a1", "a1", lambda s, urgent: marks.append((s.phase, s.step, urgent)))
+    with track.call(ProgressPhase.PROMPTING, 1):
+        pass
+    assert track.at_rest() is None  # the prompt came back, not kept yet: it was sent, and says nothing
+    track.prompted(1, b'[{"role": "user", "content": "hi"}]', total_reward=0.0)
+    rest = track.at_rest()
+    assert rest.phase == ProgressPhase.PROMPTED and orjson.loads(rest.prompt_json)[0]["content"] == "hi"
+    track.stepping(1, total_reward=0.0)
+    assert track.at_rest().phase == ProgressPhase.PROMPTED  # stopped before the step was sent
+    with pytest.raises(ConnectionError):
+        with track.call(ProgressPhase.STEPPING, 1):
+            raise ConnectionError("dropped mid-call")
+    assert track.at_rest() is None  # it may have reached the server: no exact point
+    with track.call(ProgressPhase.STEPPING, 1):
+        pass
+    assert track.at_rest() is None  # answered, its record not made yet
+    after = track.stepped(1, total_reward=1.0, prev_tokens=[5, 6])
+    assert (after.phase, after.step, after.total_reward) == (ProgressPhase.PROMPTING, 2, 1.0)
+    assert track.at_rest().phase == ProgressPhase.READY and track.at_rest().step == 2
+    assert marks == [(ProgressPhase.PROMPTED, 1, False), (ProgressPhase.STEPPING, 1, True)]
+
+
+def test_a_resumed_track_starts_where_its_predecessor_stopped():
+    from broker.tokens import pack_ids
+
+    prev = snap(ProgressPhase.PROMPTED, step=7, total_reward=2.5, prompt_tokens=10, completion_tokens=3,
+                prompt_json=b'["p"]', weight_version="v3", prev_tokens=pack_ids([1, 2, 3]))
+    track = ProgressTrack("1:a1", "b2", lambda s, u: None, resume=prev)
+    assert track.step == 7 and track.resumed_prompt() == ["p"]
+    assert track.resumed_totals() == (2.5, 10, 3, "v3", [1, 2, 3])
+
+
+# --- the ledger's snapshots ---------------------------------------------------------------------
+@pytest.fixture
+def started(settings, redis_client):
+    job = JobSpec(job_id="rj", llm_base_url="http://llm/v1", model="m", episodes=1, groups=1)
+    ep = EpisodeSpec(job_id="rj", episode_id="rj.1", group_id="rj.g", group_size=1, env_name="x",
+                     base_url="http://env:1", env_params={})
+    ledger = Ledger.for_settings(redis_client, settings)
+    ledger.create_job(job, [ep])
+    return ledger, ledger.start("rj", "rj.1", "w1")
+
+
+@pytest.mark.integration
+def test_a_snapshot_is_never_overwritten_by_an_older_one_and_only_its_holder_writes(started):
+    ledger, st = started
+    lease = st.lease
+    mine = f"{lease.attempt}:{lease.attempt_id}"
+    ledger.publish_many([(lease, b"", snap(ProgressPhase.STEPPING, 4, mine))])
+    ledger.publish_many([(lease, b"", snap(ProgressPhase.PROMPTED, 4, mine))])  # older, late
+    assert ledger.progress("rj", "rj.1").phase == ProgressPhase.STEPPING
+    ledger.publish_many([(lease, b"", snap(ProgressPhase.READY, 1, "9:fresh"))])  # another trajectory
+    assert ledger.progress("rj", "rj.1").trajectory == "9:fresh"
+    ledger.r.set(ledger.k.lease("rj.1"), "someone-else:2")
+    ok, _ = ledger.publish_many([(lease, b"", snap(ProgressPhase.PROMPTED, 2, "9:fresh"))])
+    assert ok == [False] and lease.lost.is_set() and ledger.progress("rj", "rj.1").step == 1
+
+
+@pytest.mark.integration
+def test_a_hand_back_keeps_its_exact_snapshot_and_any_other_close_drops_it(started):
+    ledger, st = started
+    lease = st.lease
+    mine = f"{lease.attempt}:{lease.attempt_id}"
+    ledger.publish_many([(lease, b"", snap(ProgressPhase.PROMPTING, 5, mine))])
+    rec = AttemptRecord(job_id="rj", episode_id="rj.1", attempt=lease.attempt, status=AttemptStatus.ABANDONED,
+                        group_id="rj.g", group_size=1, env_name="x", llm_model="m", attempt_id=lease.attempt_id)
+    assert ledger.finish(lease, rec, LedgerState.QUEUED, keep_progress=True, progress=snap(ProgressPhase.READY, 5, mine))
+    p = ledger.progress("rj", "rj.1")
+    assert (p.phase, p.step) == (ProgressPhase.READY, 5)  # lower in order than prompting, written all the same
+    again = ledger.start("rj", "rj.1", "w2")
+    assert again.progress is not None and again.progress.phase == ProgressPhase.READY
+    done = AttemptRecord(job_id="rj", episode_id="rj.1", attempt=again.lease.attempt, status=AttemptStatus.COMPLETED,
+                         group_id="rj.g", group_size=1, env_name="x", llm_model="m", attempt_id=again.lease.attempt_id)
+    assert ledger.finish(again.lease, done, LedgerState.DONE)
+    assert ledger.progress("rj", "rj.1") is None
+
+
+# --- the store joins a continued trajectory -----------------------------------------------------
+def step(ep, n, attempt, attempt_id, reward=0.0):
+    return StepRecord(job_id="j", env_id=ep, attempt=attempt, step_id=n, env_name="x", llm_model="m", group_id="g",
+                      messages_json=b"[]", response=f"s{n}", step_reward=reward, cumulative_reward=0.0,
+                      terminated=False, truncated=False, episode_finished=False, is_trainable=True,
+                      attempt_id=attempt_id)
+
+
+def close(ep, attempt, attempt_id, status, **kw):
+    return AttemptRecord(job_id="j", episode_id=ep, attempt=attempt, status=status, group_id="g", group_size=1,
+                         env_name="x", llm_model="m", attempt_id=attempt_id, **kw)
+
+
+def rows(store, ep):
+    return [tuple(r) for r in store.query("SELECT step_id, attempt_id FROM session_steps WHERE session_id = ? "
+                                          "ORDER BY step_id", (ep,))]
+
+
+def test_the_store_joins_a_continued_trajectory_and_sets_aside_a_fresh_ones_predecessor(store_url):
+    store = open_store(store_url)
+    try:
+        # attempt a1 ran steps 1-3 and its worker died; a2 continued the same trajectory
+        store.write_batch([step("e1", n, 1, "a1") for n in (1, 2, 3)])
+        store.write_batch([close("e1", 1, "a1", AttemptStatus.ABANDONED, reason="worker_lost")])
+        assert rows(store, "e1") == [(1, "a1"), (2, "a1"), (3, "a1")]  # kept for a successor
+        store.write_batch([step("e1", n, 1, "a1") for n in (4, 5)])
+        store.write_batch([close("e1", 2, "a2", AttemptStatus.COMPLETED, steps=5, total_reward=1.0,
+                                 trajectory="1:a1", resumed_at=4)])
+        ep = store.episode("e1")
+        assert ep["status"] == "completed" and ep["steps"] == 5 and ep["completed_attempt_id"] == "a1"
+        assert [r[0] for r in rows(store, "e1")] == [1, 2, 3, 4, 5]
+        second = [a for a in store.attempts("e1") if a["attempt_id"] == "a2"][0]
+        assert second["resumed_at"] == 4 and second["trajectory"] == "1:a1"
+        assert store.resume_summary("j") == {"resumed": 1, "steps_saved": 3, "fallbacks": {}}
+        # e2: a1 abandoned, then a2 started afresh (call_in_flight): a1's rows go aside
+        store.write_batch([step("e2", n, 1, "b1") for n in (1, 2)] + [close("e2", 1, "b1", AttemptStatus.ABANDONED)])
+        store.write_batch([step("e2", 1, 2, "b2"), close("e2", 2, "b2", AttemptStatus.COMPLETED, steps=1,
+                                                         resume_note=ResumeNote.CALL_IN_FLIGHT)])
+        assert rows(store, "e2") == [(1, "b2")]
+        assert store.query("SELECT COUNT(*) FROM superseded_steps WHERE session_id = 'e2'")[0][0] == 2
+        assert store.resume_summary("j")["fallbacks"] == {ResumeNote.CALL_IN_FLIGHT: 1}
+    finally:
+        store.close()
+
+
+def test_a_step_the_dead_worker_published_last_is_kept_when_it_arrives_late(store_url):
+    """Two consumers: the continuing attempt's steps can be stored before the last step of the
+    attempt it continued; that step is the trajectory's all the same."""
+    store = open_store(store_url)
+    try:
+        store.write_batch([step("e3", 1, 1, "c1"), close("e3", 1, "c1", AttemptStatus.ABANDONED)])
+        store.write_batch([step("e3", 3, 1, "c1"), close("e3", 2, "c2", AttemptStatus.COMPLETED, steps=3,
+                                                          trajectory="1:c1", resumed_at=3)])
+        assert store.episode("e3")["status"] == "completing"
+        store.write_batch([step("e3", 2, 1, "c1")])  # step 2, published before the crash, stored last
+        assert [r[0] for r in rows(store, "e3")] == [1, 2, 3] and store.episode("e3")["status"] == "completed"
+    finally:
+        store.close()
+
+
+# --- what the loop writes --------------------------------------------------------------------
+def test_the_loop_keeps_snapshots_from_its_second_step_and_continues_where_told():
+    """A single-turn episode writes no snapshot (continuing one at its first step would save a
+    reset and a prompt only, and single-turn RL is most of the load); from the second step on,
+    each turn leaves prompted, stepping, and prompting with the step's record. A resumed loop
+    starts at the snapshot's step with its prompt, without reset or prompt call."""
+    from tests.test_loop import FakeEnv, FakePolicy, RecHook, Result, conv
+    from workers.loop import LoopConfig, run_episode
+
+    cfg = LoopConfig(job_id="j", episode_id="e", env_name="x", group_id="g", llm_model="m", message_cut=0)
+    marks, published = [], []
+    track = ProgressTrack("1:a1", "a1", lambda s, urgent: marks.append((s.phase, s.step)))
+    env = FakeEnv(results=[Result(reward=1.0, terminated=True)])
+    run_episode(cfg, env=env, policy=FakePolicy(), publish=lambda r, p=None: published.append(p), hook=RecHook(),
+                track=track)
+    assert marks == [] and published == [None]  # one step: nothing kept for a successor
+
+    marks, published = [], []
+    track = ProgressTrack("1:a1", "a1", lambda s, urgent: marks.append((s.phase, s.step)))
+    env = FakeEnv(results=[Result(), Result(), Result(reward=1.0, terminated=True)])
+    run_episode(cfg, env=env, policy=FakePolicy(), publish=lambda r, p=None: published.append(p), hook=RecHook(),
+                track=track)
+    assert marks == [(ProgressPhase.PROMPTED, 2), (ProgressPhase.STEPPING, 2),
+                     (ProgressPhase.PROMPTED, 3), (ProgressPhase.STEPPING, 3)]
+    assert [(p.phase, p.step) if p else None for p in published] == [
+        (ProgressPhase.PROMPTING, 2), (ProgressPhase.PROMPTING, 3), None]
+
+    prompt = conv(3)
+    prev = snap(ProgressPhase.PROMPTED, step=2, total_reward=0.5, prompt_json=orjson.dumps(prompt))
+    track = ProgressTrack("1:a1", "b2", lambda s, urgent: None, resume=prev)
+    env, policy, records = FakeEnv(results=[Result(reward=1.0, terminated=True)]), FakePolicy(), []
+    out = run_episode(cfg, env=env, policy=policy, publish=lambda r, p=None: records.append(r), hook=RecHook(),
+                      track=track)
+    assert env.calls[0][0] == "step" and ("reset",) not in env.calls  # went on from the kept prompt
+    assert policy.seen == [prompt] and [r.step_id for r in records] == [2]
+    assert out.total_reward == 1.5 and out.steps == 2
