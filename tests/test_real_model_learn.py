@@ -6,7 +6,7 @@ premise is broken on purpose (a wrong id, stale weights).
 (a) before any update, the trainer's logprobs of the tokens the server sampled (as the feed
     hands them over) match the server's within the stated tolerance; one wrong id breaks it;
 (b) after one update and the sync, the server's logprobs of a fixed sequence match the trainer's
-    new ones and differ from the old ones; the server left on the old file fails the check;
+    new ones and differ from the old ones; a server on the old file fails the check;
 (c) steps of episodes started after a version was published carry it (or a later one), and
     their logprobs are the new weights';
 (d) with the trainer's version moved past what is in flight, no group older than
@@ -157,11 +157,20 @@ def test_b_after_one_update_and_sync_the_server_has_the_new_weights(learner, fee
           f"mean {moved.mean:.4f} max {moved.max:.4f}")
     assert matched.within()
     assert not moved.within(), "the step did not move the fixed sequence past the tolerance: the check would be vacuous"
-    # stale weights: the server left on the previous file fails the same check
-    learner.server.load(old_file)
-    with pytest.raises(CheckFailed):
-        learner.check_sync()
-    learner.server.load(learner.files[-1])
+    # stale weights: a server left on the previous file fails the same check. A second server:
+    # the feed's workers keep sampling from the first, already stamping the new version, and
+    # reloading the old file there handed them old weights under the new stamp (test (c)'s
+    # on-policy check then failed on those samples)
+    stale = LlamaServer(learner.server.binary, learner.workdir / "stale-server.log", parallel=1)
+    serving = learner.server
+    try:
+        stale.load(old_file)
+        learner.server = stale
+        with pytest.raises(CheckFailed):
+            learner.check_sync()
+    finally:
+        learner.server = serving
+        stale.stop()
     learner.check_sync()
 
 
