@@ -77,7 +77,7 @@ $(LEARN_STAMP): $(STAMP) pyproject.toml
 install-learn: $(LEARN_STAMP)
 
 test-real-model: $(REAL_MODEL_STAMP) $(LEARN_STAMP)  ## real episodes against llama-server + SmolLM2-135M, and the learning checks (a few minutes)
-	$(PY) -m pytest -q -s -m real_model
+	$(PY) -m pytest -q -s -m "real_model or learn"
 
 # GRPO on SmolLM2-135M on CPU through the feed (examples/learn/): llama-server samples, the
 # trainer steps in PyTorch and reloads the server on each new GGUF file; held-out reward before

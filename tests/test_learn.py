@@ -1,11 +1,13 @@
 """The learning demo's parts that need no model server (examples/learn/): the staleness gate, the
 samples a group yields, the loss, and the q/k permutation written back. Skipped, with the
-reason, where the learn extra (torch, gguf) is not installed: make test-real-model and make
-demo-learn install it, make test does not."""
+reason, where the learn extra (torch, gguf) is not installed: make test-real-model installs it
+and runs them (marked ``learn``), make test does not."""
 
 from __future__ import annotations
 
 import pytest
+
+pytestmark = pytest.mark.learn
 
 torch = pytest.importorskip("torch", reason="the learn extra is not installed (make install-learn)")
 np = pytest.importorskip("numpy")
