@@ -110,11 +110,22 @@ def feed(learner, tmp_path_factory):
 
 
 def take_groups(feed: Feed, n: int, want_signal: bool = False, timeout_s: float = 300) -> list[dict]:
-    """``n`` groups (with ``want_signal``: at least one whose rewards differ, so that a step moves)."""
+    """``n`` groups (with ``want_signal``: at least one whose rewards differ, so that a step moves).
+
+    Groups without signal beyond the first ``n - 1`` are acknowledged and let go: a taken group
+    counts against the feed's max_ahead until it is acknowledged, so holding every uniform group
+    while waiting for one with signal stops production once max_ahead of them are held (the feed
+    then waits out the ack timeout, longer than this wait)."""
     out: list[dict] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         out += feed.take(n, timeout=min(120, max(1, deadline - time.monotonic())))
+        if want_signal:
+            signal = [g for g in out if len(set(g["rewards"])) > 1]
+            uniform = [g for g in out if len(set(g["rewards"])) <= 1]
+            if uniform[n - 1:]:
+                feed.ack([g["group_id"] for g in uniform[n - 1:]])
+            out = signal + uniform[:n - 1]
         if len(out) >= n and (not want_signal or any(len(set(g["rewards"])) > 1 for g in out)):
             return out
     raise AssertionError(f"{len(out)} groups within {timeout_s}s: {feed.stats()}")
