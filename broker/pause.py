@@ -5,7 +5,9 @@ dead-letter queue, attempt after attempt. So every attempt that ends in failure 
 episode towards its job's *streak* (``<prefix>:job:<job>:streak``: the reason, how many
 episodes in a row, and which): an episode counts once however many of its attempts failed, so
 that a job pauses after N *episodes* failed alike, not after N/3 episodes' three retries. An
-attempt that completes, or fails for another reason, starts the streak over. When the streak
+attempt that completes, or completes a turn, or fails for another reason, starts the streak
+over: a job whose attempts often fail but get on (a flaky server; the next attempt resumes
+where the last stopped) is not what pausing is for. When the streak
 reaches the job's ``pause_after_failures`` (JobSpec, default 20, 0 = never) the job is *paused*
 (``<prefix>:job:<job>:pause``: why, since when, the last error):
 

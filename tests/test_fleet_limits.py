@@ -642,3 +642,45 @@ def test_a_frozen_workers_slots_come_back_and_it_carries_on_after(settings, proc
             p.send_signal(signal.SIGCONT)
     wait_for(lambda: ledger.counts(job.job_id)["done"] == rows, timeout=300,
              what=f"every episode done ({ledger.counts(job.job_id)})")
+
+
+def test_a_job_whose_attempts_mostly_fail_but_get_on_does_not_pause(settings, procs, env_server, model_server,
+                                                                     tmp_path):
+    """An env server failing 30% of calls under multi-turn episodes started afresh at every
+    attempt (`resume: false`): almost no attempt completes (each needs a dozen calls to pass), so
+    completions alone would leave 20 episodes failing in a row between them and pause the job.
+    But most attempts complete a turn before they fail: the servers work, and the job runs to its
+    end (its episodes completed or dead-lettered after their attempts) without pausing."""
+    env_srv, env_url = env_server
+    _, model_url = model_server
+    env_srv.error_rate = 0.3
+    settings = settings.replace(llm_base_url=model_url + "/v1", concurrency=16)
+    procs.settings = settings
+    rows = 150
+    (tmp_path / "ranges.jsonl").write_text("".join(json.dumps({"low": 1, "high": 64}) + "\n" for _ in range(rows)))
+    path = tmp_path / "job.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        resume: false
+        environments:
+          - env_name: guess_number
+            base_url: {env_url}
+            env_params: {{max_turns: 8}}
+            dataset: ranges.jsonl
+        """))
+    client = connect(settings)
+    job = submit(client, settings, [str(path)]).job
+    assert job.pause_after_failures == 20  # the default
+    for i in range(2):
+        procs.worker(f"w{i}")
+    procs.consumer()
+    ledger = Ledger.for_settings(client, settings)
+    pause = JobPause(client, Keys(settings.key_prefix))
+    paused = []
+    wait_for(lambda: paused.append(pause.state(job.job_id)) or paused[-1] is not None or
+             ledger.counts(job.job_id)["done"] + ledger.counts(job.job_id)["failed"] == rows,
+             timeout=300, what=f"every episode finished ({ledger.counts(job.job_id)})")
+    counts = ledger.counts(job.job_id)
+    faults = env_srv.stats()["faults"]["error"]
+    print(f"\n[no pause, mostly failing] {faults} injected 500s, {counts}, paused: {paused[-1]}")
+    assert not any(paused)
+    assert faults >= 100 and counts["failed"] > counts["done"]  # attempts did mostly fail

@@ -81,6 +81,7 @@ class Attempt:
         self.rt, self.lease, self.spec, self.job = rt, lease, spec, job
         #: the attempts before this one whose env instance may still be open (StartResult.earlier)
         self.earlier, self.progress = tuple(earlier), progress
+        self.turned = False  # a turn of this attempt completed: its job's servers answer
         self.t_start = time.time()
         self.base = dict(job_id=lease.job_id, episode_id=lease.episode_id, attempt=lease.attempt,
                          group_id=spec.group_id if spec else "", group_size=spec.group_size if spec else 0,
@@ -285,6 +286,13 @@ class Attempt:
         # delay is not the episode's doing).
         self.rt.publisher.publish(self.lease, record.pack(), check=self.check, waited=self.budget.pause,
                                   progress=progress)
+        if not self.turned:
+            # A completed turn (the env gave a prompt, the model answered, the env stepped) ends
+            # the job's failure streak as a completed attempt does: without it, a job whose
+            # attempts often fail but get on (a flaky server, the episodes resumed where they
+            # stopped) paused after N failures that came between rare completions.
+            self.turned = True
+            self.rt.pause_watch.succeeded(self.job)
 
     def finish(self, record: AttemptRecord, new_state: str, **kw) -> bool:
         """Close the attempt once its steps are in the stream (never the close before them).

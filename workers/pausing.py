@@ -9,7 +9,8 @@
   a resume.
 * When an attempt fails, :meth:`PauseWatch.failed` counts its episode towards the job's
   streak (one script: atomic across the fleet) and, when it paused the job, says so in the log.
-* When one completes, :meth:`PauseWatch.succeeded` ends the job's streak. If an attempt of
+* When one completes, or completes its first turn (the env and the model answered: the job's
+  servers work), :meth:`PauseWatch.succeeded` ends the job's streak. If an attempt of
   the job failed here lately, at once (one round trip); otherwise the job is noted and a duty
   ends the streaks of the noted jobs every 0.2 s in one round trip, so a healthy job's
   successes cost nothing. A reset that comes a moment late leaves a streak longer than it is
