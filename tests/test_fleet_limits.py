@@ -580,18 +580,10 @@ def test_a_job_whose_attempts_fail_now_and_then_does_not_pause(settings, procs, 
     rows = 80
     client = connect(settings)
     job = submit(client, settings, [arith_job(tmp_path, env_url, rows)]).job
-    for i in range(2):
-        procs.worker(f"w{i}")
-    procs.consumer()
-    ledger = Ledger.for_settings(client, settings)
-    pause = JobPause(client, Keys(settings.key_prefix))
-    paused = []
-    wait_for(lambda: paused.append(pause.state(job.job_id)) or
-             ledger.counts(job.job_id)["done"] + ledger.counts(job.job_id)["failed"] == rows,
-             timeout=300, what=f"every episode finished ({ledger.counts(job.job_id)})")
+    counts, paused = run_watching_for_a_pause(settings, procs, client, job.job_id, rows)
     faults = env_srv.stats()["faults"]["error"]
-    print(f"\n[no pause] {faults} injected 500s, {ledger.counts(job.job_id)}")
-    assert faults > 0 and not any(paused)
+    print(f"\n[no pause] {faults} injected 500s, {counts}")
+    assert faults > 0 and paused is None
 
 
 def test_a_frozen_workers_slots_come_back_and_it_carries_on_after(settings, procs, env_server, model_server,
@@ -670,17 +662,23 @@ def test_a_job_whose_attempts_mostly_fail_but_get_on_does_not_pause(settings, pr
     client = connect(settings)
     job = submit(client, settings, [str(path)]).job
     assert job.pause_after_failures == 20  # the default
+    counts, paused = run_watching_for_a_pause(settings, procs, client, job.job_id, rows)
+    faults = env_srv.stats()["faults"]["error"]
+    print(f"\n[no pause, mostly failing] {faults} injected 500s, {counts}, paused: {paused}")
+    assert paused is None
+    assert faults >= 100 and counts["failed"] > counts["done"]  # attempts did mostly fail
+
+
+def run_watching_for_a_pause(settings, procs, client, job_id: str, rows: int):
+    """Two workers and a consumer run the job until its ``rows`` episodes are finished or it
+    pauses: (the ledger's counts, the pause state or None)."""
     for i in range(2):
         procs.worker(f"w{i}")
     procs.consumer()
     ledger = Ledger.for_settings(client, settings)
     pause = JobPause(client, Keys(settings.key_prefix))
-    paused = []
-    wait_for(lambda: paused.append(pause.state(job.job_id)) or paused[-1] is not None or
-             ledger.counts(job.job_id)["done"] + ledger.counts(job.job_id)["failed"] == rows,
-             timeout=300, what=f"every episode finished ({ledger.counts(job.job_id)})")
-    counts = ledger.counts(job.job_id)
-    faults = env_srv.stats()["faults"]["error"]
-    print(f"\n[no pause, mostly failing] {faults} injected 500s, {counts}, paused: {paused[-1]}")
-    assert not any(paused)
-    assert faults >= 100 and counts["failed"] > counts["done"]  # attempts did mostly fail
+    seen = []
+    wait_for(lambda: seen.append(pause.state(job_id)) or seen[-1] is not None or
+             ledger.counts(job_id)["done"] + ledger.counts(job_id)["failed"] == rows,
+             timeout=300, what=f"every episode finished ({ledger.counts(job_id)})")
+    return ledger.counts(job_id), seen[-1]
