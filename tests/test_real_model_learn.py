@@ -122,11 +122,13 @@ def take_groups(feed: Feed, n: int, want_signal: bool = False, timeout_s: float 
         out += feed.take(n, timeout=min(120, max(1, deadline - time.monotonic())))
         if want_signal:
             signal = [g for g in out if len(set(g["rewards"])) > 1]
-            uniform = [g for g in out if len(set(g["rewards"])) <= 1]
+            uniform = [g for g in out if g not in signal]
             if uniform[n - 1:]:
                 feed.ack([g["group_id"] for g in uniform[n - 1:]])
             out = signal + uniform[:n - 1]
-        if len(out) >= n and (not want_signal or any(len(set(g["rewards"])) > 1 for g in out)):
+            if signal and len(out) >= n:
+                return out
+        elif len(out) >= n:
             return out
     raise AssertionError(f"{len(out)} groups within {timeout_s}s: {feed.stats()}")
 
