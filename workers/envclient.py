@@ -64,7 +64,15 @@ from workers.envport import (
     check_reset_answer,
     check_step_answer,
 )
-from workers.http_errors import describe, error_text, is_timeout, never_reached_server
+from workers.http_errors import (
+    describe,
+    error_signature,
+    error_text,
+    full_error_text,
+    is_timeout,
+    never_reached_server,
+    shorten,
+)
 from workers.http_transport import PooledClient, Reply, TooLarge, dumps, parse_json, send
 from workers.retries import Retryable, run_with_retries, with_cause
 
@@ -181,7 +189,7 @@ class EnvClient(PooledClient):
     ) -> Reply:
         s = self.settings
         shown = redact_url(url)
-        app_errors: list[str] = []  # texts of the 5xx answers that came from the env itself
+        app_errors: list[str] = []  # signatures of the 5xx answers that came from the env itself
 
         def attempt() -> Reply:
             timeout = timeouts(deadline, s.env_connect_timeout_s, s.env_read_timeout_s, what=what)
@@ -217,14 +225,19 @@ class EnvClient(PooledClient):
                     raise Retryable(error)
                 raise error
             if status >= 500:
-                text = error_text(reply)
-                if idempotent and method == "POST" and app_errors and app_errors[-1] == text:
+                full = full_error_text(reply)
+                text = shorten(full) or "<empty body>"
+                # Compared with what differs between tries masked (process ids, actor ids,
+                # addresses, times): a server that builds each instance in a new process, as the
+                # original system's does, names that process in every error.
+                signature = error_signature(full)
+                if idempotent and method == "POST" and app_errors and app_errors[-1] == signature:
                     # reset failing twice with the same error from the env itself is the task's
                     # parameters, not a flaky server: say so now instead of retrying for a minute.
                     raise EpisodeError(ENV_BAD_REQUEST, f"{what}: HTTP {status} twice with the same error from the "
                                                         f"env (bad parameters for this task?): {text}",
                                        transient=False, status=status)
-                app_errors.append(text)
+                app_errors.append(signature)
                 error = EpisodeError(ENV_SERVER_ERROR, f"{what}: HTTP {status}: {text}", status=status)
                 if idempotent:
                     raise Retryable(error)

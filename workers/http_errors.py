@@ -1,5 +1,6 @@
 """Transport errors and server error answers, in words and classified: what the server said
-(:func:`error_text`), whether a failed call provably never reached the server
+(:func:`error_text`), what stays of it when the parts that differ between two failures alike are
+masked (:func:`error_signature`), whether a failed call provably never reached the server
 (:func:`never_reached_server`, the condition for retrying a call that is not safe to repeat),
 whether it timed out, a short key-free description, and a ``Retry-After`` hint.
 
@@ -37,6 +38,11 @@ def error_text(reply: Reply, *, scrub: str = "") -> str:
     """The server's error message, readable: JSON ``error``/``detail``/``message`` or the raw
     text, terminal colour codes stripped, whitespace folded, and when long its head and its
     tail (the cause of a Python traceback is at its end)."""
+    return shorten(full_error_text(reply, scrub=scrub)) or "<empty body>"
+
+
+def full_error_text(reply: Reply, *, scrub: str = "") -> str:
+    """:func:`error_text` before it is shortened ("" for an empty body)."""
     text = reply.body.decode("utf-8", "replace")
     try:
         obj = orjson.loads(text)
@@ -53,7 +59,34 @@ def error_text(reply: Reply, *, scrub: str = "") -> str:
     text = " ".join(_ANSI.sub("", text).split())
     if scrub:
         text = text.replace(scrub, "***")
-    return shorten(text) or "<empty body>"
+    return text
+
+
+# What differs between two failures alike of one server: a Ray actor's creation error, as the
+# original system's env server (one Ray actor per instance) answers a constructor that raised,
+# names the dead actor's process, id and object address, and logs add times. Masked, the same
+# bad parameters read the same on every try; the exception line at the end still tells
+# different failures apart.
+_VOLATILE = (
+    (re.compile(r"\b(pid|tid|ip|actor_id|node_id|worker_id)=[^\s,;)\]]+"), r"\1=*"),
+    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "0x*"),
+    (re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"), "<uuid>"),
+    (re.compile(r"\b[0-9a-fA-F]{16,}\b"), "<hex>"),
+    (re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"), "<time>"),
+    (re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<time>"),
+)
+
+
+def error_signature(text: str) -> str:
+    """``text`` with what differs between two failures alike masked: terminal colour codes,
+    ``pid=``, ``ip=``, ``actor_id=`` and such ``name=value`` ids, ``0x`` addresses, UUIDs and
+    other hex ids of 16 digits or more, dates and clock times; whitespace folded. Two errors
+    with one signature are one failure repeated (``workers/envclient.py``: a reset that fails
+    alike twice is the task's parameters)."""
+    text = _ANSI.sub("", text)
+    for pattern, mask in _VOLATILE:
+        text = pattern.sub(mask, text)
+    return " ".join(text.split())
 
 
 def shorten(text: str, limit: int = ERROR_TEXT_CHARS) -> str:
