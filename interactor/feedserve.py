@@ -251,6 +251,8 @@ class FeedHandler(BaseHTTPRequestHandler):
             body = json.loads(raw, parse_constant=_no_constant)
         except ValueError as exc:
             raise feed.FeedError(f"request body is not JSON: {exc}") from None
+        except RecursionError:  # a body of nothing but "[" takes the reader down that deep
+            raise feed.FeedError("request body is not JSON this server reads: nested too deeply") from None
         if not isinstance(body, dict):
             raise feed.FeedError("request body must be a JSON object")
         return body

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import subprocess
 import threading
@@ -380,3 +381,15 @@ def test_a_request_with_a_non_json_number_is_refused(service):
         body = b'{"trainer": "t", "batch": 1, "timeout": NaN}'
         status, answer = send(port, "POST", "/take", body, own(port, body))
         assert status == 400 and "NaN" in answer["error"]
+
+
+def test_a_body_nested_past_what_the_json_reader_takes_is_refused_in_one_line(service, caplog):
+    """200,000 ``[``: Python's JSON reader gives up with a RecursionError, not a ValueError. A 400
+    saying so, not a 500 with a traceback in the log; the server answers the next request."""
+    with served(service) as server, caplog.at_level(logging.ERROR, logger="interactor.feedserve"):
+        port = server.server_address[1]
+        body = b"[" * 200_000
+        status, answer = send(port, "POST", "/take", body, own(port, body))
+        assert status == 400 and "nested too deeply" in answer["error"], answer
+        assert send(port, "GET", "/health", headers={"Host": f"127.0.0.1:{port}"})[0] == 200
+    assert not [r for r in caplog.records if r.name == "interactor.feedserve"], caplog.text
