@@ -9,7 +9,9 @@ What a cancel does, and who does it:
 * Its waiting episodes, queued or retrying, become ``cancelled`` at once (:meth:`JobCancel.
   cancel_waiting`): counted, taken off the retry schedule and the reservations, and announced to
   the results store in the same script (an :class:`~broker.records.EpisodesCancelled` record), so
-  the store shows them cancelled. No attempt is spent on them.
+  the store shows them cancelled. No attempt is spent on them. An env instance one of them kept
+  for its next attempt (handed back at a worker's shutdown, or left by a lost worker) is queued
+  for the orphan closers (workers/orphans.py) in the same script.
 * Its running episodes end where they run: the lease renewal (every third of the lease TTL at
   most) tells the attempt (broker/ledger.py ``_RENEW``), which stops before its next call, closes
   its env instance and closes as ``cancelled`` (workers/attempt.py): not a failure, no dead letter,
@@ -37,6 +39,7 @@ from typing import Sequence
 
 import redis
 
+from broker import closing
 from broker.keys import Keys
 from broker.ledger import COUNTS_FN, Ledger
 from broker.lua_scripts import lua_file
@@ -132,18 +135,24 @@ class JobCancel:
 
     def _cancel_chunk(self, job_id: str, model: str, episode_ids: list[str]) -> int:
         """One script's worth: the record names each episode's group, env and latest attempt
-        (for the store: a cancel closes that attempt), read before the script runs."""
+        (for the store: a cancel closes that attempt), read before the script runs, and the env
+        instances each leaves open (the one its snapshot keeps for a successor, else its latest
+        attempt's), which the script queues for closing with the episodes it cancels."""
         specs = self.ledger.episode_specs(job_id, episode_ids)
         attempts = self.ledger.latest_attempts(job_id, episode_ids)
-        rows = []
-        for episode_id, (number, attempt_id) in zip(episode_ids, attempts):
+        snapshots = self.ledger.progresses(job_id, episode_ids)
+        rows, per_episode = [], []
+        for episode_id, latest, snapshot in zip(episode_ids, attempts, snapshots):
             spec = specs.get(episode_id)
             rows.append([episode_id, spec.group_id if spec else None, spec.group_size if spec else 0,
-                         spec.env_name if spec else "", number, attempt_id])
+                         spec.env_name if spec else "", *latest])
+            left_open = closing.orphans(spec, [snapshot.trajectory_key if snapshot is not None else latest])
+            per_episode += [episode_id, len(left_open), *left_open]
         record = EpisodesCancelled(job_id=job_id, episodes=rows, llm_model=model).pack()
         k = self.keys
         n = int(self._cancel_waiting(keys=[k.job_state(job_id), k.job_counts(job_id), k.retry, k.reserved, k.results,
-                                           k.job_cancel(job_id)], args=[record, job_id, *episode_ids]))
+                                           k.job_cancel(job_id), k.orphans, k.job_progress(job_id),
+                                           k.job_progress_seq(job_id)], args=[record, job_id, *per_episode]))
         return max(0, n)
 
 

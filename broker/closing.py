@@ -11,9 +11,11 @@ tested without Redis (tests/test_close_policy.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from broker import errors
-from broker.records import AttemptRecord, DeadLetter, EpisodeSpec
+from broker.keys import env_instance_id
+from broker.records import AttemptRecord, DeadLetter, EpisodeSpec, OrphanInstance
 from broker.states import CloseAction
 
 # Attempts ended by an outage are not counted, up to this many beyond max_attempts (a server
@@ -81,3 +83,17 @@ def dead_letter(record: AttemptRecord, spec: EpisodeSpec | None, *, traceback: s
                       env_name=record.env_name, reason=record.reason, error_class=record.error_class,
                       error=record.error, traceback=traceback, attempts=record.attempt,
                       spec=spec.shown() if spec else {}, first_attempt_at=record.started_at)
+
+
+def orphans(spec: EpisodeSpec | None, trajectories: Iterable[tuple[int, str]]) -> list[bytes]:
+    """The ``<prefix>:orphans`` entries (packed OrphanInstance) for the env instances of an
+    episode's trajectories that nobody will continue or close: whoever ends a trajectory without
+    closing its instance (a cancel of a waiting episode, a dead letter, a close before any call)
+    queues them for a worker's orphan closer (workers/orphans.py). ``trajectories``: (number,
+    attempt_id) of the attempts that reset them; a number 0 names none. Closing one that is gone
+    is a no-op on the env server."""
+    if spec is None or spec.transport == "inproc" or not spec.base_url:
+        return []
+    return [OrphanInstance(base_url=spec.base_url, env_name=spec.env_name,
+                           instance_id=env_instance_id(spec.episode_id, number, attempt_id)).pack()
+            for number, attempt_id in dict.fromkeys(trajectories) if number > 0]

@@ -73,7 +73,7 @@ from broker.records import (
 )
 from broker.replicas import ReplicaWait
 from broker.settings import Settings
-from broker.states import LedgerState, StartStatus
+from broker.states import LedgerState, ProgressPhase, StartStatus
 
 ANNOUNCE_CHUNK = 1000  # episodes per EpisodesEnqueued record
 OUTAGES_KEPT = 64  # outage windows remembered (Keys.outages): a lease lapsed in an older one counts
@@ -120,6 +120,8 @@ class StartResult:
     #: last (lua/ledger_start.lua keeps the list)
     earlier: tuple[tuple[int, str], ...] = ()
     progress: Progress | None = None  # with ok: where the episode's trajectory stands (broker/resume.py)
+    #: with ok: the sweep clock recorded an outage or a failover after ``progress`` was written
+    outage_since_progress: bool = False
 
     @property
     def previous(self) -> tuple[int, str] | None:
@@ -167,7 +169,7 @@ class Ledger:
         k = self.k
         specs = [(e.episode_id, e.pack()) for e in episodes]
         announcements = [
-            EpisodesEnqueued(job.job_id, [[e.episode_id, e.env_name, e.group_id, orjson.dumps(e.env_params)]
+            EpisodesEnqueued(job.job_id, [[e.episode_id, e.env_name, e.group_id, orjson.dumps(e.env_params), e.image]
                                           for e in episodes[i : i + ANNOUNCE_CHUNK]],
                              created_at=job.created_at).pack()
             for i in range(0, len(episodes), ANNOUNCE_CHUNK)
@@ -227,7 +229,7 @@ class Ledger:
         return cls(client, Keys(settings.key_prefix), settings.lease_ttl_s, ReplicaWait.for_settings(settings))
 
     def _commit(self, script, keys: list, args: list):
-        """A commit point's script (START, FINISH): with replica waits on, followed by a WAIT on
+        """A commit point's script (START, FINISH, a ``stepping`` snapshot): with replica waits on, followed by a WAIT on
         the same connection, so that it returns once a replica has it (broker/replicas.py)."""
         if not self.replicas.due():
             return script(keys=keys, args=args)
@@ -305,9 +307,9 @@ class Ledger:
         sent = time.monotonic()
         keys = [k.job_state(job_id), k.job_attempts(job_id), k.job_counts(job_id), k.lease(episode_id), k.running,
                 k.reserved, k.job_episodes(job_id), k.job_attempt_ids(job_id), k.job_attempt_previous(job_id),
-                k.reclaim_hold, k.job_cancel(job_id), k.job_progress(job_id)]
+                k.reclaim_hold, k.job_cancel(job_id), k.job_progress(job_id), k.job_progress_seq(job_id), k.outages, k.primary]
         out = self._commit(self._start, keys, [episode_id, prefix, self.lease_ttl_ms, member(job_id, episode_id),
-                                               attempt_id])
+                                               attempt_id, Progress.PHASE_ORDER.index(ProgressPhase.PROMPTED)])
         status = StartStatus(out[0].decode())
         earlier = ()
         if status != StartStatus.OK:
@@ -322,13 +324,15 @@ class Ledger:
         if len(out) > 4 and out[4]:
             earlier = tuple(_parse_attempt_value(v) for v in out[4].split(b",") if v)
         progress = _progress(out[5]) if len(out) > 5 and out[5] else None
+        outage_since = len(out) > 6 and out[6] == b"1"
         lease = Lease(job_id, episode_id, int(out[1]), out[2].decode(), attempt_id, ttl_s=self.lease_ttl_ms / 1000)
         # Counted from when START was sent, not from its reply: a process stopped with the reply
         # in flight must not take the lease for fresh (it may have expired and passed on since).
         # Lease() counts from now when given no time, so the count is set here, not passed in.
         lease.valid_until = 0.0
         lease.renewed(sent)
-        return StartResult(StartStatus.OK, lease, spec=spec, earlier=earlier, progress=progress)
+        return StartResult(StartStatus.OK, lease, spec=spec, earlier=earlier, progress=progress,
+                           outage_since_progress=outage_since)
 
     def renew(self, leases: Iterable[Lease]) -> None:
         """Extend every lease (or take back one that lapsed with nobody else taking over: the
@@ -389,12 +393,13 @@ class Ledger:
             lease.lost.set()
         return int(n)
 
-    def publish_many(self, items: Sequence[tuple[Lease, bytes] | tuple[Lease, bytes, Progress | None]]
-                     ) -> tuple[list[bool], int]:
+    def publish_many(self, items: Sequence[tuple[Lease, bytes] | tuple[Lease, bytes, Progress | None]],
+                     wait_for_replica: bool = False) -> tuple[list[bool], int]:
         """XADD several records and write progress snapshots, each under its own lease (fenced
         as by :meth:`publish`), in one round trip: an item is (lease, record or b"") or (lease,
         record or b"", snapshot or None). Returns which were written (a refused one's lease is
-        flagged lost) and the stream length after."""
+        flagged lost) and the stream length after. ``wait_for_replica``: a commit point (a
+        ``stepping`` snapshot among the items), followed by a WAIT when replica waits are on."""
         if not items:
             return [], 0
         k = self.k
@@ -407,7 +412,10 @@ class Ledger:
                      k.job_progress(lease.job_id), k.job_progress_seq(lease.job_id)]
             args += [lease.token, payload, lease.member, lease.episode_id, lease.attempt_value,
                      *((snapshot.pack(), f"{snapshot.trajectory} {snapshot.seq}") if snapshot is not None else ("", ""))]
-        out = self._publish_many(keys=keys, args=args)
+        if wait_for_replica:
+            out = self._commit(self._publish_many, keys, args)
+        else:
+            out = self._publish_many(keys=keys, args=args)
         added = [bool(x) for x in out[:-1]]
         for item, ok in zip(items, added):
             if not ok:
@@ -417,6 +425,12 @@ class Ledger:
     def progress(self, job_id: str, episode_id: str) -> Progress | None:
         """The episode's progress snapshot (None: none kept, or unreadable)."""
         return _progress(self.r.hget(self.k.job_progress(job_id), episode_id))
+
+    def progresses(self, job_id: str, episode_ids: Sequence[str]) -> list[Progress | None]:
+        """:meth:`progress` of several episodes, in one round trip."""
+        if not episode_ids:
+            return []
+        return [_progress(raw) for raw in self.r.hmget(self.k.job_progress(job_id), list(episode_ids))]
 
     def finish(
         self,

@@ -24,12 +24,12 @@ import redis
 from broker import closing, errors, feed
 from broker.cancel import JobCancel
 from broker.duty import Duty
-from broker.keys import Keys, env_instance_id, member, split_member
+from broker.keys import Keys, member, split_member
 from broker.ledger import Ledger
 from broker.lua_scripts import lua_file
 from broker.pause import JobPause
 from broker.queueing import push_episodes, send_episodes, waiting_episodes
-from broker.records import AttemptRecord, OrphanInstance
+from broker.records import AttemptRecord
 from broker.settings import Settings
 from broker.states import AttemptStatus, CloseAction, LedgerState
 
@@ -180,10 +180,9 @@ class Sweeper:
     def _orphaned(self, spec, attempt: int, attempt_id: str) -> None:
         """The env instance of a trajectory nobody will continue (its episode dead-lettered): a
         worker closes it (workers/orphans.py). ``attempt``, ``attempt_id``: the attempt that reset it."""
-        if spec.transport != "inproc" and spec.base_url and attempt:
-            orphan = OrphanInstance(base_url=spec.base_url, env_name=spec.env_name,
-                                    instance_id=env_instance_id(spec.episode_id, attempt, attempt_id))
-            self.r.rpush(self.keys.orphans, orphan.pack())
+        entries = closing.orphans(spec, [(attempt, attempt_id)])
+        if entries:
+            self.r.rpush(self.keys.orphans, *entries)
 
     def _resend_unstarted(self, report: SweepReport) -> None:
         """Episodes a dead worker had received but not started: send them again."""

@@ -101,9 +101,10 @@ REDIS_WAITS = ("auto", "on", "off")  # broker/replicas.py
 class Settings:
     # --- storage ---------------------------------------------------------------------------
     redis_url: str = setting(
-        "", "the fleet's Redis: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// or unix://, or a primary behind "
-            "Sentinels: redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]; unset, `run`, `demo` and "
-            "`feed serve` start an embedded Redis in the run folder", "storage",
+        "", "the fleet's Redis: redis://[:PASSWORD@]HOST:PORT/DB (or ?db=DB), the same over TLS as rediss://, a "
+            "unix socket as unix://[:PASSWORD@]/PATH?db=DB, or a primary behind Sentinels: "
+            "redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]; percent-encode @ / ? # % in a "
+            "password; unset, `run`, `demo` and `feed serve` start an embedded Redis in the run folder", "storage",
         flag="--redis-url", read_by=(REDIS,), env="REDIS_URL")
     redis_tls_ca: str = setting("", "CA file for rediss:// URLs (unset: the system's trust store)", "storage")
     redis_sentinel_password: Secret = setting(Secret(""), "the Sentinels' own password (their requirepass), for a "
@@ -236,6 +237,10 @@ class Settings:
     # (workers/tasks.py: the kernel ends it at shutdown_grace_s + shutdown_hard_exit_s; a
     # container is killed before that).
     worker_remote_control: bool = setting(False, "Celery's remote control (celery inspect, control)", "delivery")
+    # workers/faults.py: for the tests that stop a real worker at each point of a turn
+    # (tests/test_fault_points.py); empty, as it must stay outside them, it costs one call per point.
+    fault_point: str = setting("", "tests only: stop this worker once at POINT@STEP:killed|stopped:MARKER_FILE "
+                                   "(workers/faults.py)", "delivery")
     # workers/breakers.py; Redis too (broker_outage).
     outage_budget_s: float = setting(
         900.0, "seconds a down server (refused, reset, 429/502/503/504 with its readiness route down too) holds "

@@ -106,7 +106,12 @@ class ResumeNote(StrEnum):
 
     CALL_IN_FLIGHT = "call_in_flight"  # the predecessor died inside get_task_prompt or step: outcome unknown
     INSTANCE_GONE = "instance_gone"  # the env server no longer has the instance (it restarted)
-    NOT_RESUMABLE = "not_resumable"  # nothing to continue from: resume off, an inproc env, no progress kept
+    NOT_RESUMABLE = "not_resumable"  # the job's episodes are not continued: resume off, or an inproc env
+    # the attempt before left nothing to continue: it closed its own instance (it failed, its close
+    # said so), or it died before its first step was recorded (snapshots begin at the second)
+    NOTHING_KEPT = "nothing_kept"
+    # prompted before an outage or a failover: the ``stepping`` write that may have followed could be lost
+    OUTAGE_SINCE_SNAPSHOT = "outage_since_snapshot"
 
 
 class StartStatus(StrEnum):

@@ -34,6 +34,8 @@ Environments:
 
 ``slow_step_at`` / ``slow_step_s`` (attributes): an instance's step of that number waits that
 long before it is applied (a step call in flight, for a test to kill its worker in).
+``on_step`` (attribute): called with the instance id as each step call arrives, before anything
+is applied (for a test to look at what the fleet had written by then).
 
 Fault knobs (constructor arguments of :class:`EnvServer`, CLI flags, and plain
 attributes that may be changed on a running server): ``latency_ms``,
@@ -54,7 +56,7 @@ import argparse
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from envs.bundled import ENV_NAMES, ENVS, ArithmeticEnv, EnvError, GuessNumberEnv
 from envs.http import EnvProtocolHandler, FaultDice, QuietHTTPServer, serve_until_signal
@@ -105,6 +107,7 @@ class EnvServer(QuietHTTPServer):
         # applied, so that a test can kill a worker with a step call in flight
         self.slow_step_at = 0
         self.slow_step_s = 0.0
+        self.on_step: Callable[[str], None] | None = None
         self.faults = {"error": 0, "drop": 0, "garbage": 0}
         self.rewards_total = 0.0
         self.steps_by_env: dict[str, int] = {}
@@ -170,6 +173,8 @@ class _EnvHandler(EnvProtocolHandler):
             return self.reset(env_name, env_id, payload)
 
         key = (env_name, env_id)
+        if op == "step" and srv.on_step is not None:
+            srv.on_step(env_id)
         if op == "step" and srv.slow_step_at and srv.steps_by_env.get(env_id, 0) + 1 == srv.slow_step_at:
             with srv.lock:
                 srv.counters["slow_steps"] += 1

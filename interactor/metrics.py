@@ -93,7 +93,7 @@ METRICS = (
     MetricSpec("interactor_resume_steps_saved", "counter",
                "Steps resumed attempts did not run again (their predecessors' recorded steps)"),
     MetricSpec("interactor_resume_fallbacks", "counter", "Attempts with a predecessor that started afresh, by why "
-               "(call_in_flight, instance_gone, not_resumable)"),
+               "(call_in_flight, instance_gone, nothing_kept, outage_since_snapshot, not_resumable)"),
     MetricSpec("interactor_step_latency_seconds", "histogram",
                "Time per step in env calls (get_task_prompt + step) and in the model call"),
     MetricSpec("interactor_episode_duration_seconds", "histogram", "Wall clock of the attempt that finished an episode"),

@@ -345,7 +345,7 @@ def test_resume_off_starts_every_attempt_afresh(settings, procs, redis_client, t
     _, _, attempts, _, _ = run.finish()
     assert ledger.progress(job.job_id, episode) is None  # nothing kept for a successor
     second = max(attempts[episode], key=lambda a: a["attempt"])
-    assert second["resume_note"] == ResumeNote.NOT_RESUMABLE
+    assert second["resume_note"] == ResumeNote.NOT_RESUMABLE  # resume off, not merely nothing kept
     assert len(instances_of(env, episode)) == 2
     keys = Keys(s.key_prefix)
     assert not redis_client.hlen(keys.job_progress(job.job_id))

@@ -38,32 +38,35 @@ def test_nothing_to_continue_says_why_only_when_there_was_a_predecessor():
     for kw in ({"enabled": False, "inproc": False}, {"enabled": True, "inproc": True}):
         start = resume.decide(snap(ProgressPhase.PROMPTED), had_predecessor=True, **kw)
         assert start.resume is None and start.note == ResumeNote.NOT_RESUMABLE
-    assert resume.decide(None, had_predecessor=True, enabled=True, inproc=False).note == ResumeNote.NOT_RESUMABLE
+    assert resume.decide(None, had_predecessor=True, enabled=True, inproc=False).note == ResumeNote.NOTHING_KEPT
 
 
 # --- where an attempt stopped -----------------------------------------------------------------
 def test_an_attempt_stopped_between_calls_leaves_the_exact_point():
     marks = []
+    first = ProgressTrack("1:a1", "a1", lambda s, urgent: None)
+    assert first.at_rest() is None  # before the first step's record there is nothing to continue
     track = ProgressTrack("1:a1", "a1", lambda s, urgent: marks.append((s.phase, s.step, urgent)))
-    with track.call(ProgressPhase.PROMPTING, 1):
+    track.stepped(1, total_reward=0.0)  # step 1 recorded
+    with track.call(ProgressPhase.PROMPTING, 2):
         pass
     assert track.at_rest() is None  # the prompt came back, not kept yet: it was sent, and says nothing
-    track.prompted(1, b'[{"role": "user", "content": "hi"}]', total_reward=0.0)
+    track.prompted(2, b'[{"role": "user", "content": "hi"}]', total_reward=0.0)
     rest = track.at_rest()
     assert rest.phase == ProgressPhase.PROMPTED and orjson.loads(rest.prompt_json)[0]["content"] == "hi"
-    track.stepping(1, total_reward=0.0)
+    track.stepping(2, total_reward=0.0)
     assert track.at_rest().phase == ProgressPhase.PROMPTED  # stopped before the step was sent
     with pytest.raises(ConnectionError):
-        with track.call(ProgressPhase.STEPPING, 1):
+        with track.call(ProgressPhase.STEPPING, 2):
             raise ConnectionError("dropped mid-call")
     assert track.at_rest() is None  # it may have reached the server: no exact point
-    with track.call(ProgressPhase.STEPPING, 1):
+    with track.call(ProgressPhase.STEPPING, 2):
         pass
     assert track.at_rest() is None  # answered, its record not made yet
-    after = track.stepped(1, total_reward=1.0, prev_tokens=[5, 6])
-    assert (after.phase, after.step, after.total_reward) == (ProgressPhase.PROMPTING, 2, 1.0)
-    assert track.at_rest().phase == ProgressPhase.READY and track.at_rest().step == 2
-    assert marks == [(ProgressPhase.PROMPTED, 1, False), (ProgressPhase.STEPPING, 1, True)]
+    after = track.stepped(2, total_reward=1.0, prev_tokens=[5, 6])
+    assert (after.phase, after.step, after.total_reward) == (ProgressPhase.PROMPTING, 3, 1.0)
+    assert track.at_rest().phase == ProgressPhase.READY and track.at_rest().step == 3
+    assert marks == [(ProgressPhase.PROMPTED, 2, False), (ProgressPhase.STEPPING, 2, True)]
 
 
 def test_a_resumed_track_starts_where_its_predecessor_stopped():
@@ -217,3 +220,43 @@ def test_the_loop_keeps_snapshots_from_its_second_step_and_continues_where_told(
     assert env.calls[0][0] == "step" and ("reset",) not in env.calls  # went on from the kept prompt
     assert policy.seen == [prompt] and [r.step_id for r in records] == [2]
     assert out.total_reward == 1.5 and out.steps == 2
+
+
+# --- the model: every point a worker can stop at (broker/resume.py) ------------------------------
+@pytest.mark.parametrize("point", resume.TURN_POINTS)
+@pytest.mark.parametrize("fault", resume.FAULTS)
+@pytest.mark.parametrize("replica_wait", [True, False])
+@pytest.mark.parametrize("landed", [True, False])
+def test_no_point_a_worker_stops_at_has_its_successor_send_a_call_again(point, fault, replica_wait, landed):
+    out = resume.successor_at(point, fault, replica_wait=replica_wait, landed=landed)
+    assert not out.prompt_sent_twice and not out.step_sent_twice, out
+    assert (out.resume_at is None) == bool(out.note)
+
+
+def test_the_model_resumes_where_it_can():
+    """Killed while the model thinks (the long part of a turn) and stopped anywhere between
+    calls, the successor continues; the points that cost a fresh start are those the README
+    names."""
+    at = resume.successor_at
+    assert at("after_prompt", "killed", replica_wait=False).resume_at == (ProgressPhase.PROMPTED, 3)
+    assert at("after_model", "killed", replica_wait=False).resume_at == (ProgressPhase.PROMPTED, 3)
+    for point in resume.TURN_POINTS:
+        assert at(point, "stopped", replica_wait=False).resume_at is not None
+    fresh = {p for p in resume.TURN_POINTS if at(p, "killed", replica_wait=False).resume_at is None}
+    assert fresh == {"before_prompt", "after_stepping_mark", "after_step", "after_publish"}
+    assert at("after_stepping_mark", "write_lost", replica_wait=False).note == ResumeNote.OUTAGE_SINCE_SNAPSHOT
+    assert at("after_stepping_mark", "write_lost", replica_wait=True).note == ResumeNote.CALL_IN_FLIGHT
+
+
+def test_a_prompted_snapshot_after_an_outage_would_send_the_step_again_without_the_rule():
+    """Why the outage rule is there: a lost ``stepping`` write leaves ``prompted`` k while the
+    step k may have been applied; taken as it is, the successor sends it again."""
+    left = snap(ProgressPhase.PROMPTED, 3)
+    assert resume.decide(left, had_predecessor=True, enabled=True, inproc=False).resume is left
+    assert resume.decide(left, had_predecessor=True, enabled=True, inproc=False,
+                         outage_since=True).note == ResumeNote.OUTAGE_SINCE_SNAPSHOT
+
+
+def test_nothing_kept_is_said_apart_from_resume_being_off():
+    assert resume.decide(None, had_predecessor=True, enabled=True, inproc=False).note == ResumeNote.NOTHING_KEPT
+    assert resume.decide(None, had_predecessor=True, enabled=False, inproc=False).note == ResumeNote.NOT_RESUMABLE

@@ -77,10 +77,12 @@ class Attempt:
     POLICY_LAYERS: tuple[str, ...] = ("_bound_policy", "_versioned", "_gated")
 
     def __init__(self, rt: "WorkerRuntime", lease: Lease, spec: EpisodeSpec | None, job: JobSpec | None,
-                 earlier: tuple[tuple[int, str], ...] = (), progress: Progress | None = None):
+                 earlier: tuple[tuple[int, str], ...] = (), progress: Progress | None = None,
+                 outage_since_progress: bool = False):
         self.rt, self.lease, self.spec, self.job = rt, lease, spec, job
         #: the attempts before this one whose env instance may still be open (StartResult.earlier)
         self.earlier, self.progress = tuple(earlier), progress
+        self.outage_since_progress = outage_since_progress  # StartResult.outage_since_progress
         self.turned = False  # a turn of this attempt completed: its job's servers answer
         self.t_start = time.time()
         self.base = dict(job_id=lease.job_id, episode_id=lease.episode_id, attempt=lease.attempt,
@@ -100,6 +102,7 @@ class Attempt:
         if refused:
             err = errors.EpisodeError(errors.BAD_TASK, refused, transient=False)
             rt.pause_watch.failed(job, lease.episode_id, err.reason, refused)
+            self.orphan_earlier()  # this worker calls none of the job's servers; an orphan closer checks its own lists
             return self.close_failed(err, "")
 
         base, progress = self.base, self.progress
@@ -108,7 +111,7 @@ class Attempt:
             base["queue_wait_s"] = max(0.0, self.t_start - job.created_at)
         resumable = job.resume and spec.transport != "inproc"
         start = resume.decide(progress, had_predecessor=bool(self.earlier), enabled=job.resume,
-                              inproc=spec.transport == "inproc")
+                              inproc=spec.transport == "inproc", outage_since=self.outage_since_progress)
         run = Trajectory(self, start.resume if resumable else None, resumable, supersedes=progress is not None)
         base.update(trajectory=run.recorded_under, resumed_at=run.resumed_at, resume_note=start.note)
         try:
@@ -228,6 +231,16 @@ class Attempt:
             if number > 0:
                 self.rt.env.close(spec.base_url, spec.env_name, env_instance_id(spec.episode_id, number, attempt_id))
 
+    def orphan_earlier(self) -> None:
+        """The instances :meth:`close_earlier` would close, queued for the orphan closers
+        instead: for an attempt that ends before any call of its own, without which the FINISH
+        that drops the snapshot would leave them open for good."""
+        keys = list(self.earlier) + ([self.progress.trajectory_key] if self.progress is not None else [])
+        entries = closing.orphans(self.spec, keys)
+        if entries:
+            self._through_outage("queueing earlier instances to close",
+                                 lambda: self.rt.redis.rpush(self.rt.keys.orphans, *entries))
+
     # --- its lease -------------------------------------------------------------------
     def check(self) -> None:
         lease, budget = self.lease, self.budget
@@ -345,6 +358,8 @@ class Attempt:
         # A cancel a renewal told of while the attempt ended otherwise: nothing would run it again.
         if close.action == CloseAction.CANCEL or (
                 lease.cancelled.is_set() and close.action in (CloseAction.HAND_BACK, CloseAction.RETRY)):
+            if run is not None and run.instance_kept:
+                run.close_instance()  # kept for a successor that will never come
             return self._close_cancelled(exc, message)
         error_class = type(exc.__cause__ or exc).__name__
         if close.uncounted:  # ended by a server going down (or by what its restart lost), or handed back
@@ -353,7 +368,7 @@ class Attempt:
         if close.action == CloseAction.HAND_BACK:
             record = AttemptRecord(**base, status=AttemptStatus.ABANDONED, reason=exc.reason, error_class=error_class,
                                    error=message)
-            kept = run is not None and run.keeps_instance(exc)
+            kept = run is not None and run.instance_kept
             if self.finish(record, LedgerState.QUEUED, keep_progress=kept,
                            progress=run.track.at_rest() if kept and run.track is not None else None):
                 send_episodes(rt.redis, [(lease.job_id, lease.episode_id, rt.settings.queue_for(self.spec))])
@@ -373,7 +388,8 @@ class Attempt:
 
     def _close_cancelled(self, exc: errors.EpisodeError, message: str) -> str:
         """The job was cancelled (broker/cancel.py): the episode ends ``cancelled``, the attempt
-        neither failed nor counted, no dead letter; the loop closed the env instance already."""
+        neither failed nor counted, no dead letter; its env instance is closed already (by the
+        loop, or by :meth:`close_error` where the loop had kept it for a successor)."""
         lease = self.lease
         if exc.reason != errors.CANCELLED:
             message = f"its job was cancelled (interactor cancel); the attempt had ended with {exc.reason}: {message}"

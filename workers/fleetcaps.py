@@ -308,9 +308,15 @@ class CappedEnv:
             self.gate.release(self.call_caps, holder)
 
     def reset(self):
+        self.adopt()
+        return self._call(self.inner.reset)
+
+    def adopt(self) -> None:
+        """Hold a slot of the instance caps for this port's instance: at its reset, or before the
+        first call on an instance a predecessor left live (a resumed trajectory), which counts
+        against the cap as any other."""
         if self.instance_caps and self._instance is None:
             self._instance = self.gate.acquire(self.instance_caps, self.check, self.budget)
-        return self._call(self.inner.reset)
 
     def get_task_prompt(self):
         return self._call(self.inner.get_task_prompt)

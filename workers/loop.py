@@ -32,18 +32,14 @@ from broker.errors import ENV_MALFORMED, ContextOverflow, EpisodeError
 from broker.records import StepRecord
 from broker.states import EndedBy, Phase, ProgressPhase
 from workers.envport import EnvPort
+from workers.faults import never
 from workers.hooks import EpisodeHook
-from workers.progress import ProgressTrack
+from workers.progress import FIRST_TRACKED_STEP, ProgressTrack
 from workers.token_answers import step_token_fields
 
 log = logging.getLogger("interactor.loop")
 
 
-# Progress snapshots (workers/progress.py) start with the second step: continuing an episode
-# at its first saves only a reset and a prompt, and single-turn episodes (the bulk of RL
-# rollouts) then pay nothing for resumability. Before the first step is recorded there is no
-# snapshot, so a successor starts afresh (and closes the instance as its predecessor's).
-FIRST_TRACKED_STEP = 2
 
 
 class PolicyPort(Protocol):
@@ -148,16 +144,19 @@ def run_episode(
     timings: PhaseTimings | None = None,
     track: ProgressTrack | None = None,
     keeps_instance: Callable[[BaseException | None], bool] = lambda error: False,
+    fault: Callable[[str, int], None] = never,
 ) -> EpisodeOutcome:
-    """Reset, step until the episode ends, always call the end hook, and close the env unless
-    the attempt hands it on (``keeps_instance(error)``: the runner's word, when the episode goes
-    on elsewhere and a successor may continue this instance).
+    """Reset, step until the episode ends, then call the end hook and close the env, unless
+    the attempt hands the instance on (``keeps_instance(error)``: the runner's word, when the
+    episode goes on elsewhere and a successor may continue this instance).
 
     ``check`` is called before every env or model call; it raises to abort (budget spent,
     lease lost, worker shutting down). Every exception propagates after the env is closed.
     ``track`` (workers/progress.py) is told where the loop stands, for a successor; with a
     snapshot to resume from, the loop continues the predecessor's instance at its step instead
     of resetting one (its steps before are recorded already, its totals carried on).
+    ``fault(point, step)`` is told each point of a turn (broker/resume.py ``TURN_POINTS``): the
+    fault tests stop a worker there (workers/faults.py); otherwise it does nothing.
     """
     run = _Run.start(track)
     out = run.out
@@ -170,8 +169,10 @@ def run_episode(
                 env.reset()
             run.reset_s = reset.seconds
         for step_id in range(run.first_step, cfg.max_steps + 1):
+            fault("before_prompt", step_id)
             check()
             prompt_raw, prompt_s = _prompt(env, tm, track, run, step_id)
+            fault("after_prompt", step_id)
             prompt = trim_messages(_hook_handle(hook, cfg, step_id, prompt_raw), cfg.message_cut)
             if not prompt:
                 out.ended_by = EndedBy.EMPTY_PROMPT
@@ -181,6 +182,7 @@ def run_episode(
             with tm.phase(Phase.MODEL) as model:
                 completion, overflow = _complete(policy, prompt)
             answer, tokens = run.model_answered(cfg, step_id, prompt, completion, model.seconds, prompt_s)
+            fault("after_model", step_id)
             if overflow is not None or answer["finish_reason"] == EndedBy.LENGTH:
                 end = _cut_by_model(cfg, step_id, overflow)  # the env never sees the action
             else:
@@ -188,8 +190,10 @@ def run_episode(
                 # in the ledger before the call: never sent twice
                 if track is not None and step_id >= FIRST_TRACKED_STEP:
                     track.stepping(step_id, **run.totals())
+                fault("after_stepping_mark", step_id)
                 with tm.phase(Phase.ENV_STEP) as stepped, _env_call(track, ProgressPhase.STEPPING, step_id):
                     result = env.step(answer["response"])
+                fault("after_step", step_id)
                 end = run.env_answered(cfg, step_id, result, stepped.seconds)
 
             out.steps = step_id
@@ -198,6 +202,7 @@ def run_episode(
                 publish(record, track.stepped(step_id, **run.totals()))
             else:
                 publish(record)
+            fault("after_publish", step_id)
             if end.finished:
                 out.ended_by = end.ended_by
                 break
@@ -208,8 +213,10 @@ def run_episode(
         error = exc
         raise
     finally:
-        _hook_episode_end(hook, cfg, out)
+        # A trajectory handed on (a successor continues its instance) has not ended: the hook
+        # hears of it once, from whichever attempt ends it.
         if not keeps_instance(error):
+            _hook_episode_end(hook, cfg, out)
             _close(env, tm, cfg)
 
 

@@ -28,6 +28,13 @@ from broker.states import ProgressPhase
 from broker.tokens import pack_ids, unpack_ids
 
 
+# Snapshots start with the second step: continuing an episode at its first saves only a reset
+# and a prompt, and single-turn episodes (the bulk of RL rollouts) then pay nothing for
+# resumability. Before the first step is recorded there is no snapshot, so a successor starts
+# afresh (and closes the instance as its predecessor's).
+FIRST_TRACKED_STEP = 2
+
+
 class ProgressTrack:
     """One attempt's snapshots. ``mark(snapshot, urgent)`` queues one for the ledger (the
     runner's, fenced by the attempt's lease); ``urgent`` ones are waited for. ``resume``: the
@@ -39,12 +46,18 @@ class ProgressTrack:
         self.writer = writer
         self._mark = mark
         self.resume = resume
-        self.phase = ProgressPhase.READY
+        # A resumed track stands where its predecessor stopped (ready or prompted), totals and all:
+        # handed back before its first call, it leaves that same point.
+        self.phase = ProgressPhase(resume.phase) if resume is not None else ProgressPhase.READY
         self.step = resume.step if resume is not None else 1
         self.in_call = False
         self.answered = False
         self._prompt_json: bytes | None = resume.prompt_json if resume is not None else None
-        self._totals: dict[str, Any] = {}
+        self._totals: dict[str, Any] = _totals_of(resume) if resume is not None else {}
+        # The totals of the last point at rest (prompted, or a step's record): what a hand-back
+        # carries. A ``stepping`` point's totals count the answer about to be stepped, which a
+        # successor resuming at ``prompted`` asks for again and counts itself.
+        self._rest_totals: dict[str, Any] = dict(self._totals)
 
     # --- the loop's side ------------------------------------------------------------
     def resumed_totals(self) -> tuple[float, int, int, str | None, list[int] | None]:
@@ -75,6 +88,7 @@ class ProgressTrack:
     def prompted(self, step: int, prompt_json: bytes, **totals) -> None:
         self.phase, self.step, self._prompt_json = ProgressPhase.PROMPTED, step, prompt_json
         self.answered = False
+        self._rest_totals = totals
         self._mark(self._snapshot(**totals), False)
 
     def stepping(self, step: int, **totals) -> None:
@@ -85,6 +99,7 @@ class ProgressTrack:
         """The snapshot that goes with step ``step``'s record: the next prompt may be in flight."""
         self.phase, self.step, self._prompt_json = ProgressPhase.PROMPTING, step + 1, None
         self.answered = False
+        self._rest_totals = totals
         return self._snapshot(**totals)
 
     # --- the runner's side ----------------------------------------------------------
@@ -101,13 +116,13 @@ class ProgressTrack:
         """The exact snapshot of an attempt stopped between env calls (handed back at a call
         boundary): the call it was about to make was not sent. None while a call may be in flight,
         or has answered without its answer kept yet."""
-        if self.in_call or self.answered:
-            return None
+        if self.in_call or self.answered or self.step < FIRST_TRACKED_STEP:
+            return None  # before the first step's record there is nothing to continue (see below)
         phase = {ProgressPhase.PROMPTING: ProgressPhase.READY,
                  ProgressPhase.STEPPING: ProgressPhase.PROMPTED}.get(self.phase, self.phase)
         if phase == ProgressPhase.PROMPTED and self._prompt_json is None:
             return None
-        return self._snapshot(phase=phase, **self._totals)
+        return self._snapshot(phase=phase, **self._rest_totals)
 
     def _snapshot(self, phase: str | None = None, **totals) -> Progress:
         if totals:
@@ -120,3 +135,9 @@ class ProgressTrack:
                         prompt_json=self._prompt_json if (phase or self.phase) == ProgressPhase.PROMPTED else None,
                         weight_version=t.get("weight_version"),
                         prev_tokens=pack_ids(prev) if prev is not None else None, writer=self.writer)
+
+
+def _totals_of(p: Progress) -> dict[str, Any]:
+    """A snapshot's running totals, as the loop hands them to the track."""
+    return {"total_reward": p.total_reward, "prompt_tokens": p.prompt_tokens, "completion_tokens": p.completion_tokens,
+            "weight_version": p.weight_version, "prev_tokens": unpack_ids(p.prev_tokens)}

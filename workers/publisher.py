@@ -24,7 +24,8 @@ Backpressure: when the stream holds more than ``backlog_max`` records (the consu
 Progress snapshots (broker/resume.py) travel the same way: a step's record with the snapshot
 after it (one item, written together), a snapshot alone (:meth:`mark`). A snapshot that must be
 in Redis before the attempt goes on - ``stepping``, before a ``step`` call - is sent at once
-(``urgent``: no linger), and the attempt waits for it (:meth:`flush`).
+(``urgent``: no linger, and with replica waits on, in the same round trip as a WAIT for a
+replica, as the ledger's commit points are), and the attempt waits for it (:meth:`flush`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class StepPublisher:
         self.backlog_max = backlog_max
         self.linger_s = linger_s
         self.max_batch = max_batch
-        self._items: deque[tuple[Lease, bytes, Progress | None]] = deque()
+        self._items: deque[tuple[Lease, bytes, Progress | None, bool]] = deque()  # ..., urgent
         self._urgent = 0  # items queued that must not wait for the linger
         self._unconfirmed: dict[str, int] = {}  # lease token -> records queued, not sent yet
         self._cv = threading.Condition()
@@ -73,13 +74,19 @@ class StepPublisher:
         given). Waits only while the stream is over its backlog bound (``check`` runs between
         waits and may raise to abort; ``waited`` is told each slice waited, so that the
         attempt's budget does not run out on the consumer)."""
-        while self.backlog > self.backlog_max and not self._stop:
-            t0 = time.monotonic()
-            with self._cv:
-                self._cv.wait(_WAIT_SLICE_S)
-            waited(time.monotonic() - t0)
-            check()
-        self._queue(lease, payload, progress, urgent=False)
+        try:
+            while self.backlog > self.backlog_max and not self._stop:
+                t0 = time.monotonic()
+                with self._cv:
+                    self._cv.wait(_WAIT_SLICE_S)
+                waited(time.monotonic() - t0)
+                check()
+        finally:
+            # Queued even when ``check`` stops the wait: the env has applied the step, so its
+            # record must reach the stream before the attempt's close (which flushes), or a
+            # successor would continue past a step nobody recorded. One record over the bound
+            # is no harm; the bound is for the episodes that keep running.
+            self._queue(lease, payload, progress, urgent=False)
 
     def mark(self, lease: Lease, progress: Progress, *, urgent: bool = False) -> None:
         """Queue a progress snapshot of ``lease``'s attempt alone; ``urgent``: sent without the
@@ -88,7 +95,7 @@ class StepPublisher:
 
     def _queue(self, lease: Lease, payload: bytes, progress: Progress | None, *, urgent: bool) -> None:
         with self._cv:
-            self._items.append((lease, payload, progress))
+            self._items.append((lease, payload, progress, urgent))
             self._unconfirmed[lease.token] = self._unconfirmed.get(lease.token, 0) + 1
             if urgent:
                 self._urgent += 1
@@ -146,11 +153,16 @@ class StepPublisher:
                     return
                 self._cv.wait(left)
 
-    def _send(self, batch: list[tuple[Lease, bytes, Progress | None]]) -> None:
+    def _send(self, batch: list[tuple[Lease, bytes, Progress | None, bool]]) -> None:
         delay = 0.05
+        items = [(lease, payload, progress) for lease, payload, progress, _ in batch]
+        # An urgent snapshot (``stepping``) is the fleet's only word that a step may be in flight:
+        # with replica waits on, it waits for a replica as START and FINISH do, so that a failover
+        # cannot lose it and have a successor send the step again (broker/resume.py).
+        urgent = any(item[3] for item in batch)
         while True:
             try:
-                added, self.backlog = self.ledger.publish_many(batch)
+                added, self.backlog = self.ledger.publish_many(items, wait_for_replica=urgent)
                 break
             except redis.RedisError as exc:
                 self.stats["send_errors"] += 1

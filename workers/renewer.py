@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 import redis
 
@@ -36,6 +37,11 @@ class LeaseRenewer(Duty):
         # the episode queued with no message and no reservation, and sends it again.
         self._received: set[str] = set()
         self._reserved: set[str] = set()
+        # The members the broker's consumer still holds (Celery's reserved requests), when the
+        # process has one: a delivery it let go of without the runtime hearing of it (a task that
+        # failed before START, requests dropped on a broker connection loss) is no longer
+        # renewed, so its reservation lapses and the sweeper sends the episode again.
+        self.in_hand: Callable[[], set[str]] | None = None
         self.last_renewed = time.monotonic()  # when a round last succeeded
         self.failing_since: float | None = None  # first failed round of the current Redis outage
 
@@ -63,7 +69,12 @@ class LeaseRenewer(Duty):
 
     # --- one round -----------------------------------------------------------------------
     def tick(self) -> None:
+        held = self.in_hand() if self.in_hand is not None else None
         with self._lock:
+            if held is not None:
+                let_go = self._received - held
+                self._received -= let_go
+                self._reserved -= let_go
             leases = list(self._leases.values())
             new = [m for m in self._received if m not in self._reserved]
             written = [m for m in self._received if m in self._reserved]

@@ -27,7 +27,7 @@ from broker.redisconn import connect
 from broker.redisurl import redis_password
 from broker.settings import Settings
 from broker.states import StartStatus
-from workers import limits
+from workers import faults, limits
 from workers.allowlist import TrustBoundary
 from workers.attempt import Attempt
 from workers.breakers import BreakerBoard, BreakerHeartbeat
@@ -58,6 +58,10 @@ class WorkerRuntime:
         self.model_gate = limits.shared_gate(settings.llm_max_concurrency)  # None: no cap
         self.jitter = limits.FirstWaveJitter.from_settings(settings)
         self.shutdown_at: float | None = None
+        # the step loop's fault port: a no-op but in the tests that stop a worker at a chosen point
+        # (stopped there: as an unhealthy process is, every episode handed back at its next check,
+        # and under Celery the process replaced)
+        self.fault = faults.armed(settings.fault_point, lambda: self.unhealthy("stopped at a fault point (tests)"))
         # Why this process must be replaced ("" while healthy), and what replaces it: the Celery
         # side sets on_unhealthy to a warm shutdown (workers/tasks.py), the supervisor restarts.
         self.unhealthy_reason = ""
@@ -117,18 +121,23 @@ class WorkerRuntime:
 
     # --- one delivery ----------------------------------------------------------------
     def run(self, job_id: str, episode_id: str) -> str:
-        if self._parked(job_id, episode_id):
-            self.renewer.started(member(job_id, episode_id))  # handed back before START: nothing counted
-            log.info("episode %s: its job is paused; parked until `interactor resume %s`", episode_id, job_id)
-            return StartStatus.PARKED
-        # START is retried through a Redis outage with one attempt_id: a START that ran but
-        # whose reply was lost is then found again as ours, with its predecessor, rather than
-        # left behind as a phantom lease that makes the next delivery count another attempt.
-        attempt_id = new_attempt_id()
-        started = self.through_outage(episode_id, "starting", lambda: self.ledger.start(
-            job_id, episode_id, self.name, attempt_id=attempt_id),  # also ends the reservation
-            give_up=lambda: self.shutdown_at is not None and time.monotonic() >= self.shutdown_at)
-        self.renewer.started(member(job_id, episode_id))
+        try:
+            if self._parked(job_id, episode_id):
+                log.info("episode %s: its job is paused; parked until `interactor resume %s`", episode_id, job_id)
+                return StartStatus.PARKED  # handed back before START: nothing counted
+            # START is retried through a Redis outage with one attempt_id: a START that ran but
+            # whose reply was lost is then found again as ours, with its predecessor, rather than
+            # left behind as a phantom lease that makes the next delivery count another attempt.
+            attempt_id = new_attempt_id()
+            started = self.through_outage(episode_id, "starting", lambda: self.ledger.start(
+                job_id, episode_id, self.name, attempt_id=attempt_id),  # also ends the reservation
+                give_up=lambda: self.shutdown_at is not None and time.monotonic() >= self.shutdown_at)
+        finally:
+            # Whatever happened before START (parked, started, or raised: a job spec this worker
+            # cannot read, Redis gone), the delivery is out of this process's hands: a
+            # reservation renewed past here would keep the episode from the sweeper's re-send
+            # for as long as the process lives.
+            self.renewer.started(member(job_id, episode_id))
         if started.status != StartStatus.OK:
             log.info("episode %s: delivery dropped (%s %s)", episode_id, started.status, started.detail)
             return started.status
@@ -136,7 +145,7 @@ class WorkerRuntime:
         self.renewer.hold(lease)
         try:
             return Attempt(self, lease, started.spec, self._job(lease.job_id), started.earlier,
-                           started.progress).run()
+                           started.progress, started.outage_since_progress).run()
         finally:
             self.renewer.release(lease)
 

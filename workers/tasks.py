@@ -19,6 +19,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import Reject
 
 from broker.celery_app import EPISODE_TASK, make_app
+from broker.keys import member
 from broker.settings import Settings
 from workers.runner import WorkerRuntime
 
@@ -82,11 +83,28 @@ def _reserve(request=None, **_):
             log.exception("could not reserve a received episode (the sweeper's reconcile still covers it)")
 
 
+def _episodes_in_hand() -> set[str]:
+    """The episodes of the requests Celery holds, received and not finished (a message whose
+    arguments are not an episode's names none)."""
+    from celery.worker import state
+
+    held = set()
+    for request in list(state.reserved_requests):
+        try:
+            if request.name == EPISODE_TASK:
+                job_id, episode_id = request.args[:2]
+                held.add(member(str(job_id), str(episode_id)))
+        except Exception:  # noqa: BLE001 - a message is untrusted input; it must not stop renewals
+            continue
+    return held
+
+
 @signals.worker_ready.connect
 def _start_runtime(**_):
     # At start, not on the first task: the runtime's sweeper must run in an idle worker too,
     # or a fleet with no consumer up would never re-run a dead worker's episodes.
     rt = runtime()
+    rt.renewer.in_hand = _episodes_in_hand
     global _watch
     if settings.worker_stall_s > 0 and _watch is None:
         from celery.worker import state

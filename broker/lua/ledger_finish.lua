@@ -21,6 +21,6 @@ if ARGV[11] ~= '1' then
   redis.call('HDEL', KEYS[11], ARGV[2])
 elseif ARGV[12] ~= '' then  -- the attempt's last word on where it stopped: no call in flight
   redis.call('HSET', KEYS[10], ARGV[2], ARGV[12])
-  redis.call('HSET', KEYS[11], ARGV[2], ARGV[13])
+  redis.call('HSET', KEYS[11], ARGV[2], ARGV[13] .. ' ' .. now)
 end
 return 1

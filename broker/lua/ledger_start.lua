@@ -1,9 +1,11 @@
 -- START: a delivered episode becomes a running attempt under a fresh lease.
 -- KEYS: state, attempts, counts, lease, running, reserved, episodes, attempt_ids, attempt_previous,
---       reclaim_hold, job cancel, progress
--- ARGV: episode, token_prefix, ttl_ms, member, attempt_id
--- Returns {'ok', attempt, token, episode spec, previous attempt, progress} so that starting costs
--- one round trip (progress: the predecessor's snapshot, broker/resume.py decides on it).
+--       reclaim_hold, job cancel, progress, progress_seq, outages, primary
+-- ARGV: episode, token_prefix, ttl_ms, member, attempt_id, the prompted phase's place in a seq
+-- Returns {'ok', attempt, token, episode spec, previous attempt, progress, outage since} so that
+-- starting costs one round trip (progress: the predecessor's snapshot, broker/resume.py decides
+-- on it; outage since: '1' when the sweep clock recorded an outage or a failover after the
+-- snapshot was written, so that writes after it may have been lost).
 -- "<attempt>:<attempt_id>" is kept per episode: the renewer checks it before
 -- resuming a lease that lapsed during a Redis outage, the sweeper names the attempt it
 -- reclaims, and the next attempt closes the env instances of those before it.
@@ -26,6 +28,23 @@ local MAX_EARLIER = 16
 -- finds it finished, and any other episode of the job is refused - except the START sent
 -- again for an attempt that is already running, which gets its attempt back and learns of the
 -- cancel from its first renewal.
+-- A failover no sweep has seen yet counts too: the primary answering is not the one the last
+-- sweep reached (its replication id, Keys.primary). Asked only where it matters, for a
+-- ``prompted`` snapshot (seq = 4 * step + ARGV[6], broker/records.py Progress.seq).
+local function outage_since(episode)
+  local mark = redis.call('HGET', KEYS[13], episode)
+  local seq, written = nil, nil
+  if mark then seq, written = string.match(mark, '^%S+ (%d+) (%d+)$') end
+  if not written then return '' end
+  if #redis.call('ZRANGEBYSCORE', KEYS[14], '(' .. written, '+inf', 'LIMIT', 0, 1) > 0 then return '1' end
+  if tonumber(seq) % 4 == tonumber(ARGV[6]) then
+    local info = redis.pcall('INFO', 'replication')
+    local id = type(info) == 'string' and string.match(info, 'master_replid:(%x+)')
+    local known = redis.call('GET', KEYS[15])
+    if id and known and known ~= id then return '1' end
+  end
+  return ''
+end
 redis.call('ZREM', KEYS[6], ARGV[4])
 local st = redis.call('HGET', KEYS[1], ARGV[1])
 if not st then return {'unknown', ''} end
@@ -39,7 +58,8 @@ if st == $RUNNING and mine_id == ARGV[5] then
   redis.call('SET', KEYS[4], token, 'PX', ARGV[3])  -- a full TTL from this call, which the worker counts from
   redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
   return {'ok', mine_attempt, token, redis.call('HGET', KEYS[7], ARGV[1]) or '',
-          redis.call('HGET', KEYS[9], ARGV[1]) or '', redis.call('HGET', KEYS[12], ARGV[1]) or ''}
+          redis.call('HGET', KEYS[9], ARGV[1]) or '', redis.call('HGET', KEYS[12], ARGV[1]) or '',
+          outage_since(ARGV[1])}
 end
 if redis.call('EXISTS', KEYS[11]) == 1 then return {'refused', 'its job was cancelled'} end
 if holder then return {'busy', holder} end
@@ -64,4 +84,5 @@ if latest ~= '' and progress == '' then
 end
 if earlier ~= '' then redis.call('HSET', KEYS[9], ARGV[1], earlier) else redis.call('HDEL', KEYS[9], ARGV[1]) end
 redis.call('HSET', KEYS[8], ARGV[1], attempt .. ':' .. ARGV[5])
-return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', earlier, progress}
+return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', earlier, progress,
+        outage_since(ARGV[1])}
