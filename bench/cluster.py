@@ -20,6 +20,7 @@ import redis
 from bench.measures import procs
 from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
+from broker.redisconn import client_for
 from broker.settings import Settings
 from interactor.children import role_command, spawn
 from interactor.children import stop as stop_process
@@ -200,7 +201,7 @@ class Cluster:
 def start_replica(primary: EmbeddedRedis, folder: Path, timeout: float = 60.0) -> EmbeddedRedis:
     """A replica of ``primary`` on loopback, returned once it is in sync."""
     replica = EmbeddedRedis(folder, password=primary.password, replica_of=primary.port).start()
-    client = redis.Redis.from_url(primary.url)
+    client = client_for(primary.url)
     deadline = time.monotonic() + timeout
     while (client.info("replication").get("slave0") or {}).get("state") != "online":
         if time.monotonic() > deadline:

@@ -10,10 +10,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
-
 from bench.benchlog import log
 from broker.embedded import EmbeddedRedis
+from broker.redisconn import client_for
 from broker.settings import Settings
 
 
@@ -38,7 +37,7 @@ def run_enqueue(n: int, work: Path, *, base: Settings | None = None) -> EnqueueR
     with EmbeddedRedis(folder / "redis") as srv:
         settings = (base or Settings.from_env({})).replace(redis_url=srv.url, run_dir=str(folder),
                                                            env_base_url="http://127.0.0.1:9")
-        client = redis.Redis.from_url(srv.url)
+        client = client_for(srv.url)
         data = folder / "rows.jsonl"
         data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": 2 * i, "steps": 20}) + "\n"
                                 for i in range(max(1, n // 4))))

@@ -17,6 +17,7 @@ from bench.cluster import start_replica
 from bench.measures import percentiles
 from broker.embedded import EmbeddedRedis
 from broker.ledger import Ledger
+from broker.redisconn import client_for
 from broker.settings import Settings
 from broker.states import AttemptStatus, LedgerState
 
@@ -81,7 +82,7 @@ def run_commit_waits(work: Path, *, commits: int = 500, base: Settings | None = 
     try:
         replica = start_replica(primary, folder / "replica")
         settings = (base or Settings.from_env({})).replace(redis_url=primary.url, run_dir=str(folder))
-        client = redis.Redis.from_url(primary.url)
+        client = client_for(primary.url)
         for mode in ("off", "on"):
             _time_commits(res, client, settings, mode, commits)
         res.added_ms_p50 = res.ms_per_commit["on"]["p50"] - res.ms_per_commit["off"]["p50"]

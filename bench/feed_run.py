@@ -24,6 +24,7 @@ from bench.load_runs import LoadSpec, write_countdown_tasks
 from bench.measures import percentiles
 from broker.keys import Keys
 from broker.ledger import Ledger
+from broker.redisconn import client_for
 from broker.settings import Settings
 from broker.states import AttemptStatus, LedgerState
 from interactor.children import spawn
@@ -134,7 +135,7 @@ def run_feed(spec: LoadSpec, work: Path, *, train_s: float = 1.0, src: str | Non
         f"training {train_s:g} s per batch")
     try:
         settings = cluster.start().replace(feed_max_ahead=res.max_ahead)
-        client = redis.Redis.from_url(settings.redis_url)
+        client = client_for(settings.redis_url)
         keys = Keys(settings.key_prefix)
         cluster.wait_workers_ready()
         job_id, feed_p, url = _serve_feed_job(res, cluster, settings, client, folder, src)

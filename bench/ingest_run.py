@@ -18,6 +18,7 @@ from bench.cluster import ROOT, child_env
 from bench.measures import cpu_delta, cpu_snapshot, procs
 from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
+from broker.redisconn import client_for
 from broker.settings import Settings
 from broker.states import AttemptStatus
 from interactor.children import spawn_role
@@ -105,7 +106,7 @@ def run_fleet_ingest(n: int, work: Path, *, backend: str, consumers: int,
                 store_url = pg.create_database("bench")
             settings = (base or Settings.from_env({})).replace(redis_url=srv.url, store_url=store_url,
                                                                run_dir=str(folder))
-            client = redis.Redis.from_url(srv.url)
+            client = client_for(srv.url)
             keys = Keys(settings.key_prefix)
             _start_consumers(consumer_ps, consumers, settings, store_url, client, keys, folder)
             packed = [r.pack() for r in realistic_records(n)]

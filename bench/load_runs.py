@@ -37,6 +37,7 @@ from bench.measures import command_calls, cpu_delta, cpu_snapshot, http_json, pe
 from broker.caps import MAX_CONCURRENCY, Limits
 from broker.keys import Keys
 from broker.ledger import Ledger
+from broker.redisconn import client_for
 from broker.settings import Settings
 from broker.states import LedgerState
 
@@ -187,7 +188,7 @@ def run_load(spec: LoadSpec, work: Path, *, src: str | None = None, base: Settin
         + (f", code from {src}" if src else ""))
     try:
         settings = cluster.start()
-        client = redis.Redis.from_url(settings.redis_url)
+        client = client_for(settings.redis_url)
         keys = Keys(settings.key_prefix)
         cluster.wait_workers_ready()
         time.sleep(1.0)

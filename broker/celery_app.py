@@ -15,8 +15,10 @@ Why each setting (see the README's delivery guarantee):
   slot freed by a finished episode takes the next one at once (workers/celery_consumer.py).
   The worker names it (workers/tasks.py passes it to ``make_app``): broker/ names nothing above it.
 * broker_transport: kombu's Redis transport, keeping one client per channel
-  (broker/kombu_redis.py); its Sentinel transport for a ``redis+sentinel://`` URL, which
-  connects by the address broker/redisconn.py read (the broker URL only names a Sentinel).
+  (broker/kombu_redis.py), or its Sentinel transport for a ``redis+sentinel://`` URL. Both
+  connect by the address broker/redisurl.py read (``broker_transport_options``), never by a
+  URL of kombu's reading: the broker URL Celery is given is that address without its password
+  (a one server's), or names the first Sentinel, for Celery's logs.
 * remote control off unless ``worker_remote_control`` (broker/settings.py says why).
 * per-task log lines ("received", "succeeded") are off (workers/tasks.py): at a thousand
   episodes a minute they cost more CPU than the bookkeeping they report.
@@ -27,7 +29,8 @@ from __future__ import annotations
 from celery import Celery
 
 from broker.kombu_redis import SENTINEL_TRANSPORT, TRANSPORT
-from broker.redisconn import broker_transport_options, broker_use_ssl, sentinel_address
+from broker.redisconn import broker_transport_options, redis_address
+from broker.redisurl import SentinelAddress
 from broker.settings import Settings
 
 EPISODE_TASK = "interactor.run_episode"
@@ -36,9 +39,9 @@ EPISODE_TASK = "interactor.run_episode"
 def make_app(settings: Settings, *, main: str = "interactor", worker_consumer: str | None = None) -> Celery:
     """The Celery app. ``worker_consumer``: the consumer class a worker runs (``module:Class``),
     named by the worker that runs it (workers/tasks.py); Celery's own when None."""
-    address = sentinel_address(settings)
-    broker, transport = settings.redis_url, TRANSPORT
-    if address is not None:  # what Celery logs; the transport connects by the address itself
+    address = redis_address(settings)
+    broker, transport = address.shown(), TRANSPORT  # what Celery logs; the transport connects by the address
+    if isinstance(address, SentinelAddress):
         host, port = address.sentinels[0]
         broker, transport = f"sentinel://{f'[{host}]' if ':' in host else host}:{port}/{address.db}", SENTINEL_TRANSPORT
     app = Celery(main, broker=broker, set_as_current=False)
@@ -65,7 +68,6 @@ def make_app(settings: Settings, *, main: str = "interactor", worker_consumer: s
         broker_connection_max_retries=None,
         broker_transport=transport,
         broker_transport_options=broker_transport_options(settings),
-        broker_use_ssl=broker_use_ssl(settings),
         broker_heartbeat=0,
         task_default_queue=settings.queue,
         task_create_missing_queues=True,

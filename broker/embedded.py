@@ -87,7 +87,7 @@ class EmbeddedRedis:
         self.folder.chmod(0o700)
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True, umask=0o077)
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         while True:
             try:

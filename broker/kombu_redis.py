@@ -1,5 +1,5 @@
-"""kombu's Redis transports with one client object per channel instead of one per command, and
-the Sentinel one connecting by the address our URL parser read.
+"""kombu's Redis transports with one client object per channel instead of one per command,
+both connecting by the address our URL parser read.
 
 kombu's channel builds a new ``redis.Redis`` around its connection pool for every command it
 sends outside the BRPOP loop: the unacked-hash write when a task arrives, the ack when it is
@@ -21,12 +21,21 @@ re-runs it), and one whose message vanished before either is found by reconcile 
 ledger, no message, no reservation) and sent again. A warm shutdown still gives back the
 messages a worker holds and has not run (kombu's in-memory QoS restores them to the queue).
 
-With a ``redis+sentinel://`` URL the broker is kombu's Sentinel transport, whose pool asks the
-Sentinels for the primary (and again after a failover). kombu would read the Sentinels from
-its own broker URL; ours reads them, the service, database and passwords from the
-``sentinel_address`` transport option, which broker/redisconn.py fills from the one parse of
-``REDIS_URL`` (broker/redisurl.py). The broker URL Celery is given only names the first
-Sentinel, for its logs.
+kombu would read where Redis is from its own broker URL, with a parser that disagrees with ours
+(it reads a unix socket's path as a database number, and passes a query's options to the
+connection as keyword arguments). Ours read it instead, from the one parse of ``REDIS_URL``
+(broker/redisurl.py) that broker/redisconn.py puts in the transport options:
+
+* one server (``redis://``, ``rediss://``, ``unix://``): the ``server_address`` option. The
+  channel's connections are made from :func:`broker.redisconn.server_options`, as our own pools
+  are: a unix socket's connection class, path and no TCP-only options; TLS with certificates
+  verified against ``redis_tls_ca``. The broker URL Celery is given is the address without its
+  password (``ServerAddress.shown``), and kombu does not read it (``can_parse_url``): it is
+  only what Celery logs.
+* ``redis+sentinel://``: kombu's Sentinel transport, whose pool asks the Sentinels for the
+  primary (and again after a failover), with the Sentinels, service, database and passwords of
+  the ``sentinel_address`` option. The broker URL Celery is given only names the first
+  Sentinel, for its logs.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import redis
 from kombu.transport import redis as kombu_redis
 from redis import sentinel
 
-from broker.redisconn import parser_options
+from broker.redisconn import parser_options, server_options, without_tcp_options
 
 
 class _OneClientPerPool:
@@ -58,11 +67,36 @@ class _OneClientPerPool:
 
 
 class Channel(_OneClientPerPool, kombu_redis.Channel):
-    pass
+    from_transport_options = kombu_redis.Channel.from_transport_options + ("server_address", "redis_tls_ca")
+    server_address = None  # broker.redisurl.ServerAddress
+    redis_tls_ca = ""
+
+    def _server_options(self) -> dict:
+        if self.server_address is None:
+            raise ValueError("broker_transport_options names no server_address: make the Celery app with "
+                             "broker.celery_app.make_app")
+        return server_options(self.server_address, self.redis_tls_ca)
+
+    @property
+    def connection_class(self):
+        """The address's (TCP, TLS or unix socket): kombu wraps it for its event loop."""
+        return self._server_options()["connection_class"]
+
+    def _connparams(self, asynchronous=False):
+        params = super()._connparams(asynchronous=asynchronous)  # pool size, timeouts, kombu's connection class
+        for where in ("host", "port", "path"):  # kombu's reading of the broker URL, replaced by ours
+            params.pop(where, None)
+        ours = self._server_options()
+        del ours["connection_class"]  # kombu's subclass of it (connection_class above) stays
+        return without_tcp_options(self.server_address, params | ours)
 
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+    can_parse_url = True  # kombu leaves the broker URL alone: the channel connects by server_address
+
+    def as_uri(self, uri: str, include_password=False, mask="**") -> str:
+        return uri  # the address without its password (celery_app.make_app), as Celery shows it
 
 
 class SentinelChannel(_OneClientPerPool, kombu_redis.SentinelChannel):

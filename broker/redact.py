@@ -27,9 +27,18 @@ _SECRET_QUERY_RE = re.compile(
 def redact_url(url: str) -> str:
     """``redis://:pw@host/0`` -> ``redis://:***@host/0``, ``https://TOKEN@host`` ->
     ``https://***@host``, ``...?password=pw`` -> ``...?password=***``: URLs are logged and
-    stored, secrets are not. A username alone is hidden too: it is often a token."""
+    stored, secrets are not. A username alone is hidden too: it is often a token.
+
+    A password whose ``/``, ``?`` or ``#`` was not percent-encoded ends the host for a URL
+    parser, which then reads the rest of the password as a port, path, query or fragment and
+    the last ``@`` as part of it. Whether an ``@`` past the host is that or a path's own, no
+    parser can tell, so everything before the last ``@`` is hidden."""
     if "@" not in url and "?" not in url and "#" not in url:  # nothing to hide (the common case)
         return url
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    if sep and at >= _host_end(rest):
+        return f"{scheme}://***@{_hide_secret_options(rest[at + 1:])}"
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -47,3 +56,16 @@ def redact_url(url: str) -> str:
     if netloc == parts.netloc and query == parts.query and fragment == parts.fragment:
         return url
     return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
+
+
+def _host_end(rest: str) -> int:
+    """Where a URL parser ends the authority of ``rest`` (the URL after ``scheme://``)."""
+    ends = [i for i in (rest.find(c) for c in "/?#") if i >= 0]
+    return min(ends, default=len(rest))
+
+
+def _hide_secret_options(text: str) -> str:
+    """``text`` with the values of secret-named options hidden, wherever a query or fragment
+    of it may start."""
+    head, *options = re.split(r"([?#])", text)
+    return head + "".join(_SECRET_QUERY_RE.sub(r"\1***", part) for part in options)

@@ -1,12 +1,13 @@
 """Redis connections for every role: one place for timeouts, retries, TLS and Sentinel.
 
-``connect(settings)`` reads the URL once (broker/redisurl.py): a one-server URL gets a blocking
-pool of its own; a ``redis+sentinel://`` URL a client of the primary the Sentinels name, whose
-pool asks them again whenever a connection to it fails (redis-py's ``master_for``), with the
-same pool size, timeouts and retries. A failover is then what a restart is to the clients: the
-commands in flight fail with connection errors, :class:`OutageRetry` retries them with
-backoff, and the retries reach the promoted replica. The Celery broker gets the same address
-(``broker_transport_options``, broker/kombu_redis.py).
+``connect(settings)`` builds its client from the address broker/redisurl.py read, never from
+the URL: a one-server address gets a blocking pool of its own, over TCP, TLS or a unix socket
+(:func:`server_options`: where and how to log in); a Sentinel address a client of the primary
+the Sentinels name, whose pool asks them again whenever a connection to it fails (redis-py's
+``master_for``), with the same pool size, timeouts and retries. A failover is then what a
+restart is to the clients: the commands in flight fail with connection errors,
+:class:`OutageRetry` retries them with backoff, and the retries reach the promoted replica. The
+Celery broker gets the same address (``broker_transport_options``, broker/kombu_redis.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from broker.ospoll import ReadyCheck
-from broker.redisurl import RedisUrlError, SentinelAddress, parse_redis_url
+from broker.redisurl import RedisAddress, RedisUrlError, SentinelAddress, ServerAddress, parse_redis_url
 from broker.settings import Settings, SettingsError
 
 try:  # redis-py's C reply parser, present with the hiredis extra (pyproject)
@@ -114,18 +115,55 @@ def connect(settings: Settings, *, retries: int = 12, max_connections: int | Non
         retry_on_error=list(_RETRY_ERRORS),
         **parser_options(),
     )
-    address = sentinel_address(settings)
-    if address is not None:
+    address = redis_address(settings)
+    if isinstance(address, SentinelAddress):
         return sentinels_of(address).master_for(
             address.service, redis_class=redis.Redis, connection_pool_class=BlockingSentinelPool, db=address.db,
             username=address.username or None, password=address.password or None, **common)
-    tls = {}
-    if settings.redis_url.startswith("rediss://"):
-        tls = {"ssl_cert_reqs": "required"}
-        if settings.redis_tls_ca:
-            tls["ssl_ca_certs"] = settings.redis_tls_ca
-    pool = redis.BlockingConnectionPool.from_url(settings.redis_url, **tls, **common)
-    return redis.Redis(connection_pool=pool)
+    options = without_tcp_options(address, common | server_options(address, settings.redis_tls_ca))
+    return redis.Redis(connection_pool=redis.BlockingConnectionPool(**options))
+
+
+def client_for(url: str, **options) -> redis.Redis:
+    """A client of the Redis ``url`` names, with redis-py's defaults and ``options``: for tools
+    that hold a URL and no settings (the bench). The URL is read by the one parser, as
+    :func:`connect` reads it."""
+    address = parse_redis_url(url)
+    if isinstance(address, SentinelAddress):
+        return sentinels_of(address).master_for(address.service, redis_class=redis.Redis, db=address.db,
+                                                username=address.username or None,
+                                                password=address.password or None, **options)
+    options = without_tcp_options(address, options | server_options(address))
+    return redis.Redis(connection_pool=redis.ConnectionPool(**options))
+
+
+# Options of a TCP connection that redis-py's unix socket connection refuses (TypeError).
+TCP_ONLY_OPTIONS = ("socket_keepalive", "socket_keepalive_options")
+
+
+def without_tcp_options(address: ServerAddress, options: dict) -> dict:
+    """``options`` fit for ``address``'s connection: a socket's without the TCP-only ones."""
+    if not address.is_socket:
+        return options
+    return {k: v for k, v in options.items() if k not in TCP_ONLY_OPTIONS}
+
+
+def server_options(address: ServerAddress, tls_ca: str = "") -> dict:
+    """redis-py's connection options for where one server is and how to log in to it: its
+    connection class (TCP, TLS or unix socket), host and port or socket path, database, user
+    name and password, and with TLS the certificate checks (always verified: against ``tls_ca``,
+    the ``redis_tls_ca`` setting, else the system's trust store). Our pools and the Celery
+    broker's (broker/kombu_redis.py) are both made from these."""
+    opts = dict(db=address.db, username=address.username or None, password=address.password or None)
+    if address.is_socket:
+        return opts | dict(connection_class=redis.UnixDomainSocketConnection, path=address.path)
+    opts |= dict(host=address.host, port=address.port)
+    if not address.tls:
+        return opts | dict(connection_class=redis.Connection)
+    opts |= dict(connection_class=redis.SSLConnection, ssl_cert_reqs="required")
+    if tls_ca:
+        opts["ssl_ca_certs"] = tls_ca
+    return opts
 
 
 class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
@@ -134,16 +172,15 @@ class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool)
     a primary that was replaced is dropped when it comes back to the pool."""
 
 
-def sentinel_address(settings: Settings) -> SentinelAddress | None:
-    """The Sentinel address of ``settings.redis_url`` (with the Sentinels' own password), or
-    None for a one-server URL."""
+def redis_address(settings: Settings) -> RedisAddress:
+    """The address ``settings.redis_url`` names, a Sentinel one with the Sentinels' own password."""
     try:
         address = parse_redis_url(settings.redis_url)
     except RedisUrlError as exc:  # Settings.validated refuses these first; a hand-made Settings may not
         raise SettingsError(f"redis_url: {exc}") from None
-    if address is None:
-        return None
-    return dataclasses.replace(address, sentinel_password=settings.redis_sentinel_password.reveal())
+    if isinstance(address, SentinelAddress):
+        return dataclasses.replace(address, sentinel_password=settings.redis_sentinel_password.reveal())
+    return address
 
 
 def sentinel_options(address: SentinelAddress) -> dict:
@@ -160,25 +197,17 @@ def sentinels_of(address: SentinelAddress) -> Sentinel:
     return Sentinel(list(address.sentinels), min_other_sentinels=0, sentinel_kwargs=sentinel_options(address))
 
 
-def broker_use_ssl(settings: Settings) -> dict | None:
-    """kombu refuses a rediss:// URL without TLS options; certificates are always verified."""
-    if not settings.redis_url.startswith("rediss://"):
-        return None
-    import ssl
-
-    opts = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
-    if settings.redis_tls_ca:
-        opts["ssl_ca_certs"] = settings.redis_tls_ca
-    return opts
-
-
 def broker_transport_options(settings: Settings) -> dict:
-    """kombu's transport options; with a Sentinel URL also where the primary is (the address
-    this module's parser read: broker/kombu_redis.py connects by it, not by the broker URL)."""
-    address = sentinel_address(settings)
-    sentinel = {} if address is None else {
-        "sentinel_address": address, "master_name": address.service, "sentinel_kwargs": sentinel_options(address)}
-    return sentinel | {
+    """kombu's transport options, with where Redis is: the address this module's parser read,
+    by which broker/kombu_redis.py connects (the broker URL Celery is given only names it, for
+    its logs)."""
+    address = redis_address(settings)
+    if isinstance(address, SentinelAddress):
+        where = {"sentinel_address": address, "master_name": address.service,
+                 "sentinel_kwargs": sentinel_options(address)}
+    else:
+        where = {"server_address": address, "redis_tls_ca": settings.redis_tls_ca}
+    return where | {
         # kombu's own pool (acks come from the pool's threads at once); its default is 10.
         "max_connections": pool_size(settings),
         "global_keyprefix": "",

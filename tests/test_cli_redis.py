@@ -37,6 +37,17 @@ def test_without_redis_url_a_command_says_so_in_one_line(tmp_path, command):
     assert "REDIS_URL" in out.stderr and "--run-dir" in out.stderr
 
 
+@pytest.mark.parametrize("url, why", [
+    ("redis://:pa#ss-word-9@127.0.0.1:6379/0", "percent-encode"),
+    ("redis://:pass-word-9@127.0.0.1:6379/0?socket_timeout=5", "'socket_timeout' is not supported"),
+])
+def test_a_refused_redis_url_is_one_line_naming_the_problem_never_the_password(tmp_path, url, why):
+    out = interactor("status", cwd=tmp_path, env=clean_env() | {"REDIS_URL": url})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert why in out.stderr and "word-9" not in out.stderr, out.stderr
+
+
 def test_a_wrong_password_fails_at_once_and_says_so(tmp_path):
     """A refused login was retried like an outage (about 17 s) and then called 'unreachable'."""
     server = EmbeddedRedis(tmp_path / "redis", password="right-one").start()

@@ -18,7 +18,7 @@ from broker.kombu_redis import SentinelTransport
 from broker.ledger import Ledger
 from broker.records import AttemptRecord, EpisodeSpec, JobSpec
 from broker.redisconn import QuickReadyParser, connect
-from broker.redisurl import RedisUrlError, parse_redis_url, redis_password
+from broker.redisurl import RedisUrlError, ServerAddress, parse_redis_url, redis_password
 from broker.replicas import ReplicaWait
 from broker.settings import Settings, SettingsError, redact_url
 from broker.states import AttemptStatus, LedgerState
@@ -51,7 +51,7 @@ def test_the_sentinel_form_is_read_into_its_parts(url, sentinels, service, db, u
     ("redis+sentinel://:s3cret@s1:99999/ix", "out of range"),
     ("redis+sentinel://:s3cret@s1:1,/ix", "Sentinel 2 of the list"),
     ("redis+sentinel://:s3cret@s_1:1/ix", "Sentinel 1 of the list"),
-    ("redis+sentinel://:s3/cret@s1:1/ix", "Sentinel 1 of the list"),  # a raw '/' in a password
+    ("redis+sentinel://:s3/cret@s1:1/ix", "percent-encode"),  # a raw '/' in a password
     ("redis+sentinel://:s3cret@s1:1/ix?password=x", "query"),
     ("redis+sentinel://:s3cret@s1:1/ix#frag", "query"),
     ("redis+sentinel://:s3 cret@s1:1/ix", "whitespace"),
@@ -74,9 +74,9 @@ def test_passwords_of_the_sentinel_form_are_hidden_wherever_the_url_is_shown():
     assert "pw-of-redis" not in repr(s) and "pw-of-sentinels" not in repr(s)
     assert s.redis_sentinel_password.reveal() == "pw-of-sentinels"
     assert s.as_environ()["INTERACTOR_REDIS_SENTINEL_PASSWORD"] == "pw-of-sentinels"  # for child processes
-    # The plain forms are read as before, by redis-py's parser.
-    assert parse_redis_url("redis://:pw@h:6379/0") is None and redis_password("redis://:p%40w@h:6379/0") == "p@w"
-    assert parse_redis_url("unix:///run/redis.sock") is None and parse_redis_url("rediss://h:1/0") is None
+    # The one-server forms are read by the same parser (tests/test_redisconn.py has them all).
+    assert parse_redis_url("redis://:pw@h:6379/0") == ServerAddress("redis", host="h", port=6379, password="pw")
+    assert redis_password("redis://:p%40w@h:6379/0") == "p@w"
 
 
 # --- clients through the Sentinels ------------------------------------------------------------

@@ -307,11 +307,29 @@ def test_breaker_probes_get_the_same_checks_and_follow_no_redirect(listener):
     ("https://bucket.s3/x?X-Amz-Signature=sig123&X-Amz-Credential=cred123", "cred123"),
     ("https://blob/x?sv=1&sig=abc123", "abc123"),
     ("https://h/#access_token=tok123", "tok123"),
+    # Passwords with a character left unencoded that ends the host for a URL parser.
+    ("redis://:pw#123@h:6379/0", "pw"),
+    ("redis://:pw?123@h:6379/0", "123"),
+    ("redis://:pw/123@h:6379/0", "123"),
+    ("redis://:p@w123@h:6379/0", "w123"),
+    ("redis://user:pw123/x@h:6379/0?x=1&token=tok123", "tok123"),
 ])
 def test_redact_url_hides_tokens_codes_and_signatures(url, secret):
     shown = redact_url(url)
     assert secret not in shown and "***" in shown, shown
-    assert "api.example.com" in shown or "h/" in shown or "s3" in shown or "blob" in shown
+    assert "api.example.com" in shown or "h/" in shown or "h:" in shown or "s3" in shown or "blob" in shown
+
+
+@given(scheme=st.sampled_from(["redis", "rediss", "unix", "https", "redis+sentinel"]),
+       middle=st.text(min_size=0, max_size=10), after=st.sampled_from(["h:6379/0", "/run/r.sock", "h/v1?a=b"]))
+@example(scheme="redis", middle="#", after="h:6379/0")
+@example(scheme="https", middle="/x?y", after="h/v1?a=b")
+@hsettings(max_examples=300, deadline=None)
+def test_redact_url_never_shows_a_password_whatever_it_holds(scheme, middle, after):
+    password = "Zq9" + middle + "Xw7"  # any part of it that shows carries one of the ends
+    for url in (f"{scheme}://:{password}@{after}", f"{scheme}://user:{password}@{after}"):
+        shown = redact_url(url)
+        assert "Zq9" not in shown and "Xw7" not in shown, (url, shown)
 
 
 # --------------------------------------------------------------------------- code a job names
