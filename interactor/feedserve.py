@@ -23,6 +23,11 @@ What one client can hold: a request's head and body must arrive within
 ``feed_request_timeout_s`` (in all, however slowly they trickle), and at most
 ``feed_max_connections`` connections are served at once; one more is answered 503 and closed.
 A long-polling ``/take`` holds its connection while it waits (the wait is ours, not a read).
+
+Groups an answer hands out are the client's once the answer is written, and go to the next take
+when it could not be. A client that shut its sending side after its request (a FIN) is answered
+like any other; since one that closed the connection sends the same FIN, its answer counts as
+delivered once the client's end acknowledged it, not reset it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import logging
 import math
 import select
 import socket
+import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -193,13 +200,17 @@ class FeedHandler(BaseHTTPRequestHandler):
         log.debug("feed %s " + fmt, self.client_address[0], *args)
 
     def _send(self, status: int, body: dict) -> bool:
-        """Write the answer; False when the client is gone (before or while writing)."""
+        """Write the answer; whether the client has it: False when it is gone (before or while
+        writing, or it answered what was written with a reset)."""
         data = _json_answer(body)
         if status >= 400:  # the body may be unread: what follows on the connection is not a request
             self.close_connection = True
-        if _peer_gone(self.connection):
+        peer = _peer(self.connection)
+        if peer == PEER_GONE:
             self.close_connection = True
             return False
+        if peer == PEER_DONE_SENDING:  # it sends no further request
+            self.close_connection = True
         try:
             self.connection.settimeout(self.timeout)
             self.send_response(status)
@@ -213,6 +224,8 @@ class FeedHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             log.debug("feed answer to %s not sent: %s", self.client_address[0], exc)
             return False
+        if peer == PEER_DONE_SENDING:
+            return _taken_in(self.connection, self.timeout)
         return True
 
     def _content_length(self) -> int:
@@ -329,14 +342,83 @@ class Handout:
     lost: Callable[[], Any] = lambda: None
 
 
-def _peer_gone(sock) -> bool:
-    """Whether the client closed its side (it gave up waiting): a readable socket with nothing
-    to read. A client that sent its next request already is still there."""
+PEER_OPEN, PEER_DONE_SENDING, PEER_GONE = "open", "done sending", "gone"
+_TCP_CLOSE = 7  # tcp_info's state of a connection that was reset (Linux's TCP_CLOSE)
+
+
+def _peer(sock) -> str:
+    """What the client did since its request, without reading any of what it sent next:
+
+    * ``PEER_OPEN``: nothing yet, or it sent its next request already;
+    * ``PEER_DONE_SENDING``: it sent a FIN. Either it shut only its sending side after a complete
+      request (HTTP/1.1 allows it; some clients and tools do it) and reads the answer, or it
+      closed the connection (it gave up waiting): only the answer written to it tells which
+      (:func:`_taken_in`);
+    * ``PEER_GONE``: it reset the connection."""
     try:
         readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+        if not readable:
+            return PEER_OPEN
+        return PEER_DONE_SENDING if sock.recv(1, socket.MSG_PEEK) == b"" else PEER_OPEN
     except (OSError, ValueError):
-        return True
+        return PEER_GONE
+
+
+def _taken_in(sock, timeout_s: float) -> bool:
+    """After an answer was written to a client that sent a FIN: whether the client's end took it.
+    A client that only shut its sending side acknowledges the bytes; one that closed its socket
+    answers them with a reset, so the answer is not its. Waits up to ``timeout_s`` for one or
+    the other (a round trip, or as long as a half-closed client takes to read a large answer).
+    Where the acknowledgements cannot be read, False: groups handed out in that answer are given
+    back, never lost (at worst the client has them twice)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    try:
+        while True:
+            # The error first: a reset leaves the unacknowledged count where it was, never 0.
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) or _tcp_state(sock) == _TCP_CLOSE:
+                return False
+            if _unacknowledged_bytes is None:
+                return False
+            unacked = _unacknowledged_bytes(sock)
+            if unacked == 0:
+                return True
+            if time.monotonic() >= deadline:
+                log.debug("feed answer to a half-closed client not acknowledged within %g s", timeout_s)
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+    except (OSError, ValueError):
+        return False
+
+
+def _tcp_state(sock) -> int | None:
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
+def _unacknowledged_reader() -> Callable[[socket.socket], int] | None:
+    """How many bytes written to a socket its other end has not acknowledged yet (Linux's
+    SIOCOUTQ, the same request number as TIOCOUTQ); None where that cannot be read."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import fcntl
+        import termios
+    except ImportError:
+        return None
+    request = getattr(termios, "TIOCOUTQ", None)
+    if request is None:
+        return None
+
+    def unacknowledged(sock: socket.socket) -> int:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0" * 4))[0]
+
+    return unacknowledged
+
+
+_unacknowledged_bytes = _unacknowledged_reader()
 
 
 def _num(body: dict, name: str, default):

@@ -1,7 +1,8 @@
 """The feed server's HTTP edge over raw sockets: which requests it answers (Host, Origin,
 Sec-Fetch-Site, JSON bodies when it has no token), what one client can hold (a request's head
 and body in bounded time, a bounded number of connections, a Content-Length checked before
-any read), and that no answer carries a number JSON does not have. A real FeedService over the
+any read), that no answer carries a number JSON does not have, and that a client done sending
+is answered like any other. A real FeedService over the
 session's Redis and a SQLite store; the server is interactor/feedserve.py's, on loopback."""
 
 from __future__ import annotations
@@ -393,3 +394,55 @@ def test_a_body_nested_past_what_the_json_reader_takes_is_refused_in_one_line(se
         assert status == 400 and "nested too deeply" in answer["error"], answer
         assert send(port, "GET", "/health", headers={"Host": f"127.0.0.1:{port}"})[0] == 200
     assert not [r for r in caplog.records if r.name == "interactor.feedserve"], caplog.text
+
+
+# --- D10: a client done sending is not a client gone ---------------------------------------------
+def announce_with_steps(svc, gid: str) -> None:
+    members = [f"{gid}.1", f"{gid}.2"]
+    svc.store.write_batch([one_step(JOB, ep, gid) for ep in members])  # a group is delivered with its steps
+    group = FeedGroup(job_id=JOB, group_id=gid, status=FeedGroupStatus.READY, members=members, rewards=[1.0, 0.0],
+                      size=2)
+    assert feed.announce(svc.r, svc.keys, group.pack(), JOB, gid)
+
+
+def half_closed(port: int, request: bytes) -> tuple[int, dict]:
+    """Send ``request``, shut the sending side (a FIN: done sending, still reading) and read the
+    answer to the end of the connection: its status and JSON (0 and {} for no answer at all)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    finally:
+        s.close()
+    if not raw:
+        return 0, {}
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_client_that_half_closes_after_its_request_is_answered_and_keeps_its_groups(service):
+    """A FIN after a complete request says the client is done sending, not gone (HTTP/1.1 allows
+    it, and some clients and tools do it). The review's repro, ``GET /health`` with ``Connection:
+    close``, is answered; so is a ``/take``, and its group stays the taker's: not handed to the next
+    take, acknowledged by it. (A client that closed its connection sends the same FIN; its groups
+    are given back: tests/test_feed_trust.py.)"""
+    announce_with_steps(service, "g1")
+    announce_with_steps(service, "g2")
+    with served(service) as server:
+        port = server.server_address[1]
+        status, answer = half_closed(port, f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                                           "Connection: close\r\n\r\n".encode())
+        assert (status, answer.get("status")) == (200, "ok"), answer
+        body = b'{"trainer": "a", "batch": 1, "timeout": 5}'
+        head = "".join(f"{k}: {v}\r\n" for k, v in own(port, body).items())
+        status, answer = half_closed(port, f"POST /take HTTP/1.1\r\n{head}\r\n".encode() + body)
+        assert status == 200 and len(answer["groups"]) == 1, answer
+        taken = answer["groups"][0]["group_id"]
+        # Settled before the server closed the connection: the next take has only the other group.
+        body = b'{"trainer": "b", "batch": 2, "timeout": 1}'
+        status, answer = send(port, "POST", "/take", body, own(port, body))
+        assert status == 200 and [g["group_id"] for g in answer["groups"]] == [{"g1": "g2", "g2": "g1"}[taken]]
+        assert service.ack("a", [taken]) == {"acked": [taken], "already": []}
