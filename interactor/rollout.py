@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from broker import feed
 from broker.duty import Duty
@@ -26,8 +27,18 @@ ORIGINAL_TASK_KEYS = {"input_file": "dataset", "task_type": "env_name", "num_rep
 OUR_KEYS = ("task_files", "config", "epochs", "seed")
 
 
-def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> tuple[list[str], int, int, list[str]]:
-    """``/start_rollout``'s body as (task files, epochs, seed, keys ignored). One of:
+class RolloutRequest(NamedTuple):
+    """What a ``/start_rollout`` body asks for."""
+
+    paths: list[str]  # the task files
+    epochs: int
+    seed: int
+    ignored: list[str]  # keys of the body that configure nothing here
+    written: Path | None  # the file its inline content was written to, for this request alone
+
+
+def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> RolloutRequest:
+    """``/start_rollout``'s body as the task files it names, epochs, seed, and what is ignored. One of:
 
     * ``task_files``: paths of task files (as ``interactor feed serve tasks.yaml`` takes);
     * ``config``: a path, or a task file's content inline (``{environments: [...]}``);
@@ -35,8 +46,9 @@ def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> tuple
       environment ``task_type`` over the rows of ``input_file``, groups of that many.
 
     Relative paths are the server's working directory's. Inline content is written under the
-    run folder, so the job's task file stays readable after the request. Which files these may
-    be is decided when they are read (``feed_task_roots``, producer/readroots.py)."""
+    run folder (``written``), so the job's task file stays readable after the request; the
+    caller removes it when the request is refused. Which files these may be is decided when
+    they are read (``feed_task_roots``, producer/readroots.py)."""
     cwd = cwd or Path.cwd()
     epochs = body.get("epochs", 0)
     seed = body.get("seed", 0)
@@ -56,7 +68,7 @@ def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> tuple
         files = [files] if isinstance(files, str) else files
         if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
             raise feed.FeedError(f"task_files must be a list of task file paths, got {files!r}")
-        return [str(cwd / f) for f in files], epochs, seed, _ignored(body)
+        return RolloutRequest([str(cwd / f) for f in files], epochs, seed, _ignored(body), None)
     if original:
         missing = [k for k in ORIGINAL_TASK_KEYS if k not in original]
         if missing:
@@ -74,7 +86,7 @@ def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> tuple
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / f"start_rollout-{int(time.time() * 1000)}.yaml"
     path.write_text(json.dumps(config, indent=1))  # JSON is YAML
-    return [str(path)], epochs, seed, _ignored(body)
+    return RolloutRequest([str(path)], epochs, seed, _ignored(body), path)
 
 
 def _ignored(body: dict) -> list[str]:
@@ -161,12 +173,19 @@ class Rollout:
         inline = Path(self.settings.run_dir) / "rollouts"
         inline.mkdir(parents=True, exist_ok=True)  # a root must exist to be resolved
         roots = ReadRoots.from_setting(self.settings.feed_task_roots, default=Path.cwd(), also=[inline])
-        paths, epochs, seed, ignored = rollout_request(body, inline)
+        request = rollout_request(body, inline)
         try:
-            service = self.new_job(paths, epochs, seed, roots=roots)
-        except (TaskFileError, SettingsError) as exc:
-            raise feed.FeedError(f"start_rollout: {exc}") from None
-        note = (f" ({', '.join(ignored)} ignored: the workers use their own settings)" if ignored else "")
+            service = self.new_job(request.paths, request.epochs, request.seed, roots=roots)
+        except BaseException as exc:
+            # A refused request leaves nothing behind, on disk either: requests repeated by any
+            # local process or trainer would otherwise fill it, a body at a time.
+            if request.written is not None:
+                request.written.unlink(missing_ok=True)
+            if isinstance(exc, (TaskFileError, SettingsError)):
+                raise feed.FeedError(f"start_rollout: {exc}") from None
+            raise
+        note = (f" ({', '.join(request.ignored)} ignored: the workers use their own settings)"
+                if request.ignored else "")
         return service, note
 
 

@@ -1,7 +1,8 @@
 """``interactor feed serve`` as a user runs it: a process of its own that starts an embedded
 Redis, local workers and a consumer (as ``interactor run`` does), serves a continuous job's
 groups over HTTP to a trainer using the stdlib client, and on SIGTERM stops everything it
-started (found by a marker in the children's environment, as tests/test_no_orphans.py does)."""
+started (found by a marker in the children's environment, as tests/test_no_orphans.py does).
+And what a refused ``/start_rollout`` leaves behind: nothing, on disk either."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from interactor.feed_client import Feed, FeedHTTPError
+from interactor.feedserve import FeedApp, make_server
+from interactor.rollout import Rollout
 from tests.conftest import ROOT, wait_for
 from tests.test_feed import run_factory, take_and_ack_until, write_tasks  # noqa: F401 - run_factory: fixture
 from tests.test_no_orphans import assert_none_left, clean_env, describe, mark, marked  # noqa: F401 - mark: fixture
@@ -177,6 +182,46 @@ def test_start_rollout_submits_a_job_from_the_originals_config(env_server, model
         if server.p.poll() is None:
             server.p.kill()
     assert_none_left(mark, server.run_dir, 30, "processes of a feed server stopped by SIGTERM")
+
+
+def test_a_refused_start_rollout_leaves_no_file(settings, redis_client):
+    """The review's repro: an inline ``config`` of 0.9 MB naming an environment the task file
+    format refuses, posted five times. Each is a 400, and none leaves its body in
+    ``<run-dir>/rollouts``, where any local process or trainer could otherwise fill the disk with
+    them; nor does a request of the original's shape refused for its path. A task file a refused
+    request named there stays (it is not the request's), and an accepted request's file stays
+    for its job. The route runs in this process (the server's own Rollout, no fleet, no preflight)."""
+    rollout = Rollout(redis_client, settings, None, threading.Event(), preflight=False)
+    server = make_server(FeedApp(start=rollout.from_request), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    folder = Path(settings.run_dir) / "rollouts"
+    f = Feed(f"http://127.0.0.1:{server.server_address[1]}", trainer="t")
+    try:
+        refused = [{"config": {"environments": [{"env_name": "nope", "junk": "x" * 900_000}]}}] * 5 + [
+            {"task_type": "arithmetic", "input_file": "/etc/passwd", "num_repeat_per_sample": 2}]
+        for body in refused:
+            with pytest.raises(FeedHTTPError) as err:
+                f._call("POST", "/start_rollout", body)
+            assert err.value.status == 400, str(err.value)
+        named = folder / "mine.yaml"
+        named.write_text("environments: not a list\n")
+        with pytest.raises(FeedHTTPError) as err:
+            f._call("POST", "/start_rollout", {"task_files": [str(named)]})
+        assert err.value.status == 400, str(err.value)
+        assert sorted(p.name for p in folder.iterdir()) == ["mine.yaml"]
+        answer = f._call("POST", "/start_rollout", {"config": {"environments": [
+            {"env_name": "guess_number", "base_url": "http://127.0.0.1:9", "env_num": 2}]}, "epochs": 1})
+        assert answer["success"] is True, answer
+        kept = [p for p in folder.iterdir() if p != named]
+        assert len(kept) == 1 and json.loads(kept[0].read_text())["environments"][0]["env_name"] == "guess_number"
+    finally:
+        server.shutdown()
+        server.server_close()
+        rollout.stop.set()
+        if rollout.backfill is not None:
+            rollout.backfill.stop()
+        if rollout.thread is not None:
+            rollout.thread.join(10)
 
 
 def test_demo_rl_runs_briefly_and_leaves_no_process(tmp_path, mark):
