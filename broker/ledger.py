@@ -169,9 +169,10 @@ class Ledger:
         k = self.k
         specs = [(e.episode_id, e.pack()) for e in episodes]
         announcements = [
-            EpisodesEnqueued(job.job_id, [[e.episode_id, e.env_name, e.group_id, orjson.dumps(e.env_params), e.image]
+            EpisodesEnqueued(job.job_id, [[e.episode_id, e.env_name, e.group_id, orjson.dumps(e.env_params)]
                                           for e in episodes[i : i + ANNOUNCE_CHUNK]],
-                             created_at=job.created_at).pack()
+                             created_at=job.created_at,
+                             images={e.episode_id: e.image for e in episodes[i : i + ANNOUNCE_CHUNK] if e.image}).pack()
             for i in range(0, len(episodes), ANNOUNCE_CHUNK)
         ]
         job_packed = job.pack()

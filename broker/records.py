@@ -55,6 +55,11 @@ Added within version 5: :class:`EpisodesCancelled`, the episodes a cancel ended 
 waited (broker/cancel.py). A reader that does not know the kind parks the record as poison; the
 episodes stay as that store last had them.
 
+Also within version 5, optional: ``EpisodeSpec.image``, the task entry's ``env_image`` (the
+original system's key), and ``EpisodesEnqueued.images``, the ``job_environments.image`` of those
+of its episodes that have one. A record without them reads as no image ("", what the original
+stores for an entry without one); a reader that does not know them stores none.
+
 Added within version 3, optional (a reader that does not know them ignores them, and a record
 without them reads as the defaults, so no version bump was needed):
 
@@ -206,12 +211,13 @@ class EpisodeSpec(_Record):
     group_size: int
     env_name: str
     base_url: str
-    env_params: dict[str, Any]  # the entry's params plus "dataset": <row> when there is one
+    env_params: dict[str, Any]  # the entry's params plus "dataset": its row, or {} for an entry without one
     seed: int | None = None
     queue: str = ""
     source: str = ""  # "file.yaml entry 2 row 17", for error messages and the DLQ
     transport: str = "http"  # "http" (base_url) or "inproc" (env_class run inside the worker)
     env_class: str = ""  # "module:Class" for the inproc transport
+    image: str = ""  # the entry's env_image: stored as job_environments.image, used for nothing else
 
     def shown(self) -> dict[str, Any]:
         """The spec as a map for dead letters and displays: any password in base_url starred."""
@@ -344,12 +350,14 @@ class EpisodesEnqueued(_Record):
     """Announces episodes of a job as they are enqueued (a chunk per record), so that the
     database lists every episode from the start (the original ``job_environments`` table),
     not only those that have run. ``episodes``: ``[env_id, env_name, group_id, params]`` each,
-    ``params`` the JSON text (bytes) of the ``env_param`` the env will get."""
+    ``params`` the JSON text (bytes) of the ``env_param`` the env will get; ``images``: the
+    entry's ``env_image`` of each episode that has one, by env_id."""
 
     KIND: ClassVar[str] = "episodes_enqueued"
     job_id: str
     episodes: list[list[Any]]
     created_at: float = field(default_factory=time.time)
+    images: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

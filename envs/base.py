@@ -11,7 +11,7 @@ An environment class (what ``env_class: module:Class`` names in a task file, and
         def close(self) -> None:
 
 One instance serves one episode. ``env_param`` is the task entry's ``env_params`` plus
-``"dataset": <row>`` when the entry has a dataset. Answers may be dicts/lists, pydantic models
+``"dataset": <row>`` when the entry has a dataset, else ``"dataset": {}``. Answers may be dicts/lists, pydantic models
 (``model_dump``) or JSON bytes. Raise :class:`EnvError` (any ``ValueError``) for a bad
 request (unknown task, bad parameters, a step after the end): HTTP 400, or the permanent
 ``env_bad_request`` in the worker. Any other exception is a failure inside the environment:

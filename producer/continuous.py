@@ -168,7 +168,7 @@ class ContinuousProducer:
                             d["seed"] = (s.seed * 1_000_003 + seq + 1) % _SEED_MOD
                         fresh.append(EpisodeSpec.from_dict(d))
                     ann = EpisodesEnqueued(job, [[e.episode_id, e.env_name, e.group_id, orjson.dumps(e.env_params)]
-                                                 for e in fresh])
+                                                 for e in fresh], images={e.episode_id: e.image for e in fresh if e.image})
                     pipe.multi()
                     self.ledger.add_episodes(pipe, job, fresh)
                     pipe.xadd(k.results, {"r": ann.pack()})

@@ -16,7 +16,7 @@ import yaml
 from producer.plaindata import check_plain
 from producer.yamlfile import load_yaml, yaml_error
 
-__all__ = ["DatasetError", "DATASET_FORMATS", "READERS", "CHECKED_READERS", "rows_from_list"]
+__all__ = ["DatasetError", "DATASET_FORMATS", "READERS", "CHECKED_READERS", "rows_from_list", "parquet_row_refs"]
 
 DATASET_FORMATS = (".json", ".jsonl", ".yaml", ".yml", ".parquet")
 _LONG_DIGITS = re.compile(r"[0-9]{19}")  # an integer outside 64 bits has at least 19 digits
@@ -94,6 +94,25 @@ def read_parquet(path: str) -> list[dict]:
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
         raise DatasetError(f"cannot read Parquet: {type(exc).__name__}: {exc}") from None
     return table.to_pylist()
+
+
+def parquet_row_refs(path: str) -> list[dict]:
+    """One reference per row of a .parquet file, in the original system's shape, for an entry
+    whose ``dataset_load_mode`` is ``parquet_row_ref``: the env gets ``{"__dataset_ref__": {"kind":
+    "parquet_row", "path", "row_group", "row_in_group", "row_idx"}}`` and reads the row itself,
+    so a large dataset is not copied into every episode spec. Only the file's footer is read."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+        raise DatasetError(f"cannot read Parquet: {type(exc).__name__}: {exc}") from None
+    refs: list[dict] = []
+    for group in range(meta.num_row_groups):
+        for i in range(meta.row_group(group).num_rows):
+            refs.append({"__dataset_ref__": {"kind": "parquet_row", "path": path, "row_group": group,
+                                             "row_in_group": i, "row_idx": len(refs)}})
+    return refs
 
 
 READERS = {".json": read_json, ".jsonl": read_jsonl, ".yaml": read_yaml, ".yml": read_yaml,

@@ -1,7 +1,7 @@
 """Planning a job: its validated task files expanded into episode specs, groups and seeds (no Redis).
 
-Each dataset row of an entry is one task (no dataset = one task); each task gives ``env_num``
-episodes sharing one group. The files are read and checked by ``producer/taskfile.py`` first:
+Each dataset row of an entry is one task (no dataset = one task, sent ``"dataset": {}`` as the
+original system sends it); each task gives ``env_num`` episodes sharing one group. The files are read and checked by ``producer/taskfile.py`` first:
 nothing is expanded unless every file is good. :func:`plan_job` only returns the specs;
 ``producer/enqueue.py`` records and sends them.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -26,9 +27,11 @@ __all__ = ["PlannedJob", "plan_job", "derive_seed"]
 
 # plan_job builds EpisodeSpec positionally for speed; fail loudly if the schema's order moves.
 _SPEC_ORDER = ("job_id", "episode_id", "group_id", "group_size", "env_name", "base_url",
-               "env_params", "seed", "queue", "source", "transport", "env_class")
+               "env_params", "seed", "queue", "source", "transport", "env_class", "image")
 if tuple(f.name for f in fields(EpisodeSpec))[:len(_SPEC_ORDER)] != _SPEC_ORDER:
     raise ImportError("broker.records.EpisodeSpec field order changed; update producer.planning._expand")
+
+log = logging.getLogger("interactor.producer")
 
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_\-]+")
 _SEED_MOD = 2**31
@@ -44,6 +47,7 @@ class PlannedJob:
     limits: dict | None = None  # the task files' "limits", merged and checked (None: none said)
     pause_after_failures: int | None = None  # the task files' (None: none said)
     resume: bool | None = None  # the task files' "resume" (None: none said)
+    warnings: list[str] = field(default_factory=list)  # what the files' check let pass: keys ignored, ...
 
 
 def derive_seed(base: int, file_name: str, entry: int, row: int, k: int) -> int:
@@ -91,10 +95,13 @@ def plan_job(paths: list[str], *, job_id: str, default_base_url: str = "",
         if gc_was_enabled:
             gc.enable()
 
+    warnings = [w for m in metas for w in m.get("warnings", ())]
+    for w in warnings:
+        log.warning("%s", w)
     return PlannedJob(episodes=episodes, groups=groups, sources=[os.path.abspath(p) for p in paths],
                       by_env=by_env, tokens=said.pop() if said else None, limits=limits,
                       pause_after_failures=pauses.pop() if pauses else None,
-                      resume=resumes.pop() if resumes else None)
+                      resume=resumes.pop() if resumes else None, warnings=warnings)
 
 
 def _merge_limits(paths: list[str], metas: list[dict], loaded: list[list[dict]]) -> dict | None:
@@ -143,7 +150,11 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
         for ent in entries:
             e, name, params, n = ent["index"], ent["env_name"], ent["env_params"], ent["env_num"]
             base_url, queue, seed_base, rows = ent["base_url"], ent["queue"], ent["seed"], ent["rows"]
-            transport, env_class = ent["transport"], ent["env_class"]
+            transport, env_class, image = ent["transport"], ent["env_class"], ent["image"]
+            # An entry without a dataset sends "dataset": {}, as the original system does (an env
+            # whose constructor defaults dataset=None sees what it saw there); an own "dataset"
+            # in its env_params is sent as written.
+            no_row = None if rows is not None or "dataset" in params else {}
             # Each episode gets its own params: a shallow copy when nothing nested, else a
             # msgpack round-trip (a fast deep copy of JSON data; tuples come back as lists, as
             # they would from the ledger). No pickle anywhere.
@@ -160,6 +171,8 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
                     p = dict(params) if blob is None else unpackb(blob, raw=False, strict_map_key=False)
                     if row is not None:
                         p["dataset"] = row  # shared within its group only, never across groups
+                    elif no_row is not None:
+                        p["dataset"] = {}
                     if prefix is None:
                         seed = None
                     else:
@@ -168,7 +181,7 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
                         seed = from_bytes(h.digest(), "big") % _SEED_MOD
                     # positional (checked against the schema at import): ~2x faster than kwargs
                     append(Spec(job_id, f"{group_id}.{k}", group_id, n, name, base_url, p,
-                                seed, queue, source, transport, env_class))
+                                seed, queue, source, transport, env_class, image))
             groups += len(tasks)
             by_env[name] = by_env.get(name, 0) + n * len(tasks)
     return episodes, groups, by_env

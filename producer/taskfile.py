@@ -10,6 +10,15 @@ A task file is YAML::
         base_url: http://env:8000    # optional; else the producer's default
         seed: 7                      # optional; int base for derived seeds, or null = env chooses
         queue: episodes              # optional; else the producer's default
+        env_image: registry/env:1.3  # optional; stored as job_environments.image, as the original does
+        dataset_load_mode: eager     # optional; or parquet_row_ref: .parquet rows sent as references
+
+The keys are the original system's (``env_name``, ``env_params``, ``dataset``, ``env_num``,
+``env_image``, ``dataset_load_mode``) and ours. Its task files carry others that its reader
+ignores (``image``, ``demo_dataset``): they are ignored here too, with a warning naming them
+(``meta["warnings"]``); a key one typo away from one we read is an error instead (``env_nums``
+would quietly run one episode per task). An empty ``dataset`` (``""`` or null) is no dataset,
+as there.
 
 An entry may instead name an environment class that the worker runs in its own process::
 
@@ -30,6 +39,7 @@ message names the file, the entry (1-based), the row (1-based) and the field at 
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from typing import Any, Callable
@@ -41,7 +51,14 @@ from broker.settings import redact_url
 from broker.tokens import TOKEN_MODES, TOKENS_AUTO
 from broker.urls import url_problem
 from envs.base import valid_object_path
-from producer.datasets import CHECKED_READERS, DATASET_FORMATS, READERS, DatasetError, rows_from_list
+from producer.datasets import (
+    CHECKED_READERS,
+    DATASET_FORMATS,
+    READERS,
+    DatasetError,
+    parquet_row_refs,
+    rows_from_list,
+)
 from producer.plaindata import check_plain, copy_tree, is_int
 from producer.readroots import OutsideRoots, ReadRoots
 from producer.yamlfile import load_yaml, yaml_error
@@ -49,8 +66,16 @@ from producer.yamlfile import load_yaml, yaml_error
 __all__ = ["TaskFileError", "load_task_file", "DATASET_FORMATS"]
 
 ENTRY_KEYS = ("env_name", "env_params", "dataset", "env_num", "base_url", "seed", "queue", "transport",
-              "env_class")
+              "env_class", "env_image", "dataset_load_mode")
 TRANSPORTS = ("http", "inproc")
+# How a dataset file's rows go to the env, as the original system's reader takes them: read here
+# and sent whole (eager), or, for a .parquet file, each row as a reference to its place in the
+# file (PARQUET_ROW_REF, producer/datasets.py parquet_row_refs) for the env to read itself.
+EAGER, PARQUET_ROW_REF = "eager", "parquet_row_ref"
+DATASET_LOAD_MODES = (EAGER, PARQUET_ROW_REF)
+# A key this close to one we read (difflib's ratio) is taken for a typo of it, not for a key of
+# the original's files that its reader ignores ("image" and "env_image" are 0.71 apart).
+TYPO_RATIO = 0.8
 # "tokens" (optional): ask the model server for token ids and logprobs (broker/tokens.py
 # TOKEN_MODES; true = "auto"); the job's setting, unless the command line set one.
 # "limits" (optional): fleet-wide caps (broker/caps.py check_limits), their names checked
@@ -83,19 +108,58 @@ def load_task_file(path, *, default_base_url: str = "", default_queue: str = "ep
          "rows": list[dict] | None (None = no dataset), "dataset": abs path | "<inline>" | None,
          "transport": "http" | "inproc", "env_class": "module:Class" | ""}
 
+    ``"image"`` (the entry's ``env_image``, "" for none) joins them.
+
     Raises :class:`TaskFileError` naming file, entry, row and field. With ``roots`` (a path a
     request named), the file and its datasets are read only inside them, by their resolved paths.
     ``meta``, if given, receives the file's job-wide keys (``tokens``, ``limits``,
-    ``pause_after_failures``, ``resume``) that it says.
+    ``pause_after_failures``, ``resume``) that it says, and ``warnings``: what was ignored, one
+    line each.
     """
     path, doc, root = _read_task_file(path, roots)
-    envs = _entries_of(path, doc)
+    notes = Notes(path)
+    envs = _entries_of(path, doc, notes)
     lines = _entry_lines(root)
     _job_settings(path, doc, meta)
     base_dir = os.path.dirname(os.path.abspath(path))
-    return [_load_entry(path, base_dir, e, raw, lines[e - 1] if e - 1 < len(lines) else None,
-                        default_base_url, default_queue, roots)
-            for e, raw in enumerate(envs, 1)]
+    entries = [_load_entry(path, base_dir, e, raw, lines[e - 1] if e - 1 < len(lines) else None,
+                           default_base_url, default_queue, roots, notes)
+               for e, raw in enumerate(envs, 1)]
+    if meta is not None:
+        meta["warnings"] = notes.lines()
+    return entries
+
+
+class Notes:
+    """What a file's check let pass with a warning: keys it ignored, options without effect.
+    One line per thing said, naming every entry it was said of."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._said: dict[str, list[int]] = {}  # what -> entries (0: the top level)
+
+    def add(self, what: str, entry: int = 0) -> None:
+        self._said.setdefault(what, []).append(entry)
+
+    def lines(self) -> list[str]:
+        out = []
+        for what, entries in self._said.items():
+            at = [e for e in entries if e]
+            where = (f"entry {at[0]}" if len(at) == 1 else f"entries {', '.join(map(str, at))}") if at else "top level"
+            out.append(f"{self.path}: {where}: {what}")
+        return out
+
+
+def _other_keys(keys, allowed: tuple[str, ...], notes: Notes, entry: int, raise_typo: Callable[[str], None]) -> None:
+    """Keys outside ``allowed``: a near-miss of one is an error (``raise_typo``), any other is
+    ignored with a note, as the original system's reader ignores the keys it does not read."""
+    for key in keys:
+        if key in allowed:
+            continue
+        close = difflib.get_close_matches(key, allowed, n=1, cutoff=TYPO_RATIO) if isinstance(key, str) else []
+        if close:
+            raise_typo(f"unknown key {key!r}: did you mean {close[0]!r}? (allowed: {', '.join(allowed)})")
+        notes.add(f"key {key!r} ignored: neither interactor nor the original system's reader reads it", entry)
 
 
 def _read_task_file(path, roots: ReadRoots | None) -> tuple[str, Any, yaml.Node | None]:
@@ -118,14 +182,16 @@ def _read_task_file(path, roots: ReadRoots | None) -> tuple[str, Any, yaml.Node 
     return path, doc, root
 
 
-def _entries_of(path: str, doc: Any) -> list:
-    """The file's ``environments`` list, once its top level is a mapping of known keys."""
+def _entries_of(path: str, doc: Any, notes: Notes) -> list:
+    """The file's ``environments`` list, once its top level is a mapping without typos of our keys."""
     if not isinstance(doc, dict):
         got = "an empty file" if doc is None else f"a {type(doc).__name__}"
         raise TaskFileError(f"{path}: top level must be a mapping with key 'environments', got {got}")
-    for key in doc:
-        if key not in TOP_KEYS:
-            raise TaskFileError(f"{path}: unknown top-level key {key!r} (allowed: {', '.join(TOP_KEYS)})")
+
+    def typo(msg: str) -> None:
+        raise TaskFileError(f"{path}: top level: {msg}")
+
+    _other_keys(doc, TOP_KEYS, notes, 0, typo)
     envs = doc.get("environments")
     if envs is None:
         raise TaskFileError(f"{path}: missing key 'environments' (a non-empty list of entries)")
@@ -187,17 +253,21 @@ def _entry_fail(at: str) -> Fail:
 
 
 def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
-                default_base_url: str, default_queue: str, roots: ReadRoots | None = None) -> dict:
+                default_base_url: str, default_queue: str, roots: ReadRoots | None = None,
+                notes: Notes | None = None) -> dict:
     """One entry of ``environments``, validated and normalized (see :func:`load_task_file`)."""
     at_line = f" (line {line})" if line else ""
     at = f"{path}: entry {e}{at_line}"
     fail = _entry_fail(at)
+    notes = notes if notes is not None else Notes(path)
 
     if not isinstance(raw, dict):
         raise TaskFileError(f"{at}: an entry must be a mapping, got {type(raw).__name__}")
-    for key in raw:
-        if key not in ENTRY_KEYS:
-            raise TaskFileError(f"{at}: unknown key {key!r} (allowed: {', '.join(ENTRY_KEYS)})")
+
+    def typo(msg: str) -> None:
+        raise TaskFileError(f"{at}: {msg}")
+
+    _other_keys(raw, ENTRY_KEYS, notes, e, typo)
 
     name = raw.get("env_name")
     if name is None:
@@ -234,11 +304,37 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
     if not isinstance(queue, str) or not queue:
         raise fail("queue", f"must be a non-empty string, got {queue!r}")
 
-    rows, dataset = _entry_rows(raw, params, base_dir, roots, fail) if "dataset" in raw else (None, None)
+    image = raw.get("env_image")
+    if image is None:
+        image = ""  # as the original stores an entry without one
+    if not isinstance(image, str):
+        raise fail("env_image", f"must be a string (the environment's image, e.g. 'registry/env:1.3'), got {image!r}")
+
+    mode = _load_mode(raw, fail)
+    ds = raw.get("dataset")
+    if ds is None or (isinstance(ds, str) and not ds.strip()):
+        # "" or null: no dataset, as the original reads it (its files say `dataset: ""`)
+        rows, dataset = None, None
+        if "dataset_load_mode" in raw and raw["dataset_load_mode"] not in (None, ""):
+            notes.add("dataset_load_mode without a dataset has no effect", e)
+    else:
+        rows, dataset = _entry_rows(raw, params, base_dir, roots, fail, mode, notes, e)
 
     return {"index": e, "line": line, "env_name": name, "env_params": params, "env_num": env_num,
             "base_url": base_url, "seed": seed, "queue": queue, "rows": rows, "dataset": dataset,
-            "transport": transport, "env_class": env_class}
+            "transport": transport, "env_class": env_class, "image": image}
+
+
+def _load_mode(raw: dict, fail: Fail) -> str:
+    """The entry's ``dataset_load_mode``: eager when it says none (absent, null or blank)."""
+    mode = raw.get("dataset_load_mode")
+    if mode is None:
+        return EAGER
+    if not isinstance(mode, str) or mode.strip() not in DATASET_LOAD_MODES + ("",):
+        raise fail("dataset_load_mode", f"must be {EAGER!r} (the rows are read here and sent) or "
+                                        f"{PARQUET_ROW_REF!r} (each row of a .parquet dataset sent as a reference "
+                                        f"to its place in the file, for the env to read), got {mode!r}")
+    return mode.strip() or EAGER
 
 
 def _entry_target(raw: dict, default_base_url: str, fail: Fail) -> tuple[str, str, str]:
@@ -275,14 +371,21 @@ def _entry_target(raw: dict, default_base_url: str, fail: Fail) -> tuple[str, st
     return transport, "", base_url
 
 
-def _entry_rows(raw: dict, params: dict, base_dir: str, roots: ReadRoots | None,
-                fail: Fail) -> tuple[list[dict], str]:
+def _entry_rows(raw: dict, params: dict, base_dir: str, roots: ReadRoots | None, fail: Fail,
+                mode: str = EAGER, notes: Notes | None = None, e: int = 0) -> tuple[list[dict], str]:
     """The rows of the entry's ``dataset`` (inline, or a file beside the task file) and what it
-    was: its absolute path or ``"<inline>"``."""
+    was: its absolute path or ``"<inline>"``. With ``mode`` parquet_row_ref, a .parquet file's
+    rows are references to them (the original's other formats are read whole whatever the mode:
+    said in ``notes``)."""
     ds = raw["dataset"]
     if "dataset" in params:
         raise fail("env_params", "has a 'dataset' key, which each dataset row would overwrite")
     plain = False  # rows decoded from JSON are plain data already
+    if mode == PARQUET_ROW_REF and not (isinstance(ds, str) and ds.strip().lower().endswith(".parquet")):
+        if notes is not None:
+            notes.add(f"dataset_load_mode {PARQUET_ROW_REF!r} applies to .parquet files only: "
+                      "these rows are read and sent whole, as the original system reads them", e)
+        mode = EAGER
     if isinstance(ds, list):
         dataset = "<inline>"
         try:
@@ -304,7 +407,9 @@ def _entry_rows(raw: dict, params: dict, base_dir: str, roots: ReadRoots | None,
                                   f"expected one of {', '.join(DATASET_FORMATS)}")
         if not os.path.isfile(dataset):
             raise fail("dataset", f"{ds!r}: file not found (resolved to {dataset})")
-        plain = reader in CHECKED_READERS
+        if mode == PARQUET_ROW_REF:
+            reader = parquet_row_refs
+        plain = reader in CHECKED_READERS or reader is parquet_row_refs
         try:
             rows = reader(dataset)
         except DatasetError as exc:

@@ -7,12 +7,13 @@ import json
 import math
 import sqlite3
 
+import msgpack
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord
+from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord, unpack
 from consumer.export import export_job, parquet_schema
 from consumer.storage import StoreError, open_store
 
@@ -120,6 +121,20 @@ def test_original_tables_and_queries(store):
     params = store.sql("SELECT env_params FROM job_environments WHERE env_id = 'e2'")[0][0]
     assert json.loads(params) == {"dataset": {"q": "e2"}}
     assert {r["env_state"]["weight_version"] for r in store.episode_trajectory("e1")} == {"v1"}
+
+
+def test_job_environments_image_is_the_entrys_env_image_or_empty_as_the_original_stores_it(store):
+    """An announced episode's image is its entry's env_image (the record's ``images``); an
+    episode without one, or a record of an older producer (no ``images``), is stored "", as the
+    original stores an entry without one."""
+    params = orjson.dumps({"dataset": {}})
+    newer = EpisodesEnqueued(JOB, [["i1", "qa_gym", "g1", params], ["i2", "dabstepgym", "g2", params]],
+                             created_at=999.0, images={"i1": "registry.example/qa-gym:1.3"})
+    older = newer.to_dict() | {"episodes": [["i3", "dabstepgym", "g3", params]]}
+    del older["images"]
+    store.write_batch([job(3, 3), newer, unpack(msgpack.packb(older, use_bin_type=True))])
+    rows = store.sql("SELECT env_id, image FROM job_environments ORDER BY env_id")
+    assert [tuple(r) for r in rows] == [("i1", "registry.example/qa-gym:1.3"), ("i2", ""), ("i3", "")]
 
 
 def column_names(store, table):

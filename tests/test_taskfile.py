@@ -91,8 +91,9 @@ def test_inline_dataset_and_no_dataset(tmp_path):
     plan = plan_job([tf], job_id="j")
     assert [e.env_params for e in plan.episodes[:2]] == [{"dataset": {"a": 1}}, {"dataset": {"a": 2}}]
     single = [e for e in plan.episodes if e.env_name == "single"]
-    assert len(single) == 3 and all(e.env_params == {"k": "v"} for e in single)
-    assert "dataset" not in single[0].env_params
+    # no dataset: "dataset": {} is sent, as the original system sends it
+    assert len(single) == 3 and all(e.env_params == {"k": "v", "dataset": {}} for e in single)
+    assert single[0].env_params["dataset"] is not single[1].env_params["dataset"]
     assert {e.group_id for e in single} == {"j.1.2.1"}
     assert single[0].source == f"{tf} entry 2"
     assert plan.episodes[1].source == f"{tf} entry 1 row 2"
@@ -242,8 +243,10 @@ def test_defaults_and_overrides(tmp_path):
         """)
     plan = plan_job([tf], job_id="j", default_base_url=URL, default_queue="fast")
     plain, custom = plan.episodes
-    assert (plain.base_url, plain.queue, plain.env_params, plain.group_size) == (URL, "fast", {}, 1)
-    assert (custom.base_url, custom.queue, custom.env_params) == ("https://other.example/api", "slow", {})
+    assert (plain.base_url, plain.queue, plain.env_params, plain.group_size) == (URL, "fast", {"dataset": {}}, 1)
+    assert (custom.base_url, custom.queue, custom.env_params) == ("https://other.example/api", "slow",
+                                                                  {"dataset": {}})
+    assert plain.image == custom.image == ""
 
 
 def test_episodes_do_not_alias_params(tmp_path):
@@ -265,7 +268,8 @@ def test_episodes_do_not_alias_params(tmp_path):
     assert eps[1].env_params["opts"] == {"depth": 1, "tags": ["a"]}
     assert eps[2].env_params["opts"] == {"depth": 1, "tags": ["a"]}
     eps[4].env_params["x"] = 2
-    assert eps[5].env_params == {"x": 1}
+    eps[4].env_params["dataset"]["y"] = 3
+    assert eps[5].env_params == {"x": 1, "dataset": {}}
     # rows: one object per group at most, never shared across groups
     assert eps[0].env_params["dataset"] is not eps[2].env_params["dataset"]
 
@@ -338,7 +342,8 @@ def test_error_duplicate_key(tmp_path):
 @pytest.mark.parametrize("body, expect", [
     ("", "empty file"),
     ("- a\n- b\n", "top level must be a mapping"),
-    ("other: 1\n", "unknown top-level key 'other'"),
+    ("other: 1\n", "missing key 'environments'"),  # 'other' alone is ignored, as the original ignores it
+    ("environment: []\n", "unknown key 'environment': did you mean 'environments'?"),
     ("environments: []\n", "non-empty list"),
     ("environments: {a: 1}\n", "non-empty list"),
     ("environments:\n", "missing key 'environments'"),
@@ -576,7 +581,7 @@ def test_64_bit_integers_still_travel(tmp_path):
     tf = task_file(tmp_path, f"environments: [{{env_name: e, base_url: '{URL}', "
                              f"env_params: {{a: 18446744073709551615, b: -9223372036854775808}}}}]\n")
     (ep,) = plan_job([tf], job_id="j").episodes
-    assert unpack(ep.pack()).env_params == {"a": 2**64 - 1, "b": -(2**63)}
+    assert unpack(ep.pack()).env_params == {"a": 2**64 - 1, "b": -(2**63), "dataset": {}}
 
 
 @pytest.mark.parametrize("fmt", [".jsonl", ".json"])
@@ -586,3 +591,131 @@ def test_a_too_large_integer_in_a_json_dataset_names_its_row(tmp_path, fmt):
     path.write_text("\n".join(json.dumps(r) for r in rows) if fmt == ".jsonl" else json.dumps(rows))
     msg = _err(tmp_path, f"environments: [{{env_name: e, base_url: '{URL}', dataset: d{fmt}}}]\n")
     assert "entry 1" in msg and "row 2" in msg and "field 'dataset'" in msg and "64 bits" in msg, msg
+
+
+# --------------------------------------------------------------------------- the original system's keys
+
+def test_env_image_is_read_and_kept_with_every_episode(tmp_path):
+    tf = task_file(tmp_path, f"""
+        environments:
+          - env_name: qa_gym
+            env_image: registry.example/qa-gym:1.3
+            dataset: [{{prompt: a}}, {{prompt: b}}]
+            env_num: 2
+            base_url: {URL}
+          - env_name: plain
+            env_image: null
+            base_url: {URL}
+        """)
+    eps = plan_job([tf], job_id="j").episodes
+    assert [e.image for e in eps] == ["registry.example/qa-gym:1.3"] * 4 + [""]
+    assert unpack(eps[0].pack()).image == "registry.example/qa-gym:1.3"
+    assert all("env_image" not in e.env_params for e in eps)  # stored, not sent
+
+
+def test_keys_the_original_reader_ignores_are_ignored_with_a_warning_naming_them(tmp_path, caplog):
+    tf = task_file(tmp_path, f"""
+        environments:
+          - env_name: dabstepgym
+            image: dabstep:latest
+            base_url: {URL}
+          - env_name: qa_gym
+            demo_dataset: /mnt/private/harmbench.jsonl
+            image: qa:1
+            base_url: {URL}
+        notes: a top-level key of the team's own
+        """)
+    with caplog.at_level("WARNING", logger="interactor.producer"):
+        plan = plan_job([tf], job_id="j")
+    assert len(plan.episodes) == 2
+    assert plan.warnings == [
+        f"{tf}: top level: key 'notes' ignored: neither interactor nor the original system's reader reads it",
+        f"{tf}: entries 1, 2: key 'image' ignored: neither interactor nor the original system's reader reads it",
+        f"{tf}: entry 2: key 'demo_dataset' ignored: neither interactor nor the original system's reader reads it",
+    ]
+    assert [r.getMessage() for r in caplog.records] == plan.warnings
+
+
+@pytest.mark.parametrize("entry, field, expect", [
+    ("{env_name: e, base_url: 'URL', env_image: 3}", "env_image", "must be a string"),
+    ("{env_name: e, base_url: 'URL', env_image: [a]}", "env_image", "must be a string"),
+    ("{env_name: e, base_url: 'URL', dataset: [{a: 1}], dataset_load_mode: lazy}", "dataset_load_mode",
+     "'eager' (the rows are read here and sent) or 'parquet_row_ref'"),
+    ("{env_name: e, base_url: 'URL', dataset: [{a: 1}], dataset_load_mode: 1}", "dataset_load_mode", "got 1"),
+])
+def test_bad_values_of_the_original_keys_are_errors(tmp_path, entry, field, expect):
+    body = f"environments:\n  - {{env_name: fine, base_url: '{URL}'}}\n  - {entry.replace('URL', URL)}\n"
+    msg = _err(tmp_path, body)
+    assert "entry 2" in msg and f"field '{field}'" in msg and expect in msg, msg
+
+
+@pytest.mark.parametrize("key, ours", [("env_nums", "env_num"), ("base_ulr", "base_url"), ("envparams", "env_params"),
+                                       ("env_imag", "env_image"), ("dataset_mode", "dataset_load_mode")])
+def test_a_typo_of_one_of_our_keys_is_still_an_error(tmp_path, key, ours):
+    msg = _err(tmp_path, f"environments: [{{env_name: e, base_url: '{URL}', {key}: 4}}]\n")
+    assert f"unknown key {key!r}: did you mean {ours!r}?" in msg and "entry 1" in msg, msg
+
+
+@pytest.mark.parametrize("empty", ['""', "null", "'  '"])
+def test_an_empty_dataset_is_no_dataset(tmp_path, empty):
+    tf = task_file(tmp_path, f"""
+        environments:
+          - env_name: dabstepgym
+            dataset: {empty}
+            env_params: {{split: dev}}
+            env_num: 2
+            base_url: {URL}
+        """)
+    plan = plan_job([tf], job_id="j")
+    assert plan.groups == 1 and [e.env_params for e in plan.episodes] == [{"split": "dev", "dataset": {}}] * 2
+
+
+def test_an_own_dataset_key_of_an_entry_without_a_dataset_is_sent_as_written(tmp_path):
+    tf = task_file(tmp_path, f"environments: [{{env_name: e, base_url: '{URL}', env_params: {{dataset: {{q: 1}}}}}}]\n")
+    (ep,) = plan_job([tf], job_id="j").episodes
+    assert ep.env_params == {"dataset": {"q": 1}}
+
+
+def test_parquet_row_ref_sends_each_row_as_a_reference_to_its_place(tmp_path):
+    path = tmp_path / "data" / "rows.parquet"
+    path.parent.mkdir()
+    with pq.ParquetWriter(path, pa.schema([("q", pa.string())])) as w:  # two row groups: 2 rows, then 1
+        w.write_table(pa.Table.from_pylist([{"q": "a"}, {"q": "b"}]))
+        w.write_table(pa.Table.from_pylist([{"q": "c"}]))
+    tf = task_file(tmp_path, f"""
+        environments:
+          - env_name: e
+            dataset: data/rows.parquet
+            dataset_load_mode: parquet_row_ref
+            base_url: {URL}
+          - env_name: eager
+            dataset: data/rows.parquet
+            dataset_load_mode: " "
+            base_url: {URL}
+        """)
+    plan = plan_job([tf], job_id="j")
+    refs = [e.env_params["dataset"] for e in plan.episodes[:3]]
+    assert refs == [{"__dataset_ref__": {"kind": "parquet_row", "path": str(path), "row_group": g, "row_in_group": i,
+                                         "row_idx": n}} for n, (g, i) in enumerate([(0, 0), (0, 1), (1, 0)])]
+    assert [e.env_params["dataset"] for e in plan.episodes[3:]] == [{"q": "a"}, {"q": "b"}, {"q": "c"}]
+    assert plan.warnings == []
+
+
+def test_parquet_row_ref_on_other_datasets_reads_them_whole_and_says_so(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"q": 1}\n')
+    tf = task_file(tmp_path, f"""
+        environments:
+          - env_name: e
+            dataset: d.jsonl
+            dataset_load_mode: parquet_row_ref
+            base_url: {URL}
+          - env_name: none
+            dataset_load_mode: parquet_row_ref
+            base_url: {URL}
+        """)
+    plan = plan_job([tf], job_id="j")
+    assert [e.env_params["dataset"] for e in plan.episodes] == [{"q": 1}, {}]
+    assert [w.split(": ", 2)[1:] for w in plan.warnings] == [
+        ["entry 1", "dataset_load_mode 'parquet_row_ref' applies to .parquet files only: these rows are read and "
+                    "sent whole, as the original system reads them"],
+        ["entry 2", "dataset_load_mode without a dataset has no effect"]]

@@ -190,11 +190,14 @@ class ResultStore(StoreReads, StoreBrowse):
     def _write_announced(self, announced: list[EpisodesEnqueued]) -> None:
         rows = []
         for a in announced:
+            images = a.images or {}
             for env_id, env_name, group_id, params in a.episodes:
                 text = params.decode() if isinstance(params, (bytes, bytearray)) else _json(params)
-                rows.append(_clean((a.job_id, env_id, env_name, text, group_id, a.created_at)))
-        # an announced episode has no image, is neither finished nor deleted yet
-        exprs = {"image": "NULL", "finished": "FALSE", "is_deleted": "FALSE", "created_at": self.TS}
+                # the entry's env_image; "" for none (and from older producers), as the original stores it
+                rows.append(_clean((a.job_id, env_id, env_name, text, images.get(env_id, ""), group_id,
+                                    a.created_at)))
+        # an announced episode is neither finished nor deleted yet
+        exprs = {"finished": "FALSE", "is_deleted": "FALSE", "created_at": self.TS}
         self.executemany(
             f"INSERT INTO job_environments ({', '.join(_JOB_ENV_COLUMNS)}) "
             f"VALUES ({values(_JOB_ENV_COLUMNS, **exprs)}) ON CONFLICT (env_id) DO NOTHING",
