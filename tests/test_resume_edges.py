@@ -271,6 +271,26 @@ def test_a_hand_back_whose_job_was_cancelled_closes_its_instance(settings, redis
     assert env.stats()["live"] == 0
 
 
+def test_a_successor_stopped_before_its_first_call_hands_the_same_point_on(settings, redis_client, tmp_path,
+                                                                           servers, runtimes):
+    """A successor whose worker is already shutting down when it starts calls nothing: it hands
+    its predecessor's point on as it found it (the instance alive, the snapshot the same), and
+    the attempt after it finishes the trajectory with every step applied once."""
+    env, env_url, model, model_url = servers
+    s = settings.replace(llm_base_url=model_url + "/v1")
+    job, ledger, episode, kept = handed_back(s, redis_client, tmp_path, servers, runtimes)
+    stopping = runtimes.new(s, "w2")
+    stopping.begin_shutdown(0)
+    assert stopping.run(job.job_id, episode) == errors.WORKER_SHUTDOWN
+    left = ledger.progress(job.job_id, episode)
+    assert dataclasses.replace(left, writer=kept.writer) == kept and env.stats()["live"] == 1
+    assert runtimes.new(s, "w3").run(job.job_id, episode) == "completed"
+    ops = [op for op, eid in ops_on(env, episode) if eid == env_instance_id(episode, *kept.trajectory_key)]
+    turns = [op for op in ops if op in ("get_task_prompt", "step")]
+    assert all(a != b for a, b in zip(turns, turns[1:])) and ops.count("close") == 1
+    assert env.stats()["live"] == 0
+
+
 # --- D4: the write that says a step may be in flight ---------------------------------------------
 @pytest.mark.parametrize("swept", [True, False], ids=["failover-swept", "failover-not-swept-yet"])
 def test_a_prompted_snapshot_written_before_a_failover_is_not_continued(swept, settings, redis_client, tmp_path,

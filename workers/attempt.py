@@ -140,12 +140,12 @@ class Attempt:
             base.update(timings.record_fields())
             err = errors.EpisodeError(errors.BROKER_OUTAGE, f"Redis unreachable: {type(exc).__name__}: {exc}",
                                       transient=True, outage=True)
-            return self.close_error(err, "")
+            return self.close_error(err, "", run=run)
         except Exception as exc:
             base.update(timings.record_fields())
             err = errors.EpisodeError(errors.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", transient=False)
             err.__cause__ = exc
-            return self.close_error(err, _traceback(exc))
+            return self.close_error(err, _traceback(exc), run=run)
 
         base.update(timings.record_fields())
         record = AttemptRecord(**base, status=AttemptStatus.COMPLETED, total_reward=outcome.total_reward,
@@ -356,9 +356,13 @@ class Attempt:
             log.warning("episode %s attempt %d abandoned: %s", lease.episode_id, lease.attempt, message)
             return errors.LEASE_LOST
         # A cancel a renewal told of while the attempt ended otherwise: nothing would run it again.
+        # The loop never drove an instance: the predecessor's, if any, is as the ledger names it.
+        untouched = run is None or run.env is None
         if close.action == CloseAction.CANCEL or (
                 lease.cancelled.is_set() and close.action in (CloseAction.HAND_BACK, CloseAction.RETRY)):
-            if run is not None and run.instance_kept:
+            if untouched:
+                self.orphan_earlier()
+            elif run.instance_kept:
                 run.close_instance()  # kept for a successor that will never come
             return self._close_cancelled(exc, message)
         error_class = type(exc.__cause__ or exc).__name__
@@ -368,14 +372,17 @@ class Attempt:
         if close.action == CloseAction.HAND_BACK:
             record = AttemptRecord(**base, status=AttemptStatus.ABANDONED, reason=exc.reason, error_class=error_class,
                                    error=message)
-            kept = run is not None and run.instance_kept
-            if self.finish(record, LedgerState.QUEUED, keep_progress=kept,
-                           progress=run.track.at_rest() if kept and run.track is not None else None):
+            kept = untouched or run.instance_kept
+            # where it stands between calls; None keeps the ledger's snapshot as it is
+            at_rest = run.track.at_rest() if kept and run is not None and run.track is not None else None
+            if self.finish(record, LedgerState.QUEUED, keep_progress=kept, progress=at_rest):
                 send_episodes(rt.redis, [(lease.job_id, lease.episode_id, rt.settings.queue_for(self.spec))])
-            elif kept and not run.keeps_instance(errors.EpisodeError(errors.LEASE_LOST, "taken over")):
+            elif kept and not untouched and not run.keeps_instance(errors.EpisodeError(errors.LEASE_LOST, "taken over")):
                 run.close_instance()  # taken over before it could hand back, and nobody knows of it
             return errors.WORKER_SHUTDOWN
         message = close.message(exc, message, lease.attempt)
+        if untouched:
+            self.orphan_earlier()  # its close drops the snapshot that names them: nobody else would close them
         if close.action == CloseAction.RETRY:
             record = AttemptRecord(**base, status=AttemptStatus.RETRYING, reason=exc.reason, error_class=error_class,
                                    error=message)
