@@ -124,6 +124,22 @@ def model_server():
     server.shutdown()
 
 
+@pytest.fixture
+def servers():
+    """The example env server logging every call (``request_log``: what the env saw, to hold
+    against what was stored) and the model stand-in at 30 ms a call (``hold``/``release``: a
+    model call a test can stop a worker in)."""
+    from examples.envserver import start_in_thread as start_env
+    from examples.model_standin import start_in_thread as start_model
+
+    env, env_url = start_env(log_requests=True)
+    model, model_url = start_model(latency_ms=30)
+    yield env, env_url, model, model_url
+    model.release()
+    model.shutdown()
+    env.shutdown()
+
+
 class Procs:
     """Child processes of one test, all stopped at its end."""
 

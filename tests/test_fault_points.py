@@ -34,16 +34,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.fault]
 TURNS = 6
 
 
-@pytest.fixture
-def servers():
-    from examples.envserver import start_in_thread as start_env
-    from examples.model_standin import start_in_thread as start_model
-
-    env, env_url = start_env(log_requests=True)
-    model, model_url = start_model(latency_ms=20)
-    yield env, env_url, model, model_url
-    model.shutdown()
-    env.shutdown()
 
 
 def instances(env, episode: str) -> dict[str, list[str]]:

@@ -24,17 +24,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.fault]
 LONG = "{low: 1, high: 1073741824, max_turns: 30}"  # about 30 guesses of a binary search
 
 
-@pytest.fixture
-def servers():
-    from examples.envserver import start_in_thread as start_env
-    from examples.model_standin import start_in_thread as start_model
-
-    env, env_url = start_env(log_requests=True)
-    model, model_url = start_model(latency_ms=30)
-    yield env, env_url, model, model_url
-    model.release()
-    model.shutdown()
-    env.shutdown()
 
 
 def job_of(redis_client, settings, tmp_path, env_url: str, n: int, extra: str = ""):

@@ -30,7 +30,7 @@ from broker import errors
 from broker.cancel import JobCancel
 from broker.keys import Keys, env_instance_id, member
 from broker.ledger import Ledger
-from broker.records import AttemptRecord, OrphanInstance, StepRecord, unpack
+from broker.records import OrphanInstance, StepRecord, unpack
 from broker.recovery import Sweeper
 from broker.states import LedgerState, ProgressPhase, ResumeNote
 from producer.enqueue import submit
@@ -47,17 +47,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.fault]
 LONG = "{low: 1, high: 1073741824, max_turns: %d}"
 
 
-@pytest.fixture
-def servers():
-    from examples.envserver import start_in_thread as start_env
-    from examples.model_standin import start_in_thread as start_model
-
-    env, env_url = start_env(log_requests=True)
-    model, model_url = start_model(latency_ms=30)
-    yield env, env_url, model, model_url
-    model.release()
-    model.shutdown()
-    env.shutdown()
 
 
 class Runtimes:
@@ -162,14 +151,7 @@ def test_a_rolling_restart_never_runs_more_instances_than_the_cap(settings, redi
     s = settings.replace(llm_base_url=model_url + "/v1")
     job, ledger, (e1, e2) = job_with(redis_client, s, tmp_path, env_url, turns=30, n=2,
                                      head=CAPPED.format(url=env_url))
-    rt1 = runtimes.new(s, "w1")
-    first = in_background(lambda: rt1.run(job.job_id, e1))
-    hold_in_model_call(ledger, model, job.job_id, e1)
-    rt1.begin_shutdown(0)
-    model.release()
-    first["thread"].join(30)
-    assert first["status"] == errors.WORKER_SHUTDOWN
-    rt1.stop()
+    stop_in_model_call(runtimes.new(s, "w1"), ledger, model, job.job_id, e1).stop()
     assert env.stats()["live"] == 0  # the capped instance was not handed on with no slot to count it
     rt2 = runtimes.new(s, "w2")
     runs = [in_background(lambda e=e: rt2.run(job.job_id, e)) for e in (e1, e2)]
@@ -202,17 +184,23 @@ def test_a_worker_stopped_under_backpressure_records_the_step_it_was_publishing(
 
 
 # --- D3: closing what was kept for a successor ---------------------------------------------------
-def handed_back(s, redis_client, tmp_path, servers, runtimes):
-    """A 30-step episode handed back at shutdown inside a model call, its instance kept."""
-    env, env_url, model, _ = servers
-    job, ledger, (episode,) = job_with(redis_client, s, tmp_path, env_url, turns=30)
-    rt = runtimes.new(s, "w1")
-    run = in_background(lambda: rt.run(job.job_id, episode))
-    hold_in_model_call(ledger, model, job.job_id, episode)
+def stop_in_model_call(rt: WorkerRuntime, ledger, model, job_id: str, episode: str) -> WorkerRuntime:
+    """``rt`` runs the episode until it is a few steps in and inside a model call, then is
+    stopped (its shutdown grace over): the episode is handed back."""
+    run = in_background(lambda: rt.run(job_id, episode))
+    hold_in_model_call(ledger, model, job_id, episode)
     rt.begin_shutdown(0)
     model.release()
     run["thread"].join(30)
     assert run["status"] == errors.WORKER_SHUTDOWN
+    return rt
+
+
+def handed_back(s, redis_client, tmp_path, servers, runtimes):
+    """A 30-step episode handed back at shutdown inside a model call, its instance kept."""
+    env, env_url, model, _ = servers
+    job, ledger, (episode,) = job_with(redis_client, s, tmp_path, env_url, turns=30)
+    stop_in_model_call(runtimes.new(s, "w1"), ledger, model, job.job_id, episode)
     kept = ledger.progress(job.job_id, episode)
     assert kept is not None and kept.phase == ProgressPhase.PROMPTED
     assert env.stats()["live"] == 1
