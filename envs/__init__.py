@@ -8,8 +8,8 @@
 =================  ===============================================  =======================
 env_name           class                                            needs
 =================  ===============================================  =======================
-``reasoning_gym``  :class:`~.reasoning_gym_env.ReasoningGymEnv`     ``pip install .[reasoning-gym]``
-``textarena``      :class:`~.textarena_env.TextArenaEnv`            ``pip install .[textarena]``
+``reasoning_gym``  :class:`~.reasoning_gym_env.ReasoningGymEnv`     ``pip install 'reasoning-gym>=0.1'``
+``textarena``      :class:`~.textarena_env.TextArenaEnv`            ``pip install 'textarena>=0.7'``
 ``guess_number``   :class:`~.bundled.BundledEnv` (the stand-ins)    nothing
 ``arithmetic``     :class:`~.bundled.BundledEnv`                    nothing
 =================  ===============================================  =======================
@@ -31,6 +31,16 @@ ADAPTERS: dict[str, str] = {
 
 # The library each adapter needs (import name), for `serve-env` to skip what is not installed.
 REQUIRES: dict[str, str] = {"reasoning_gym": "reasoning_gym", "textarena": "textarena"}
+# What pip installs for it: the library's own PyPI name, as pyproject.toml's extra of the same
+# name pins it. Not ``interactor[...]``: "interactor" on PyPI is an unrelated project, and a
+# trainer's environment away from this checkout has no ``.`` to install from.
+PIP_REQUIREMENTS: dict[str, str] = {"reasoning_gym": "reasoning-gym>=0.1", "textarena": "textarena>=0.7"}
+
+
+def install_hint(name: str) -> str:
+    """How to install the library adapter ``name`` needs, where it is missing."""
+    extra = name.replace("_", "-")
+    return f"pip install '{PIP_REQUIREMENTS[name]}' (in a checkout of interactor: pip install -e '.[{extra}]')"
 
 
 def adapter_for(env_name: str, registry: dict[str, str] | None = None) -> str | None:
@@ -44,4 +54,9 @@ def adapter_for(env_name: str, registry: dict[str, str] | None = None) -> str | 
 
 def installed(name: str) -> bool:
     module = REQUIRES.get(name)
-    return module is None or importlib.util.find_spec(module) is not None
+    if module is None:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules as None: importing it is blocked here
+        return False

@@ -37,6 +37,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from envs import install_hint
 from envs.base import EnvError, int_param, params_with_row
 
 DEFAULT_SIZE = 500
@@ -52,7 +53,7 @@ def _rg():
         import reasoning_gym.utils
     except ImportError as exc:
         raise EnvError(f"reasoning-gym is not installed on this server/worker ({exc}); "
-                       "pip install 'interactor[reasoning-gym]'") from None
+                       + install_hint("reasoning_gym")) from None
     return reasoning_gym
 
 

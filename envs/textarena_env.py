@@ -44,6 +44,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any
 
+from envs import install_hint
 from envs.base import EnvError, int_param, jsonable, params_with_row
 
 _lock = threading.RLock()  # textarena and the global random state: one call at a time
@@ -55,7 +56,7 @@ def _ta():
         import textarena
     except ImportError as exc:
         raise EnvError(f"textarena is not installed on this server/worker ({exc}); "
-                       "pip install 'interactor[textarena]'") from None
+                       + install_hint("textarena")) from None
     return textarena
 
 

@@ -17,13 +17,13 @@ import sys
 
 def cmd_serve_env(args) -> int:
     from envs.http import serve_until_signal
-    from envs import ADAPTERS, REQUIRES, installed
+    from envs import ADAPTERS, REQUIRES, install_hint, installed
     from envs.base import valid_object_path
     from envs.serve_env import AdapterEnvServer, default_registry
 
     if args.list:
         for name, path in ADAPTERS.items():
-            state = "available" if installed(name) else f"not installed (pip install 'interactor[{name.replace('_', '-')}]')"
+            state = "available" if installed(name) else f"not installed ({install_hint(name)})"
             print(f"{name:14s} {path:55s} {state}")
         return 0
     only = [n.strip() for n in (args.envs or "").split(",") if n.strip()] or None
@@ -36,7 +36,7 @@ def cmd_serve_env(args) -> int:
         missing = [n for n in only if n not in registry]
         if missing:
             print(f"interactor serve-env: not installed here: {', '.join(missing)} "
-                  f"(needs {', '.join(REQUIRES[n] for n in missing)})", file=sys.stderr)
+                  f"({'; '.join(install_hint(n) for n in missing)})", file=sys.stderr)
             return 2
     for item in args.env or []:
         name, sep, path = item.partition("=")

@@ -359,3 +359,44 @@ def test_the_guide_example_runs_both_ways():
         server.shutdown()
     finally:
         sys.modules.pop("wordguess_doc", None)
+
+
+# Where a library is missing, each place that says so (`serve-env --list`, `serve-env --envs X`,
+# the adapter's own error) names what installs it: the library's PyPI name as pyproject.toml's
+# extra pins it, never ``interactor[...]`` ("interactor" on PyPI is an unrelated project).
+_WITHOUT_LIBRARIES = """
+import sys
+sys.modules["reasoning_gym"] = None  # importing either now raises ImportError, as where it is missing
+sys.modules["textarena"] = None
+from envs.reasoning_gym_env import ReasoningGymEnv
+from envs.textarena_env import TextArenaEnv
+for cls in (ReasoningGymEnv, TextArenaEnv):
+    try:
+        cls().reset({"task": "basic_arithmetic", "game": "GuessTheNumber-v0"}, 1)
+    except ValueError as exc:
+        print("ERROR", exc)
+from interactor.cli import main
+main(["serve-env", "--list"])
+"""
+
+
+def test_install_hints_name_the_library_not_an_unrelated_pypi_package():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_LIBRARIES], capture_output=True, text=True,
+                         cwd=str(ROOT), timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name, extra in (("reasoning_gym", "reasoning-gym"), ("textarena", "textarena")):
+        lines = [line for line in out.stdout.splitlines() if extra.replace("-", "_") in line or extra in line]
+        error = next(line for line in lines if line.startswith("ERROR"))
+        listed = next(line for line in lines if line.startswith(name + " "))
+        for text in (error, listed):
+            assert "interactor[" not in text, text
+            assert f"pip install '{extras[extra][0]}'" in text, text  # what the extra itself installs
+            assert f"pip install -e '.[{extra}]'" in text, text
+        assert "not installed" in listed
+    refused = subprocess.run([sys.executable, "-c", "import sys; sys.modules['textarena'] = None\n"
+                              "from interactor.cli import main; sys.exit(main(['serve-env', '--envs', 'textarena']))"],
+                             capture_output=True, text=True, cwd=str(ROOT), timeout=60)
+    assert refused.returncode == 2 and f"pip install '{extras['textarena'][0]}'" in refused.stderr, refused.stderr
