@@ -68,8 +68,11 @@ class Keys:
                 self.job_pause(job_id), self.job_streak(job_id), self.job_parked(job_id), self.job_cancel(job_id)]
 
     # --- leases and scheduling --------------------------------------------------------
-    def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt>:<nonce>", with a TTL
+    def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt_id>:<attempt>", with a TTL
         return f"{self.prefix}:lease:{episode_id}"
+
+    def fading_holder(self, episode_id: str) -> str:  # a running-out lease's token, kept past its reclaim
+        return f"{self.prefix}:fading-holder:{episode_id}"
 
     @property
     def running(self) -> str:  # zset "<job> <episode>" -> lease expiry (ms since epoch)

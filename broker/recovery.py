@@ -94,6 +94,7 @@ class Sweeper:
         if not self.r.set(self.keys.sweep_lock, token, nx=True, px=lock_ms):
             return report
         try:
+            self._note_fading_holders()
             if reclaim:
                 self._reclaim_lost(report)
             self._resend_unstarted(report)
@@ -106,6 +107,33 @@ class Sweeper:
 
     def _release(self, token: str) -> None:
         self.r.eval(_RELEASE_LOCK, 1, self.keys.sweep_lock, token)
+
+    def _note_fading_holders(self) -> None:
+        """Who holds the leases that are running out, kept until past their reclaim: an expired
+        lease takes its token, the one place that names the worker, with it, and the reclaim's
+        attempt record names the worker that was lost from this note. Running out: not renewed
+        for half a TTL (a live holder renews every third, ``Settings.renewal_interval_s``), so
+        a lease is seen in at least one sweep before it expires while sweeps come as often."""
+        seconds, micros = self.r.time()
+        now_ms = seconds * 1000 + micros // 1000
+        ttl_ms = int(self.settings.lease_ttl_s * 1000)
+        fading = [m.decode() for m in self.r.zrangebyscore(self.keys.running, now_ms, now_ms + ttl_ms // 2)]
+        if not fading:
+            return
+        episodes = [split_member(m)[1] for m in fading]
+        tokens = self.r.mget([self.keys.lease(e) for e in episodes])
+        pipe = self.r.pipeline(transaction=False)
+        for episode_id, token in zip(episodes, tokens):
+            if token:
+                pipe.set(self.keys.fading_holder(episode_id), token, px=2 * ttl_ms)
+        pipe.execute()
+
+    def _lost_worker(self, episode_id: str, attempt_id: str) -> str:
+        """The worker that held attempt ``attempt_id``'s lease, as a sweep noted it running out
+        ("" when no sweep saw it before it expired)."""
+        token = self.r.get(self.keys.fading_holder(episode_id))
+        parts = token.decode().rsplit(":", 2) if token else []
+        return parts[0] if len(parts) == 3 and parts[1] == attempt_id else ""
 
     def _reclaim_lost(self, report: SweepReport) -> None:
         # Grace past the lease's expiry: a live worker's attempts stop calling anything before
@@ -141,7 +169,8 @@ class Sweeper:
             base = dict(job_id=job_id, episode_id=episode_id, attempt=attempt, group_id=spec.group_id,
                         group_size=spec.group_size, env_name=spec.env_name, llm_model=job.model,
                         reason=errors.WORKER_LOST, error_class="LeaseExpired", attempt_id=attempt_id,
-                        trajectory=trajectory if trajectory != f"{attempt}:{attempt_id}" else "")
+                        trajectory=trajectory if trajectory != f"{attempt}:{attempt_id}" else "",
+                        worker=self._lost_worker(episode_id, attempt_id))
             if close.action == CloseAction.FAIL:
                 message = f"{what} on attempt {attempt} of {close.limit}"
                 message += closing.OUTAGE_NOTE if close.uncounted else ""
@@ -170,7 +199,7 @@ class Sweeper:
                                group_size=spec.group_size, env_name=spec.env_name, llm_model=job.model,
                                status=AttemptStatus.CANCELLED, reason=errors.CANCELLED, error_class="LeaseExpired",
                                error="its job was cancelled; its worker was lost (lease expired) before it stopped",
-                               attempt_id=attempt_id)
+                               attempt_id=attempt_id, worker=self._lost_worker(episode_id, attempt_id))
         progress = self.ledger.progress(job_id, episode_id)  # read before the reclaim drops it
         if self.ledger.reclaim(job_id, episode_id, LedgerState.CANCELLED, record, outage=self.outage):
             report.cancelled.append(m)

@@ -343,6 +343,84 @@ def test_dead_workers_episodes_rerun_within_the_lease_bound(settings, procs, env
         slow.shutdown()
 
 
+def test_a_reclaimed_attempt_names_the_worker_that_held_its_lease(settings, redis_client, tmp_path):
+    """A lease's token is the one place that names its worker, and it is gone once the lease
+    expired: the sweeps note the token of a lease running out, and the reclaim's attempt record,
+    abandoned or failed, names the worker (the attempts table's ``worker``)."""
+    from broker.recovery import Sweeper
+    from broker.states import AttemptStatus, LedgerState
+
+    s = settings.replace(lease_ttl_s=2.0, sweep_interval_s=0.25)
+    keys = Keys(s.key_prefix)
+    job, eps = _episodes("jobw", 2)
+    job.max_attempts = 2
+    ledger = Ledger.for_settings(redis_client, s)
+    ledger.create_job(job, eps)
+    sweeper = Sweeper(redis_client, s)
+
+    def swept_until(state: str, n: int) -> bool:
+        sweeper.tick()
+        return ledger.counts("jobw")[state] == n
+
+    e1, e2 = (e.episode_id for e in eps)
+    ledger.start("jobw", e1, "gpu-box-7-41213")
+    ledger.start("jobw", e2, "gpu-box-7:41214")  # a colon in a name too
+    wait_for(lambda: swept_until(LedgerState.QUEUED, 2), 20, interval=0.2, what="both lost attempts re-queued")
+    ledger.start("jobw", e1, "gpu-box-8-5150")
+    wait_for(lambda: swept_until(LedgerState.FAILED, 1), 20, interval=0.2, what="the last attempt dead-lettered")
+    records = [unpack(f[b"r"]) for _, f in redis_client.xrange(keys.results)]
+    expected = [(e1, 1, AttemptStatus.ABANDONED, "gpu-box-7-41213"), (e1, 2, AttemptStatus.FAILED, "gpu-box-8-5150"),
+                (e2, 1, AttemptStatus.ABANDONED, "gpu-box-7:41214")]
+    closes = sorted((r.episode_id, r.attempt, r.status, r.worker) for r in records if isinstance(r, AttemptRecord))
+    assert closes == expected and {r.reason for r in records if isinstance(r, AttemptRecord)} == {errors.WORKER_LOST}
+    store = open_store(str(tmp_path / "results.sqlite"))
+    try:
+        store.write_batch(records)
+        rows = store.sql("SELECT episode_id, attempt, status, worker FROM attempts ORDER BY episode_id, attempt")
+    finally:
+        store.close()
+    assert [tuple(r) for r in rows] == expected
+
+
+def test_a_killed_workers_attempts_name_it_in_the_store(settings, procs, env_server, redis_client, tmp_path):
+    """A worker process SIGKILLed mid-episode: the other processes' sweeps reclaim its attempts,
+    and their rows in the attempts table name it (as its lease token did)."""
+    from examples.model_standin import start_in_thread
+
+    env, env_url = env_server
+    slow, slow_url = start_in_thread(latency_ms=500)
+    try:
+        s = settings.replace(llm_base_url=slow_url + "/v1", no_resume=True)
+        procs.settings = s
+        tasks = tmp_path / "long.yaml"
+        tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n"
+                         f"    env_params: {{low: 1, high: 100000, max_turns: 20}}\n    env_num: 2\n")
+        sub = submit(redis_client, s, [str(tasks)])
+        job = sub.job.job_id
+        keys = Keys(s.key_prefix)
+        ledger = Ledger(redis_client, keys)
+        procs.worker("w1")
+        wait_for(lambda: ledger.counts(job)["running"] == 2, 60, what="2 running")
+        held = {e: redis_client.get(keys.lease(e)).decode().rsplit(":", 2)[0] for e in ledger.states(job)}
+        procs.worker("w2")
+        procs.consumer()
+        wait_for(lambda: " ready." in procs.log("w2"), 120, what="w2 ready")
+        procs.kill("w1")
+        store = open_store(s.results_store)
+        try:
+            def lost_rows():
+                rows = store.sql("SELECT episode_id, worker FROM attempts WHERE job_id = ? AND reason = ?",
+                                 (job, errors.WORKER_LOST))
+                return rows if len(rows) == 2 else None
+
+            rows = wait_for(lost_rows, 120, what="both lost attempts stored")
+        finally:
+            store.close()
+        assert {r[0]: r[1] for r in rows} == held and all(w.rsplit("-", 1)[1].isdigit() for w in held.values())
+    finally:
+        slow.shutdown()
+
+
 def test_instances_of_dead_lettered_lost_attempts_are_closed(settings, redis_client, env_server):
     """A worker died mid-episode on its last attempt: the sweeper dead-letters the episode and
     names its env instance as an orphan, which a worker's OrphanCloser closes (no later
