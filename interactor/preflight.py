@@ -15,8 +15,10 @@ What is asked, and why it is enough:
   request tells "does not exist" (vLLM, SGLang, OpenAI answer 404) from a server that takes any
   name (llama.cpp's llama-server lists its file name and serves whatever is asked). Not behind
   session routing, where every request belongs to an episode's session.
-* each env server: ``GET {base_url}/envs`` (the protocol's readiness call). Where it answers a
-  list of env names, an ``env_name`` the server does not list is a problem too.
+* each env server: ``GET {base_url}/envs`` (the protocol's readiness call,
+  docs/protocol.md#what-get-envs-answers). Where it answers a list of names, an ``env_name`` is
+  served when it is listed or the part before its first dot is (``serve-env`` lists
+  ``reasoning_gym`` and serves ``reasoning_gym.leg_counting``); any other is a problem too.
 * each inproc ``env_class``: on the workers' allow-list (``env_classes``), or every episode of
   it would be dead-lettered as ``bad_task``.
 
@@ -172,11 +174,20 @@ class Preflight:
             served = served.get("envs", served.get("env_names"))
         if not isinstance(served, list) or not served or not all(isinstance(n, str) for n in served):
             return []  # a server that does not list its envs: the first reset will tell
-        missing = sorted(env_names - set(served))
+        missing = sorted(n for n in env_names if not serves(served, n))
         if missing:
-            return [Problem("env", shown, f"does not serve env_name {', '.join(map(repr, missing))} "
-                                          f"(it serves {', '.join(served[:8])})")]
+            return [Problem("env", shown, f"does not serve env_name {', '.join(map(repr, missing))}: GET /envs "
+                                          f"lists {', '.join(served[:8])}{' ...' if len(served) > 8 else ''}, and "
+                                          "an env_name is served when it, or the part before its first dot, is "
+                                          "listed (docs/protocol.md#what-get-envs-answers)")]
         return []
+
+
+def serves(listed: list[str], env_name: str) -> bool:
+    """Whether a server whose ``GET /envs`` lists ``listed`` serves ``env_name``: listed as it
+    is, or its family (the part before the first dot) is, as serve-env routes
+    (``envs.adapter_for``)."""
+    return env_name in listed or env_name.split(".", 1)[0] in listed
 
 
 def env_classes(settings: Settings, episodes) -> list[Problem]:

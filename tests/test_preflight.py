@@ -293,3 +293,67 @@ def test_a_run_whose_model_is_down_says_so_while_it_waits(settings, env_server, 
     # progress output named the server and why
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"model server {wrong} down" in out.stdout and "connection refused" in out.stdout, out.stdout[-3000:]
+
+
+# --------------------------------------------------------------------- serve-env, as documented
+
+def _documented_entry(heading: str, env_url: str) -> str:
+    """docs/environments.md's task entry under ``heading``, with ``base_url`` of serve-env in
+    place of ``env_class``, as its comment says."""
+    import re
+
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "environments.md").read_text()
+    section = text.split(heading, 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    assert "env_class:" in block, block
+    return re.sub(r"env_class: .*", f"base_url: {env_url}", block)
+
+
+def test_serve_env_passes_preflight_for_the_documented_task_names(settings, model_server, tmp_path):
+    """`env_name: reasoning_gym.leg_counting` against `serve-env` was refused ("does not serve
+    env_name"): GET /envs lists families, serve-env routes on the part before the dot. The
+    documented task file runs as documented, through preflight, with a real serve-env process
+    and real workers; a name of no family it lists is still refused, naming the rule."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed (pip install -e '.[reasoning-gym]')")
+    pytest.importorskip("textarena", reason="textarena not installed (pip install -e '.[textarena]')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    server = subprocess.Popen([sys.executable, "-m", "interactor.cli", "serve-env", "--port", "0",
+                               "--envs", "reasoning_gym,textarena"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=str(ROOT), env=env)
+    try:
+        lines = [server.stdout.readline() for _ in range(2)]
+        assert "listening on" in lines[1], lines
+        env_url = lines[1].split("listening on", 1)[1].strip()
+        _, model_url = model_server
+        entries = [_documented_entry("### reasoning-gym", env_url), _documented_entry("### textarena", env_url)]
+        # Fewer rows, fewer turns, smaller groups: the same names and routes, in less time.
+        entries = [e.replace("env_num: 8", "env_num: 2").replace("env_num: 4", "env_num: 2")
+                    .replace("max_turns: 8", "max_turns: 2") for e in entries]
+        tasks = tmp_path / "served.yaml"
+        tasks.write_text("environments:\n" + "".join(entries))
+        out = subprocess.run([sys.executable, "-m", "interactor.cli", "run", str(tasks), "--llm-base-url",
+                              model_url + "/v1", "--model", "stand-in", "--run-dir", str(tmp_path / "run"),
+                              "--concurrency", "4", "--workers", "1"],
+                             env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert f"env server {env_url} answers (GET /envs)" in out.stdout
+        assert "reasoning_gym.leg_counting" in out.stdout and "textarena.GuessTheNumber-v0" in out.stdout
+        done = out.stdout.rsplit("done=", 1)[1].split()[0]
+        assert done == str(3 * 2 + 3 * 2), out.stdout[-3000:]
+
+        (p,) = preflight.check(settings.replace(llm_base_url=model_url + "/v1"),
+                               [episode(env_url, "reasoning_gym.leg_counting"), episode(env_url, "wordle.easy")])
+        assert p.what.startswith("does not serve env_name 'wordle.easy': GET /envs lists reasoning_gym, textarena")
+        assert "part before its first dot" in p.what and "docs/protocol.md" in p.what
+    finally:
+        server.terminate()
+        server.wait(10)
+
