@@ -253,7 +253,8 @@ def cmd_export(args) -> int:
     settings = settings_from_args(args)
     require_store(settings)  # missing: the error names the run folders that have one
     eps = ADVANTAGE_EPS if args.eps is None else args.eps
-    out = args.out or os.path.join(settings.run_dir, f"{args.job}.{args.format}")
+    # Token streams go beside the plain export, not over it: both are wanted for one job.
+    out = args.out or os.path.join(settings.run_dir, f"{args.job}{'.streams' if args.streams else ''}.{args.format}")
     env_names = [n.strip() for item in (args.env_name or []) for n in item.split(",") if n.strip()]
     if args.max_staleness is not None and args.max_staleness < 0:
         raise SettingsError("--max-staleness must be >= 0")
@@ -282,6 +283,25 @@ def cmd_export(args) -> int:
     return 0
 
 
+ERROR_HEAD_CHARS = 100  # of a dead letter's error in `dlq list`; `dlq show` has it whole
+ERROR_TAIL_CHARS = 160  # of its last line, the exception that ended the attempt
+
+
+def error_brief(error: str) -> str:
+    """A dead letter's error on one line: its head and its final line (the exception itself, which
+    names what was wrong: ``unknown reasoning-gym task 'x'``), the middle elided."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    flat = " | ".join(lines)
+    if len(flat) <= ERROR_HEAD_CHARS + ERROR_TAIL_CHARS:
+        return flat
+    head, last = lines[0][:ERROR_HEAD_CHARS], lines[-1]
+    if len(last) > ERROR_TAIL_CHARS:
+        last = "..." + last[-ERROR_TAIL_CHARS:]
+    return head if head == last else f"{head} ... {last}"
+
+
 def cmd_dlq(args) -> int:
     from broker.dlq import DeadLetterQueue
 
@@ -293,7 +313,7 @@ def cmd_dlq(args) -> int:
             print(json.dumps([d.to_dict() for d in letters], indent=2, default=str))
         else:
             for d in letters:
-                print(f"{d.episode_id}\t{d.reason}\tattempts={d.attempts}\t{d.error[:100]}")
+                print(f"{d.episode_id}\t{d.reason}\tattempts={d.attempts}\t{error_brief(d.error)}")
             print(f"{len(letters)} dead-lettered episodes")
         return 0
     if args.dlq_cmd == "show":
@@ -439,7 +459,7 @@ def build_parser(commands=()) -> argparse.ArgumentParser:
 def _add_export(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("job", help="the job's id (printed by run and submit; interactor jobs lists them)")
     sp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="default: %(default)s")
-    sp.add_argument("--out", help="the file to write (default: RUN_DIR/JOB.FORMAT)")
+    sp.add_argument("--out", help="the file to write (default: RUN_DIR/JOB.FORMAT; with --streams RUN_DIR/JOB.streams.FORMAT)")
     sp.add_argument("--complete-groups", action="store_true", help="only groups whose every episode completed")
     sp.add_argument("--all-steps", action="store_true", help="not only trainable steps")
     sp.add_argument("--streams", action="store_true",

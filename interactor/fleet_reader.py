@@ -295,6 +295,9 @@ class FleetReader:
             for entry in jobs:
                 if entry["job_id"] in with_feed:
                     entry["feed"] = feed.summary(self.r, k, entry["job_id"])
+                    cfg = feed.config(self.r, k, entry["job_id"])
+                    # Its groups are produced as trainers take them: no total to be a fraction of.
+                    entry["continuous"] = bool(cfg is not None and cfg.continuous)
         return jobs
 
     def rates(self) -> list[dict[str, Any]]:

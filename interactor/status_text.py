@@ -115,10 +115,11 @@ def render_status(snap: dict) -> str:
         for j in snap["jobs"]:
             c = j["counts"]
             mark = " (cancelled)" if j.get("cancelled") else " (paused)" if j.get("paused") else ""
-            rows.append((j["job_id"] + mark, str(j["total"]),
+            continuous = j.get("continuous")  # a feed job's producer has no total: neither 0 nor 100% of one
+            rows.append((j["job_id"] + mark, "continuous" if continuous else str(j["total"]),
                          *(str(c[s]) for s in (LedgerState.DONE, LedgerState.FAILED, LedgerState.CANCELLED,
                                                LedgerState.RUNNING, LedgerState.QUEUED, LedgerState.RETRYING)),
-                         f"{100 * j['progress']:.1f}%"))
+                         "-" if continuous else f"{100 * j['progress']:.1f}%"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines.append("jobs")
         for r in rows:

@@ -200,7 +200,8 @@ class StoreReads:
 
     def groups(self, job_id: str) -> list[dict]:
         """Every group of a job: size, completed, failed, reward mean and std, complete or why not."""
-        return self.query_dicts("SELECT * FROM groups WHERE job_id = ? ORDER BY group_id", (job_id,))
+        return sorted(self.query_dicts("SELECT * FROM groups WHERE job_id = ?", (job_id,)),
+                      key=lambda g: id_order(g["group_id"]))
 
     def group_members(self, group_id: str) -> list[dict]:
         return self.query_dicts("SELECT * FROM episodes WHERE group_id = ? ORDER BY episode_id", (group_id,))
@@ -402,3 +403,9 @@ def _decode_step(d: dict) -> dict:
         if k in d and d[k] is not None:
             d[k] = bool(d[k])
     return d
+
+
+def id_order(dotted_id: str) -> tuple:
+    """Sort key of a dotted id (``{job}.{file}.{entry}.{row}``): numeric parts as numbers, so
+    that group ``….1.2.2`` comes before ``….1.2.10``, as the task file has them."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in dotted_id.split("."))
