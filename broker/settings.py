@@ -139,8 +139,10 @@ class Settings:
         "model", flag="--llm-base-url", read_by=(JOB, WORKER))
     llm_api_key: Secret = setting(Secret(""), "API key sent to the model endpoint; never in tasks, records or logs",
                                   "model", env="OPENAI_API_KEY")
-    model: str = setting("stand-in", "the model name every request asks for; `run` and `submit` first check that the "
-                                     "endpoint serves it", "model", flag="--model", read_by=(JOB,))
+    model: str = setting("stand-in", "the model name every request asks for, and results are labelled with; `run` "
+                                     "and `submit` first check that the endpoint serves it (the default is the "
+                                     "bundled stand-in's: a server that lists other models is refused without "
+                                     "--model, naming them)", "model", flag="--model", read_by=(JOB,))
     temperature: float = setting(0.3, "sampling temperature of every request", "model", flag="--temperature",
                                  read_by=(JOB,))
     llm_connect_timeout_s: float = setting(10.0, "seconds to connect to the model endpoint", "model",

@@ -97,6 +97,11 @@ __all__ = ["ModelStandin", "ToyTokenizer", "context_refusal", "scripted_reply", 
 # The scripted policy
 # ---------------------------------------------------------------------------
 
+# The name GET /models lists: interactor's --model default, so that a run against the stand-in
+# needs no --model, while one against a real server that lists other names is refused without it
+# (interactor/preflight.py).
+STANDIN_MODEL_NAME = "stand-in"
+
 _RANGE_RE = re.compile(r"between\s+(-?\d+)\s+and\s+(-?\d+)", re.I)
 _STATE_RE = re.compile(r"range\s*\[\s*(-?\d+)\s*,\s*(-?\d+)\s*\]", re.I)
 _FEEDBACK_RE = re.compile(r"(-?\d+)\s+is\s+too\s+(low|high)", re.I)
@@ -350,7 +355,7 @@ class ModelStandin(QuietHTTPServer):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, latency_ms: float = 0.0,
                  error_rate: float = 0.0, length_rate: float = 0.0, weight_version: str = "v1",
                  drop_rate: float = 0.0, malformed_rate: float = 0.0, skill: float = 0.7,
-                 model_name: str = "standin-policy", fault_seed: int | None = 0,
+                 model_name: str = STANDIN_MODEL_NAME, fault_seed: int | None = 0,
                  context_tokens: int = 0, overflow_style: str = "vllm", tokens_style: str = "vllm",
                  skill_per_version: float = 0.0, verbose: bool = False):
         super().__init__((host, port), _ModelHandler, verbose=verbose)
@@ -692,7 +697,7 @@ def build_parser(prog: str = "python -m examples.model_standin") -> argparse.Arg
     parser.add_argument("--skill-per-version", type=float, default=0.0,
                         help="POST /weights {version: N} raises skill by N times this, the online-RL demo "
                              "(default: 0)")
-    parser.add_argument("--model-name", default="standin-policy",
+    parser.add_argument("--model-name", default=STANDIN_MODEL_NAME,
                         help="the model GET /models lists (any name is answered; default: %(default)s)")
     parser.add_argument("--context-tokens", type=int, default=0,
                         help="context window in words (prompt + max_tokens); longer requests are answered 400 "

@@ -14,7 +14,9 @@ What is asked, and why it is enough:
   reason to refuse. When the model named is not among the ids listed, one ``max_tokens: 1``
   request tells "does not exist" (vLLM, SGLang, OpenAI answer 404) from a server that takes any
   name (llama.cpp's llama-server lists its file name and serves whatever is asked). Not behind
-  session routing, where every request belongs to an episode's session.
+  session routing, where every request belongs to an episode's session. ``--model`` left at its
+  default (``stand-in``, the bundled stand-in's name) against a server that lists other models
+  is refused, naming them: llama-server would serve it and label real results ``stand-in``.
 * each env server: ``GET {base_url}/envs`` (the protocol's readiness call,
   docs/protocol.md#what-get-envs-answers). Where it answers a list of names, an ``env_name`` is
   served when it is listed or the part before its first dot is (``serve-env`` lists
@@ -28,6 +30,7 @@ When every server answered, :func:`gate` says in one line what was asked and how
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -42,6 +45,10 @@ NO_PREFLIGHT_HINT = "(--no-preflight skips this check, for servers that start la
 # http.server without do_GET). The server answered: it is up.
 NO_ROUTE_STATUSES = (404, 405, 501)
 SUMMARY_ENV_SERVERS = 3  # env servers named in the summary line; the rest are counted
+# --model's default, the name the bundled stand-in serves. Against a server that lists other
+# names it is a forgotten --model, refused rather than guessed: a server that takes any name
+# (llama-server) would run the job, and its results would be labelled "stand-in".
+DEFAULT_MODEL = next(f.default for f in dataclasses.fields(Settings) if f.name == "model")
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,11 @@ class Preflight:
             return []
         if not listed or s.model in listed or s.llm_session_routing:
             return []  # (a session-routing proxy sees every request as part of an episode's session)
+        if s.model == DEFAULT_MODEL:
+            return [Problem("model", shown, f"serves {', '.join(map(str, listed[:8]))}"
+                                            f"{' ...' if len(listed) > 8 else ''}, and no --model was given (the "
+                                            f"default {DEFAULT_MODEL!r} is the bundled stand-in's): pass --model "
+                                            f"{listed[0]} (INTERACTOR_MODEL), the name results are labelled with")]
         return self._model_exists(base, headers, shown, listed)
 
     def _model_exists(self, base: str, headers: dict, shown: str, listed: list) -> list[Problem]:

@@ -357,3 +357,38 @@ def test_serve_env_passes_preflight_for_the_documented_task_names(settings, mode
         server.terminate()
         server.wait(10)
 
+
+def test_a_forgotten_model_against_a_real_server_is_refused_naming_what_it_serves(settings, env_server, serve,
+                                                                                  model_server, tmp_path):
+    """`--model` left at its default (`stand-in`) against llama-server passed preflight (it serves
+    any name) and labelled the real model's results `stand-in`. Now `run` refuses in one line
+    naming the models GET /v1/models lists; the bundled stand-in lists `stand-in` and needs no
+    --model; an explicit --model is served as before."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    _, env_url = env_server
+    srv, url = serve(_AnyNameHandler)
+    default = settings.replace(model=preflight.DEFAULT_MODEL)
+    (p,) = preflight.check(default.replace(llm_base_url=url + "/v1"), [episode(env_url)])
+    assert p.kind == "model" and "SmolLM2-135M.gguf" in p.what and "--model" in p.what and "\n" not in p.what
+    assert srv.posts == 0  # refused on what it lists, no request spent
+    assert preflight.check(default.replace(llm_base_url=url + "/v1", model="SmolLM2-135M.gguf"),
+                           [episode(env_url)]) == []
+    _, standin_url = model_server
+    assert preflight.check(default.replace(llm_base_url=standin_url + "/v1"), [episode(env_url)]) == []
+
+    tasks = tmp_path / "t.yaml"
+    tasks.write_text(f"environments:\n  - env_name: guess_number\n    base_url: {env_url}\n    env_num: 1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    out = subprocess.run([sys.executable, "-m", "interactor.cli", "run", str(tasks), "--llm-base-url", url + "/v1",
+                          "--run-dir", str(tmp_path / "run")], env=env, cwd=str(ROOT), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    first = out.stderr.splitlines()[0]
+    assert first.startswith(f"interactor: nothing was enqueued: model server {url}/v1: serves SmolLM2-135M.gguf, and "
+                            "no --model was given"), out.stderr
+    assert "--model SmolLM2-135M.gguf" in first
