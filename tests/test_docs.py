@@ -161,28 +161,54 @@ def readme_block(lang: str, containing: str) -> str:
     return found[0]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.integration
-def test_the_readmes_task_file_and_run_command_run_to_their_end(tmp_path, env_server, model_server):
-    _, env_url = env_server
+def test_the_readmes_task_file_and_run_command_run_to_their_end(tmp_path, model_server):
+    """As a newcomer runs them: the env server the README starts (`interactor serve-env`), its
+    task file with its own base_url and dataset path, in a checkout, and its `run` line; only
+    the model server is the stand-in's (the README's is the reader's own), and the port a free
+    one. The first run failed with "field 'base_url': missing": nothing said what hosts the
+    example envs."""
     _, model_url = model_server
-    tasks = readme_block("yaml", "environments:").replace("http://envs:8080", env_url)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "arithmetic.jsonl").write_text("".join(
-        json.dumps({"question": f"What is {i} + {i + 3}?", "answer": 2 * i + 3}) + "\n" for i in range(3)))
-    (tmp_path / "tasks.yaml").write_text(tasks)
-    line = next(" ".join(w) for n, w in command_lines() if n == "README.md" and w[:2] == ["run", "tasks.yaml"])
-    argv = [w.replace("http://host:8000/v1", model_url + "/v1") for w in shlex.split(line)]
+    readme_lines = [w for n, w in command_lines() if n == "README.md"]
+    serve = next(w for w in readme_lines if w[:1] == ["serve-env"])
+    line = next(" ".join(w) for w in readme_lines if w[:2] == ["run", "tasks.yaml"])
+    block = readme_block("yaml", "environments:")
+    port = str(free_port())
+    assert "--port" in serve and serve[serve.index("--port") + 1] in block, (serve, block)
+    readme_port = serve[serve.index("--port") + 1]
+    checkout = tmp_path / "checkout"  # the README's paths are the checkout's
+    checkout.mkdir()
+    (checkout / "examples").symlink_to(ROOT / "examples")
+    (checkout / "tasks.yaml").write_text(block.replace(f":{readme_port}", f":{port}"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-m", "interactor.cli", *argv, "--workers", "1"], cwd=str(tmp_path),
-                         env=env, capture_output=True, text=True, timeout=300)
+    served = [w.replace(readme_port, port) if w == readme_port else w for w in serve]
+    server = subprocess.Popen([sys.executable, "-m", "interactor.cli", *served], cwd=str(checkout), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        started = [server.stdout.readline() for _ in range(2)]
+        assert "listening on" in started[1], started
+        argv = [w.replace("http://host:8000/v1", model_url + "/v1") for w in shlex.split(line)]
+        out = subprocess.run([sys.executable, "-m", "interactor.cli", *argv, "--workers", "1"], cwd=str(checkout),
+                             env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        server.terminate()
+        server.wait(10)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "preflight:" in out.stdout and "results database" in out.stdout
     job = re.search(r"^job (\S+): \d+ episodes", out.stdout, re.M).group(1)
-    listed = subprocess.run([sys.executable, "-m", "interactor.cli", "jobs"], cwd=str(tmp_path), env=env,
+    listed = subprocess.run([sys.executable, "-m", "interactor.cli", "jobs"], cwd=str(checkout), env=env,
                             capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0 and job in listed.stdout, listed.stdout + listed.stderr
-    res = subprocess.run([sys.executable, "-m", "interactor.cli", "results", job, "--groups"], cwd=str(tmp_path),
+    res = subprocess.run([sys.executable, "-m", "interactor.cli", "results", job, "--groups"], cwd=str(checkout),
                          env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "group_id" in res.stdout, res.stderr
 
