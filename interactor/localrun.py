@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from broker.ledger import Ledger
 from broker.pause import JobPause, resume_job
 from broker.redisconn import connect
 from broker.settings import Settings, redact_url
-from broker.states import LEDGER_FINAL, StoredStatus
+from broker.states import LEDGER_FINAL, LedgerState, StoredStatus
 from interactor.children import Guard, exit_code, interrupt_on_signals, spawn, spawn_role, terminate
 from interactor.report import print_left, print_results, progress_line
 
@@ -239,8 +240,8 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
     breakers = BreakerNotes(FleetReader(ledger.r, fleet.settings))
     pauses = PauseNotes(JobPause(ledger.r, Keys(fleet.settings.key_prefix)), job_id)
     failures = FailureNotes(store, job_id)
-    last_steps, last_t = 0, time.monotonic()
-    rate = 0.0
+    attempts = RunningAttempts(ledger.r, fleet.settings)
+    rate = StepRate()
     tty = sys.stdout.isatty()
     last_print = 0.0
     away_since: float | None = None  # Redis unreachable (restarting, failing over) since: the workers wait it out too
@@ -249,6 +250,7 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
         fleet.supervise()
         try:
             counts = ledger.counts(job_id)
+            running, stalled = attempts.count(job_id) if counts[LedgerState.RUNNING] else (0, 0)
         except (redis.RedisError, OSError) as exc:
             if away_since is None:
                 away_since = time.monotonic()
@@ -259,11 +261,8 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
             away_since = None
         res = store.results(job_id)["job"]
         now = time.monotonic()
-        steps = int(res.get("steps", 0))
-        if now - last_t >= 1.0:
-            rate = (steps - last_steps) / (now - last_t)
-            last_steps, last_t = steps, now
-        line = progress_line(counts, res, total, rate, now - t0)
+        line = progress_line({**counts, LedgerState.RUNNING: running}, res, total,
+                             rate.update(int(res.get("steps", 0)), now), now - t0, stalled)
         said = breakers.news(now) + pauses.news(now) + failures.news(res)
         if said:  # on lines of their own: a stalled bar says why it is stalled
             print(("\n" if tty else "") + "\n".join(said), flush=True)
@@ -279,6 +278,84 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
                 and not res.get("short_trajectories", 0)):
             print("\r" + line if tty else line)
             return
+
+
+class StepRate:
+    """Steps taken per second, over windows of a second or more, from the job's stored steps.
+    That count falls when a lost attempt's steps are set aside (they leave the trajectory, the
+    episode runs again); a fall is no steps undone, so it is not counted: the rate is never
+    negative, and the steps run again count as they are taken."""
+
+    def __init__(self, window_s: float = 1.0):
+        self.window_s = window_s
+        self.taken = 0  # steps taken since the first look
+        self.rate = 0.0
+        self._stored: int | None = None
+        self._mark = (0.0, 0)  # (when, taken) at the start of the current window
+
+    def update(self, stored: int, now: float) -> float:
+        if self._stored is None:  # a resumed job's earlier steps were not taken in this run
+            self._stored, self._mark = stored, (now, 0)
+            return self.rate
+        self.taken += max(0, stored - self._stored)
+        self._stored = stored
+        since, taken = self._mark
+        if now - since >= self.window_s:
+            self.rate = (self.taken - taken) / (now - since)
+            self._mark = (now, self.taken)
+        return self.rate
+
+
+class RunningAttempts:
+    """The job's attempts in the ledger's running set, told apart: those alive, and those
+    stalled, whose worker is gone or has stopped renewing. A killed worker's attempts stay
+    running in the ledger until their leases expire (lease_ttl_s, then the sweeper re-queues
+    them), while the worker's replacement already runs others: counted as running they would
+    show more attempts than the run's concurrency. Stalled: no lease left, a lease held by a
+    process of this machine that is gone (worker names are ``<host>-<pid>``, workers/runner.py),
+    or one not renewed for two rounds (``Settings.renewal_interval_s``)."""
+
+    def __init__(self, client: redis.Redis, settings: Settings):
+        self.r = client
+        self.keys = Keys(settings.key_prefix)
+        self.ttl_ms = int(settings.lease_ttl_s * 1000)
+        self.late_ms = int(2 * settings.renewal_interval_s * 1000)
+        self.host = socket.gethostname()
+
+    def count(self, job_id: str) -> tuple[int, int]:
+        """(running, stalled) of ``job_id``'s attempts."""
+        prefix = f"{job_id} ".encode()
+        members = self.r.zrange(self.keys.running, 0, -1, withscores=True)  # the fleet's: a run's concurrency
+        held = [(m[len(prefix):].decode(), expiry) for m, expiry in members if m.startswith(prefix)]
+        if not held:
+            return 0, 0
+        tokens = self.r.mget([self.keys.lease(episode) for episode, _ in held])
+        seconds, micros = self.r.time()
+        renewed_after = seconds * 1000 + micros // 1000 + self.ttl_ms - self.late_ms
+        stalled = sum(1 for (_, expiry), token in zip(held, tokens)
+                      if token is None or expiry < renewed_after or self._holder_gone(token.decode()))
+        return len(held) - stalled, stalled
+
+    def _holder_gone(self, token: str) -> bool:
+        """Whether the lease's worker (``<worker>:<attempt_id>:<attempt>``) is a process of this
+        machine that no longer runs."""
+        host, _, pid = token.rsplit(":", 2)[0].rpartition("-")
+        return host == self.host and pid.isdigit() and not process_alive(int(pid))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc here: os.kill found it
 
 
 class FailureNotes:

@@ -10,7 +10,11 @@ def _f(x, nd: int = 3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
-def progress_line(counts: dict, job: dict, total: int, steps_per_s: float, elapsed_s: float) -> str:
+def progress_line(counts: dict, job: dict, total: int, steps_per_s: float, elapsed_s: float,
+                  stalled: int = 0) -> str:
+    """``counts``: the ledger's, ``running`` the attempts alive (interactor/localrun.py
+    RunningAttempts); ``stalled``: attempts whose worker is gone or stopped renewing, shown apart
+    until their leases expire and they are re-queued."""
     done, failed = counts.get(LedgerState.DONE, 0), counts.get(LedgerState.FAILED, 0)
     cancelled = counts.get(LedgerState.CANCELLED, 0)
     ended = sum(counts.get(s, 0) for s in LEDGER_FINAL)
@@ -21,7 +25,7 @@ def progress_line(counts: dict, job: dict, total: int, steps_per_s: float, elaps
     bar = "#" * filled + "." * (width - filled)
     return (f"[{bar}] {ended}/{total} done={done} failed={failed} "
             + (f"cancelled={cancelled} " if cancelled else "")
-            + f"running={running} waiting={waiting} "
+            + f"running={running} " + (f"stalled={stalled} " if stalled else "") + f"waiting={waiting} "
             f"| {steps_per_s:6.1f} steps/s | mean reward {_f(job.get('mean_reward'))} | {elapsed_s:5.0f}s")
 
 
