@@ -377,7 +377,11 @@ class FeedService:
                     item = {
                         "uid": f"{st['session_id']}:{st['step_id']}",
                         "instance_id": g["group_id"],
+                        # The original contract's "messages": the prompt, then the answer (verl's
+                        # and TRL's conversation). "prompt" is the prompt alone, as in /take's steps
+                        # ("messages" there, the store's column) and the export's "prompt".
                         "messages": list(st["messages"] or []) + [{"role": "assistant", "content": st["response"]}],
+                        "prompt": list(st["messages"] or []),
                         "reward": reward,
                         "extra_info": {"timestamp": st["created_at"], "steps": len(s["steps"]),
                                        "finish_reason": st["finish_reason"], "session_id": st["session_id"],

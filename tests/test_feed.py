@@ -282,7 +282,8 @@ def test_http_routes_client_and_the_compatibility_shape(run_factory, tmp_path, e
         assert meta["avg_weight_version"] == 3 and meta["max_weight_version"] == 3
         assert abs(meta["avg_reward"] - sum(i["reward"] for i in items) / 4) < 1e-9
         for item in items:
-            assert set(item) == {"uid", "instance_id", "messages", "reward", "extra_info"}
+            # the original buffer server's keys, and the prompt alone (an extension: docs/training.md)
+            assert set(item) == {"uid", "instance_id", "messages", "prompt", "reward", "extra_info"}
             x = item["extra_info"]
             assert set(x) == {"timestamp", "steps", "finish_reason", "session_id", "env_id", "group_id",
                               "weight_version", "truncated"}

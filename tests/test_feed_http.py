@@ -446,3 +446,45 @@ def test_a_client_that_half_closes_after_its_request_is_answered_and_keeps_its_g
         status, answer = send(port, "POST", "/take", body, own(port, body))
         assert status == 200 and [g["group_id"] for g in answer["groups"]] == [{"g1": "g2", "g2": "g1"}[taken]]
         assert service.ack("a", [taken]) == {"acked": [taken], "already": []}
+
+
+def test_messages_prompt_and_answer_mean_what_docs_training_md_says_on_every_surface(settings, redis_client,
+                                                                                      service, tmp_path):
+    """`messages` was the prompt in the store and /take, the prompt plus the answer in the export
+    and /get_rollout_data, and nothing else said which: code moving between them doubled or
+    lost the completion. The contracts keep their `messages`; `prompt` is the prompt on every
+    surface (docs/training.md, "What `messages` holds, where"), over real HTTP and the real
+    export."""
+    from broker.records import AttemptRecord
+    from consumer.export import export_training
+    from tests.conftest import ROOT
+
+    keys = Keys(settings.key_prefix)
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    answer = {"role": "assistant", "content": "4"}
+    for g in ("ga", "gb"):
+        service.store.write_batch([StepRecord(
+            job_id=JOB, env_id=f"{g}.1", attempt=1, step_id=1, env_name="x", llm_model="m", group_id=g,
+            messages_json=json.dumps(prompt).encode(), response="4", step_reward=1.0, cumulative_reward=1.0,
+            terminated=True, truncated=False, episode_finished=True, is_trainable=True, attempt_id="a1"),
+            AttemptRecord(job_id=JOB, episode_id=f"{g}.1", attempt=1, status="completed", group_id=g, group_size=1,
+                          env_name="x", llm_model="m", total_reward=1.0, steps=1, attempt_id="a1",
+                          started_at=1000.0, finished_at=1001.0, ended_by="terminated")])
+        feed.announce(redis_client, keys, FeedGroup(job_id=JOB, group_id=g, status=FeedGroupStatus.READY,
+                                                    members=[f"{g}.1"], rewards=[1.0], size=1).pack(), JOB, g)
+    with served(service) as server:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        (group,) = Feed(url, trainer="t").take(1, timeout=5)
+        (step,) = group["samples"][0]["steps"]
+        assert step["messages"] == prompt and step["response"] == "4"
+        body = requests.post(url + "/get_rollout_data", json={"batch_size": 1, "timeout": 5}, timeout=30).json()
+        (item,) = body["data"]["data"]
+        assert item["messages"] == prompt + [answer]  # the original buffer server's, unchanged
+        assert item["prompt"] == prompt
+    out = tmp_path / "rows.jsonl"
+    export_training(service.store, JOB, out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(r["prompt"] == prompt and r["messages"] == prompt + [answer] for r in rows)
+    assert all(r["completion"] == [answer] for r in rows)
+    doc = (ROOT / "docs" / "training.md").read_text()
+    assert "### What `messages` holds, where" in doc and "`/get_rollout_data` items" in doc
