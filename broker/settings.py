@@ -264,7 +264,8 @@ class Settings:
                                  "services (SSRF)", "trust")
 
     # --- fleet-wide limits (broker/caps.py, broker/pause.py, broker/ratelimit.py) ----------------
-    no_resume: bool = setting(False, "a new attempt never continues its predecessor's env instance: every attempt "
+    no_resume: bool = setting(False, "a new attempt never continues its predecessor's env instance (not the "
+                                     "opposite of `run --resume JOB`, which finishes a stopped job): every attempt "
                                      "resets a fresh one and starts from turn one (also `resume: false` in a task "
                                      "file); for env servers whose instances must not outlive the worker that made "
                                      "them", "episodes", flag="--no-resume", read_by=(JOB,))

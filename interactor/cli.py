@@ -28,6 +28,7 @@ its INTERACTOR_* variable; both are listed with its default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ import signal
 import sys
 import threading
 
-from broker.settings import JOB, REDIS, REDRIVE, STORE, WORKER, SettingsError, redact_url
+from broker.settings import JOB, REDIS, REDRIVE, STORE, WORKER, Settings, SettingsError, redact_url
 from interactor.children import catch, exec_program, exit_code, spawn, stop_event, watch_parent
 from interactor.common import (LOCAL, LOCAL_HELPS, ArgumentParser, add_command, add_setting_flags, add_workers_flag,
                                redis_for, settings_from_args, with_local_redis)
@@ -184,11 +185,88 @@ def cmd_submit(args) -> int:
 
 def cmd_run(args) -> int:
     from interactor.localrun import run_local
+    from producer.enqueue import new_job_id
 
     if not args.tasks and not args.resume:
         raise SettingsError("name task files to run, or --resume JOB")
-    return run_local(settings_from_args(args), args.tasks, workers=args.workers, job_id=args.job_id, resume=args.resume,
+    if args.resume:
+        _resumed_with_the_runs_settings(args)
+        job_id = args.resume
+    else:
+        job_id = args.job_id or new_job_id()
+        _keep_run_settings(args, job_id)
+    return run_local(settings_from_args(args), args.tasks, workers=args.workers, job_id=job_id, resume=args.resume,
                      ui=_ui_address(args), preflight=not args.no_preflight)
+
+
+# What `run --resume JOB` takes again from the run that started the job: the flags of the parts
+# it starts anew (its workers: concurrency, timeouts, ...; --workers). The job's own settings
+# (model, sampling, step loop: read_by JOB alone) are stored with the job and cannot change.
+RUN_SETTINGS_DIR = "run-settings"  # under --run-dir: JOB.json
+
+
+def _fleet_fields() -> dict[str, str]:
+    """flag -> field of the setting flags a resumed run may apply: those its workers read."""
+    return {flag: f.name for f in dataclasses.fields(Settings) if (flag := f.metadata["flag"])
+            and WORKER in f.metadata["read_by"]}
+
+
+def _job_flags() -> dict[str, dataclasses.Field]:
+    """flag -> field of the settings copied into a job when it is created (read_by JOB)."""
+    return {flag: f for f in dataclasses.fields(Settings) if (flag := f.metadata["flag"]) and JOB in f.metadata["read_by"]}
+
+
+def _run_settings_path(args, job_id: str) -> str:
+    return os.path.join(settings_from_args(args).run_dir, RUN_SETTINGS_DIR, f"{job_id}.json")
+
+
+def _keep_run_settings(args, job_id: str) -> None:
+    """The flags of this run's workers, for `run --resume` to start them alike."""
+    kept = {field: getattr(args, field) for field in _fleet_fields().values() if getattr(args, field, None) is not None}
+    if args.workers is not None:
+        kept["workers"] = args.workers
+    path = _run_settings_path(args, job_id)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(kept, f)
+
+
+def _resumed_with_the_runs_settings(args) -> None:
+    """``args`` as the run that started the job had them, where this command line gives no other
+    value: said in one line. A flag of the job's own settings is refused: it would be ignored."""
+    job = args.resume
+    if args.tasks:
+        raise SettingsError(f"run --resume {job} takes no task files: the job's episodes are stored with it")
+    path = _run_settings_path(args, job)
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except FileNotFoundError:
+        kept = None
+    # A job's own settings are its copy: a flag for one is ignored, unless its workers read it
+    # too (--llm-base-url, --episode-budget, ...) and it says what the run said (or no run kept it).
+    ignored = [flag for flag, f in _job_flags().items() if getattr(args, f.name, None) is not None
+               and not (WORKER in f.metadata["read_by"] and (kept is None or kept.get(f.name) == getattr(args, f.name)))]
+    if ignored:
+        raise SettingsError(f"run --resume {job}: {', '.join(ignored)} would be ignored: a job keeps the model, "
+                            "sampling and step settings it was created with; run its task files as a new job to "
+                            "change them")
+    if kept is None:
+        print(f"resuming job {job} with this command's worker settings (no run of it in "
+              f"{os.path.dirname(os.path.dirname(path)) or '.'} kept its own)")
+        return
+    by_field = {field: flag for flag, field in _fleet_fields().items()} | {"workers": "--workers"}
+    taken, overridden = [], []
+    for field, value in kept.items():
+        if field not in by_field:
+            continue  # a setting this version no longer has
+        if getattr(args, field, None) is None:
+            setattr(args, field, value)
+            taken.append(f"{by_field[field]} {value}")
+        elif getattr(args, field) != value:
+            overridden.append(f"{by_field[field]} {getattr(args, field)} (the run's: {value})")
+    print(f"resuming job {job} with the run's own worker settings: {', '.join(taken) or 'the defaults'}"
+          + (f"; given here instead: {', '.join(overridden)}" if overridden else ""))
 
 
 def cmd_demo(args) -> int:
@@ -396,7 +474,10 @@ def build_parser(commands=()) -> argparse.ArgumentParser:
 
     sp = add("run", cmd_run, "run task files end to end on this machine", helps=LOCAL_HELPS)
     sp.add_argument("tasks", nargs="*", help="task files (YAML or JSON) to run as one job")
-    sp.add_argument("--resume", metavar="JOB", help="finish a job already in Redis (same --run-dir)")
+    sp.add_argument("--resume", metavar="JOB",
+                    help="finish a job already in Redis (same --run-dir), with its own model, sampling and step "
+                         "settings (their flags are refused) and the worker flags of the run that started it "
+                         "(--concurrency, --workers, ...: a flag given here replaces its value, said so)")
     add_workers_flag(sp)
     sp.add_argument("--job-id", help="the new job's id (default: the time and a random suffix)")
     _add_preflight_flag(sp)
