@@ -125,7 +125,7 @@ class JobCancel:
         done, batch = 0, []
         for episode_id, state in self.r.hscan_iter(self.keys.job_state(job_id), count=CHUNK):
             if state.decode() in LEDGER_WAITING:
-                batch.append(episode_id.decode())
+                batch.append((episode_id.decode(), state.decode()))
             if len(batch) >= CHUNK:
                 done += self._cancel_chunk(job_id, model, batch)
                 batch = []
@@ -133,20 +133,24 @@ class JobCancel:
             done += self._cancel_chunk(job_id, model, batch)
         return done
 
-    def _cancel_chunk(self, job_id: str, model: str, episode_ids: list[str]) -> int:
+    def _cancel_chunk(self, job_id: str, model: str, waiting: list[tuple[str, str]]) -> int:
         """One script's worth: the record names each episode's group, env and latest attempt
         (for the store: a cancel closes that attempt), read before the script runs, and the env
-        instances each leaves open (the one its snapshot keeps for a successor, else its latest
-        attempt's), which the script queues for closing with the episodes it cancels."""
+        instance each may leave open, which the script queues for closing with the episodes it
+        cancels: a queued episode's (handed back or re-queued after a lost worker, its instance
+        kept for the next attempt: the one its snapshot names, else its latest attempt's). A
+        retrying episode's attempt closed its own."""
+        episode_ids = [episode_id for episode_id, _ in waiting]
         specs = self.ledger.episode_specs(job_id, episode_ids)
         attempts = self.ledger.latest_attempts(job_id, episode_ids)
         snapshots = self.ledger.progresses(job_id, episode_ids)
         rows, per_episode = [], []
-        for episode_id, latest, snapshot in zip(episode_ids, attempts, snapshots):
+        for (episode_id, state), latest, snapshot in zip(waiting, attempts, snapshots):
             spec = specs.get(episode_id)
             rows.append([episode_id, spec.group_id if spec else None, spec.group_size if spec else 0,
                          spec.env_name if spec else "", *latest])
-            left_open = closing.orphans(spec, [snapshot.trajectory_key if snapshot is not None else latest])
+            kept = snapshot.trajectory_key if snapshot is not None else latest
+            left_open = closing.orphans(spec, [kept]) if state == LedgerState.QUEUED else []
             per_episode += [episode_id, len(left_open), *left_open]
         record = EpisodesCancelled(job_id=job_id, episodes=rows, llm_model=model).pack()
         k = self.keys
