@@ -81,8 +81,8 @@ def rollout_request(body: dict, run_dir: Path, cwd: Path | None = None) -> Rollo
     if not isinstance(config, dict) or not isinstance(config.get("environments"), list):
         raise feed.FeedError("config must be a task file path or a task file's content: {environments: [...]}")
     for env in config["environments"]:
-        if isinstance(env, dict) and isinstance(env.get("dataset"), str):
-            env["dataset"] = str(cwd / env["dataset"])
+        if isinstance(env, dict) and isinstance(env.get("dataset"), str) and env["dataset"].strip():
+            env["dataset"] = str(cwd / env["dataset"])  # "" is no dataset, as in a task file
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / f"start_rollout-{int(time.time() * 1000)}.yaml"
     path.write_text(json.dumps(config, indent=1))  # JSON is YAML

@@ -275,3 +275,25 @@ def test_feed_serve_job_refuses_an_unknown_or_finished_job_and_feed_flags(run_fa
     out = feed_serve_job(procs, "--job", run.job_id)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert f"--job {run.job_id}: the job is finished" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_an_inline_config_with_an_empty_dataset_is_a_job_without_one(settings, redis_client):
+    """``dataset: ""`` is no dataset in a task file (the original's reader takes it so); inline
+    in /start_rollout it was joined to the server's folder and refused as a folder."""
+    rollout = Rollout(redis_client, settings, None, threading.Event(), preflight=False)
+    server = make_server(FeedApp(start=rollout.from_request), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        answer = Feed(f"http://127.0.0.1:{server.server_address[1]}", trainer="t")._call(
+            "POST", "/start_rollout", {"config": {"environments": [
+                {"env_name": "guess_number", "base_url": "http://127.0.0.1:9", "env_num": 2, "dataset": ""}]},
+                "epochs": 1})
+        assert answer["success"] is True, answer
+    finally:
+        server.shutdown()
+        server.server_close()
+        rollout.stop.set()
+        if rollout.backfill is not None:
+            rollout.backfill.stop()
+        if rollout.thread is not None:
+            rollout.thread.join(10)
