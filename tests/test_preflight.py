@@ -358,6 +358,45 @@ def test_serve_env_passes_preflight_for_the_documented_task_names(settings, mode
         server.wait(10)
 
 
+def _envs_handler(body: bytes):
+    class _EnvsHandler(JSONHandler):
+        """An env server whose GET /envs answers ``body``."""
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return _EnvsHandler
+
+
+@pytest.mark.parametrize("body,served", [
+    (b'["reasoning_gym", "textarena"]', True),
+    (b'{"envs": ["reasoning_gym", "textarena"]}', True),
+    (b'{"env_names": ["reasoning_gym", "textarena"]}', True),
+    (b'{}', None), (b'[]', None), (b'"ok"', None), (b'up', None), (b'', None)])
+def test_get_envs_is_read_as_docs_protocol_md_says(settings, model_server, serve, body, served):
+    """docs/protocol.md#what-get-envs-answers: a list of env_names or families (as such, or under
+    "envs"/"env_names"); any other body says nothing about names. Its example refusal is the
+    one preflight prints."""
+    from tests.conftest import ROOT
+
+    _, model_url = model_server
+    _, url = serve(_envs_handler(body))
+    s = settings.replace(llm_base_url=model_url + "/v1")
+    assert preflight.check(s, [episode(url, "reasoning_gym.leg_counting"), episode(url, "textarena")]) == []
+    problems = preflight.check(s, [episode(url, "wordle.easy")])
+    if served is None:
+        assert problems == []
+        return
+    (p,) = problems
+    doc = " ".join((ROOT / "docs" / "protocol.md").read_text().split())
+    assert "### What `GET /envs` answers" in (ROOT / "docs" / "protocol.md").read_text()
+    assert f"`{p.what.split(' (docs/', 1)[0]}`" in doc, p.what
+
+
 def test_a_forgotten_model_against_a_real_server_is_refused_naming_what_it_serves(settings, env_server, serve,
                                                                                   model_server, tmp_path):
     """`--model` left at its default (`stand-in`) against llama-server passed preflight (it serves
