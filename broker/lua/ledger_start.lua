@@ -28,7 +28,8 @@ local MAX_EARLIER = 16
 -- finds it finished, and any other episode of the job is refused - except the START sent
 -- again for an attempt that is already running, which gets its attempt back and learns of the
 -- cancel from its first renewal.
--- A failover no sweep has seen yet counts too: the primary answering is not the one the last
+-- Asked only of a snapshot (a first attempt's START pays nothing for it). A failover no sweep
+-- has seen yet counts too: the primary answering is not the one the last
 -- sweep reached (its replication id, Keys.primary). Asked only where it matters, for a
 -- ``prompted`` snapshot (seq = 4 * step + ARGV[6], broker/records.py Progress.seq).
 local function outage_since(episode)
@@ -57,9 +58,9 @@ if st == $RUNNING and mine_id == ARGV[5] then
   if holder and holder ~= token then return {'busy', holder} end
   redis.call('SET', KEYS[4], token, 'PX', ARGV[3])  -- a full TTL from this call, which the worker counts from
   redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
+  local kept = redis.call('HGET', KEYS[12], ARGV[1]) or ''
   return {'ok', mine_attempt, token, redis.call('HGET', KEYS[7], ARGV[1]) or '',
-          redis.call('HGET', KEYS[9], ARGV[1]) or '', redis.call('HGET', KEYS[12], ARGV[1]) or '',
-          outage_since(ARGV[1])}
+          redis.call('HGET', KEYS[9], ARGV[1]) or '', kept, kept ~= '' and outage_since(ARGV[1]) or ''}
 end
 if redis.call('EXISTS', KEYS[11]) == 1 then return {'refused', 'its job was cancelled'} end
 if holder then return {'busy', holder} end
@@ -85,4 +86,4 @@ end
 if earlier ~= '' then redis.call('HSET', KEYS[9], ARGV[1], earlier) else redis.call('HDEL', KEYS[9], ARGV[1]) end
 redis.call('HSET', KEYS[8], ARGV[1], attempt .. ':' .. ARGV[5])
 return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', earlier, progress,
-        outage_since(ARGV[1])}
+        progress ~= '' and outage_since(ARGV[1]) or ''}
