@@ -6,6 +6,7 @@ And what a refused ``/start_rollout`` leaves behind: nothing, on disk either."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -184,19 +185,34 @@ def test_start_rollout_submits_a_job_from_the_originals_config(env_server, model
     assert_none_left(mark, server.run_dir, 30, "processes of a feed server stopped by SIGTERM")
 
 
+@contextlib.contextmanager
+def start_rollout_route(redis_client, settings):
+    """POST /start_rollout served in this process (the server's own Rollout, no fleet, no
+    preflight): a feed client on it, stopped at the end."""
+    rollout = Rollout(redis_client, settings, None, threading.Event(), preflight=False)
+    server = make_server(FeedApp(start=rollout.from_request), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield Feed(f"http://127.0.0.1:{server.server_address[1]}", trainer="t")
+    finally:
+        server.shutdown()
+        server.server_close()
+        rollout.stop.set()
+        if rollout.backfill is not None:
+            rollout.backfill.stop()
+        if rollout.thread is not None:
+            rollout.thread.join(10)
+
+
 def test_a_refused_start_rollout_leaves_no_file(settings, redis_client):
     """The review's repro: an inline ``config`` of 0.9 MB naming an environment the task file
     format refuses, posted five times. Each is a 400, and none leaves its body in
     ``<run-dir>/rollouts``, where any local process or trainer could otherwise fill the disk with
     them; nor does a request of the original's shape refused for its path. A task file a refused
     request named there stays (it is not the request's), and an accepted request's file stays
-    for its job. The route runs in this process (the server's own Rollout, no fleet, no preflight)."""
-    rollout = Rollout(redis_client, settings, None, threading.Event(), preflight=False)
-    server = make_server(FeedApp(start=rollout.from_request), "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for its job. The route runs in this process (:func:`start_rollout_route`)."""
     folder = Path(settings.run_dir) / "rollouts"
-    f = Feed(f"http://127.0.0.1:{server.server_address[1]}", trainer="t")
-    try:
+    with start_rollout_route(redis_client, settings) as f:
         refused = [{"config": {"environments": [{"env_name": "nope", "junk": "x" * 900_000}]}}] * 5 + [
             {"task_type": "arithmetic", "input_file": "/etc/passwd", "num_repeat_per_sample": 2}]
         for body in refused:
@@ -214,14 +230,6 @@ def test_a_refused_start_rollout_leaves_no_file(settings, redis_client):
         assert answer["success"] is True, answer
         kept = [p for p in folder.iterdir() if p != named]
         assert len(kept) == 1 and json.loads(kept[0].read_text())["environments"][0]["env_name"] == "guess_number"
-    finally:
-        server.shutdown()
-        server.server_close()
-        rollout.stop.set()
-        if rollout.backfill is not None:
-            rollout.backfill.stop()
-        if rollout.thread is not None:
-            rollout.thread.join(10)
 
 
 def test_demo_rl_runs_briefly_and_leaves_no_process(tmp_path, mark):
@@ -280,20 +288,8 @@ def test_feed_serve_job_refuses_an_unknown_or_finished_job_and_feed_flags(run_fa
 def test_an_inline_config_with_an_empty_dataset_is_a_job_without_one(settings, redis_client):
     """``dataset: ""`` is no dataset in a task file (the original's reader takes it so); inline
     in /start_rollout it was joined to the server's folder and refused as a folder."""
-    rollout = Rollout(redis_client, settings, None, threading.Event(), preflight=False)
-    server = make_server(FeedApp(start=rollout.from_request), "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        answer = Feed(f"http://127.0.0.1:{server.server_address[1]}", trainer="t")._call(
-            "POST", "/start_rollout", {"config": {"environments": [
-                {"env_name": "guess_number", "base_url": "http://127.0.0.1:9", "env_num": 2, "dataset": ""}]},
-                "epochs": 1})
+    with start_rollout_route(redis_client, settings) as f:
+        answer = f._call("POST", "/start_rollout", {"config": {"environments": [
+            {"env_name": "guess_number", "base_url": "http://127.0.0.1:9", "env_num": 2, "dataset": ""}]},
+            "epochs": 1})
         assert answer["success"] is True, answer
-    finally:
-        server.shutdown()
-        server.server_close()
-        rollout.stop.set()
-        if rollout.backfill is not None:
-            rollout.backfill.stop()
-        if rollout.thread is not None:
-            rollout.thread.join(10)
