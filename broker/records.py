@@ -60,6 +60,11 @@ original system's key), and ``EpisodesEnqueued.images``, the ``job_environments.
 of its episodes that have one. A record without them reads as no image ("", what the original
 stores for an entry without one); a reader that does not know them stores none.
 
+Also within version 5, optional: ``EpisodeSpec.sampling``, a task entry's own ``max_tokens``,
+``temperature`` and ``stop`` (producer/taskfile.py), which the worker lays over the job's llm
+settings for that episode's model calls ({}: the job's); and ``StepRecord.reasoning_content``,
+the model answer's reasoning beside its content ("" when it gave none, and then not packed).
+
 Added within version 3, optional (a reader that does not know them ignores them, and a record
 without them reads as the defaults, so no version bump was needed):
 
@@ -218,6 +223,8 @@ class EpisodeSpec(_Record):
     transport: str = "http"  # "http" (base_url) or "inproc" (env_class run inside the worker)
     env_class: str = ""  # "module:Class" for the inproc transport
     image: str = ""  # the entry's env_image: stored as job_environments.image, used for nothing else
+    # the entry's own sampling (max_tokens, temperature, stop), over the job's llm settings
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     def shown(self) -> dict[str, Any]:
         """The spec as a map for dead letters and displays: any password in base_url starred."""
@@ -265,6 +272,7 @@ class StepRecord(_Record):
     prompt_s: float | None = None  # get_task_prompt
     env_step_s: float | None = None  # step
     reset_s: float | None = None  # reset, on the episode's first step only
+    reasoning_content: str = ""  # the answer's reasoning (vLLM's reasoning parser, llama.cpp), beside response
 
     _TOKEN_FIELDS: ClassVar[tuple[str, ...]] = (
         "token_source", "token_status", "token_error", "prompt_ids", "completion_ids", "completion_logprobs",
@@ -277,6 +285,8 @@ class StepRecord(_Record):
             # stream and the consumer's decoding stay as fast as they were
             for name in self._TOKEN_FIELDS:
                 del d[name]
+        if not self.reasoning_content:  # most answers have none: not packed, read as ""
+            del d["reasoning_content"]
         return d
 
     @property

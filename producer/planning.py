@@ -27,7 +27,7 @@ __all__ = ["PlannedJob", "plan_job", "derive_seed"]
 
 # plan_job builds EpisodeSpec positionally for speed; fail loudly if the schema's order moves.
 _SPEC_ORDER = ("job_id", "episode_id", "group_id", "group_size", "env_name", "base_url",
-               "env_params", "seed", "queue", "source", "transport", "env_class", "image")
+               "env_params", "seed", "queue", "source", "transport", "env_class", "image", "sampling")
 if tuple(f.name for f in fields(EpisodeSpec))[:len(_SPEC_ORDER)] != _SPEC_ORDER:
     raise ImportError("broker.records.EpisodeSpec field order changed; update producer.planning._expand")
 
@@ -151,6 +151,7 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
             e, name, params, n = ent["index"], ent["env_name"], ent["env_params"], ent["env_num"]
             base_url, queue, seed_base, rows = ent["base_url"], ent["queue"], ent["seed"], ent["rows"]
             transport, env_class, image = ent["transport"], ent["env_class"], ent["image"]
+            sampling = ent.get("sampling") or {}
             # An entry without a dataset sends "dataset": {}, as the original system does (an env
             # whose constructor defaults dataset=None sees what it saw there); an own "dataset"
             # in its env_params is sent as written.
@@ -181,7 +182,7 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
                         seed = from_bytes(h.digest(), "big") % _SEED_MOD
                     # positional (checked against the schema at import): ~2x faster than kwargs
                     append(Spec(job_id, f"{group_id}.{k}", group_id, n, name, base_url, p,
-                                seed, queue, source, transport, env_class, image))
+                                seed, queue, source, transport, env_class, image, sampling))
             groups += len(tasks)
             by_env[name] = by_env.get(name, 0) + n * len(tasks)
     return episodes, groups, by_env

@@ -12,6 +12,10 @@ A task file is YAML::
         queue: episodes              # optional; else the producer's default
         env_image: registry/env:1.3  # optional; stored as job_environments.image, as the original does
         dataset_load_mode: eager     # optional; or parquet_row_ref: .parquet rows sent as references
+        max_tokens: 256              # optional sampling of this entry's model calls, over the job's
+        temperature: 0.0             #   flags (--llm-max-tokens, --temperature, --llm-stop); stored
+        stop: ["</answer>"]          #   with each episode (EpisodeSpec.sampling)
+        n: 4                         # optional: samples per task, the same as env_num (verl's rollout.n)
 
 The keys are the original system's (``env_name``, ``env_params``, ``dataset``, ``env_num``,
 ``env_image``, ``dataset_load_mode``) and ours. Its task files carry others that its reader
@@ -66,7 +70,7 @@ from producer.yamlfile import load_yaml, yaml_error
 __all__ = ["TaskFileError", "load_task_file", "DATASET_FORMATS"]
 
 ENTRY_KEYS = ("env_name", "env_params", "dataset", "env_num", "base_url", "seed", "queue", "transport",
-              "env_class", "env_image", "dataset_load_mode")
+              "env_class", "env_image", "dataset_load_mode") + ("max_tokens", "temperature", "stop", "n")
 TRANSPORTS = ("http", "inproc")
 # How a dataset file's rows go to the env, as the original system's reader takes them: read here
 # and sent whole (eager), or, for a .parquet file, each row as a reference to its place in the
@@ -289,6 +293,8 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
     env_num = raw.get("env_num", 1)
     if not is_int(env_num) or env_num < 1:
         raise fail("env_num", f"must be an integer >= 1, got {env_num!r}")
+    env_num = _samples(raw, env_num, fail)
+    sampling = _sampling(raw, fail)
 
     transport, env_class, base_url = _entry_target(raw, default_base_url, fail)
 
@@ -322,7 +328,42 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
 
     return {"index": e, "line": line, "env_name": name, "env_params": params, "env_num": env_num,
             "base_url": base_url, "seed": seed, "queue": queue, "rows": rows, "dataset": dataset,
-            "transport": transport, "env_class": env_class, "image": image}
+            "transport": transport, "env_class": env_class, "image": image, "sampling": sampling}
+
+
+def _samples(raw: dict, env_num: int, fail: Fail) -> int:
+    """The entry's episodes per task: ``env_num``, or ``n`` (verl's and TRL's name for it)."""
+    if "n" not in raw:
+        return env_num
+    n = raw["n"]
+    if not is_int(n) or n < 1:
+        raise fail("n", f"must be an integer >= 1 (samples per task, the same as env_num), got {n!r}")
+    if "env_num" in raw and raw["env_num"] != n:
+        raise fail("n", f"is {n} and env_num is {raw['env_num']}: both count the samples per task; give one")
+    return n
+
+
+def _sampling(raw: dict, fail: Fail) -> dict:
+    """The entry's own ``max_tokens``, ``temperature`` and ``stop`` (a string or a list of
+    strings, kept as a list), checked; the worker lays them over the job's settings."""
+    out: dict = {}
+    if raw.get("max_tokens") is not None:
+        v = raw["max_tokens"]
+        if not is_int(v) or v < 1:
+            raise fail("max_tokens", f"must be an integer >= 1 (tokens per model answer), got {v!r}")
+        out["max_tokens"] = v
+    if raw.get("temperature") is not None:
+        v = raw["temperature"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100:
+            raise fail("temperature", f"must be a number >= 0, got {v!r}")
+        out["temperature"] = float(v)
+    if raw.get("stop") is not None:
+        v = raw["stop"]
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not stops or not all(isinstance(x, str) and x for x in stops):
+            raise fail("stop", f"must be a non-empty string or a list of them, got {v!r}")
+        out["stop"] = list(stops)
+    return out
 
 
 def _load_mode(raw: dict, fail: Fail) -> str:
