@@ -12,6 +12,10 @@ LEASE_LOST = "lease_lost"  # another attempt owns the episode now
 WORKER_LOST = "worker_lost"  # lease expired: the worker died (set by the sweeper)
 WORKER_SHUTDOWN = "worker_shutdown"  # handed back at SIGTERM after the grace period
 STEPS_LOST = "steps_lost"  # completed, but some step records never reached the database (set by the consumer)
+# An agent episode's agent (workers/agent_episode.py) raised, exited non-zero, returned no
+# reward, or ran past --agent-timeout: a fresh attempt (a fresh agent run) may do better.
+AGENT_ERROR = "agent_error"
+AGENT_TIMEOUT = "agent_timeout"
 # Not a failure: the job was cancelled (`interactor cancel`, broker/cancel.py). The reason of a
 # cancelled episode and of the attempt stopped by it, and the incomplete_reason of its group.
 CANCELLED = "cancelled"
@@ -36,7 +40,7 @@ ATTEMPTS_EXHAUSTED = "attempts_exhausted"  # prefix use: "attempts_exhausted:<la
 
 TRANSIENT_REASONS = frozenset(
     {ENV_UNREACHABLE, ENV_SERVER_ERROR, ENV_INSTANCE_LOST, MODEL_UNAVAILABLE, LEASE_LOST, WORKER_LOST, WORKER_SHUTDOWN,
-     STEPS_LOST}
+     STEPS_LOST, AGENT_ERROR, AGENT_TIMEOUT}
 )
 
 

@@ -65,6 +65,13 @@ Also within version 5, optional: ``EpisodeSpec.sampling``, a task entry's own ``
 settings for that episode's model calls ({}: the job's); and ``StepRecord.reasoning_content``,
 the model answer's reasoning beside its content ("" when it gave none, and then not packed).
 
+Also within version 5, optional: agent episodes (workers/agent_episode.py).
+``EpisodeSpec.agent`` (``module:function``) or ``EpisodeSpec.agent_command`` (an argv list): the
+agent the worker runs instead of the step loop ("" / []: an env episode, what a record without
+them reads as); ``EpisodeSpec.env_calls_model``: the env server is given the gateway in its reset
+body. ``StepRecord.tool_calls``, the answer's ``tool_calls`` (a list of objects), and
+``StepRecord.tools``, the request's ``tools``: packed only when there are any, read as None.
+
 Added within version 3, optional (a reader that does not know them ignores them, and a record
 without them reads as the defaults, so no version bump was needed):
 
@@ -225,6 +232,9 @@ class EpisodeSpec(_Record):
     image: str = ""  # the entry's env_image: stored as job_environments.image, used for nothing else
     # the entry's own sampling (max_tokens, temperature, stop), over the job's llm settings
     sampling: dict[str, Any] = field(default_factory=dict)
+    agent: str = ""  # "module:function": an agent episode's agent (workers/agent_episode.py)
+    agent_command: list[str] = field(default_factory=list)  # or its argv, run as a process
+    env_calls_model: bool = False  # the env server gets the gateway's URL and key in its reset body
 
     def shown(self) -> dict[str, Any]:
         """The spec as a map for dead letters and displays: any password in base_url starred."""
@@ -273,6 +283,8 @@ class StepRecord(_Record):
     env_step_s: float | None = None  # step
     reset_s: float | None = None  # reset, on the episode's first step only
     reasoning_content: str = ""  # the answer's reasoning (vLLM's reasoning parser, llama.cpp), beside response
+    tool_calls: list[dict] | None = None  # the answer's tool_calls (agent episodes; None: it called no tool)
+    tools: list[dict] | None = None  # the tools the request offered (agent episodes; None: none)
 
     _TOKEN_FIELDS: ClassVar[tuple[str, ...]] = (
         "token_source", "token_status", "token_error", "prompt_ids", "completion_ids", "completion_logprobs",
@@ -287,6 +299,10 @@ class StepRecord(_Record):
                 del d[name]
         if not self.reasoning_content:  # most answers have none: not packed, read as ""
             del d["reasoning_content"]
+        if self.tool_calls is None:  # only agent episodes' calls have them
+            del d["tool_calls"]
+        if self.tools is None:
+            del d["tools"]
         return d
 
     @property

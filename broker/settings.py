@@ -262,6 +262,17 @@ class Settings:
     env_hosts: str = setting("", "env servers workers may call: comma-separated host, host:port or "
                                  "scheme://host:port (unset: any); keeps a job from pointing workers at internal "
                                  "services (SSRF)", "trust")
+    agents: str = setting("", 'agent functions a worker may import for agent episodes, as for env_classes '
+                              '("module:function", "module:*", "package.*"), comma-separated (unset: none); '
+                              "anything else is dead-lettered as bad_task unimported", "trust")
+    agent_commands: str = setting("", "agent commands a worker may run for agent episodes: comma-separated argv "
+                                      "prefixes, words split by spaces (\"python3 agents/solve.py\" allows that "
+                                      "argv and any arguments after it; unset: none)", "trust")
+    agent_timeout_s: float = setting(600.0, "seconds an agent of an agent episode may run before its attempt "
+                                            "fails as agent_timeout (0: only the episode's budget)", "episodes",
+                                     flag="--agent-timeout", read_by=(WORKER,))
+    gateway_max_body_bytes: int = setting(16 << 20, "largest request body the model gateway takes from an agent "
+                                                    "(larger: 413)", "trust")
 
     # --- fleet-wide limits (broker/caps.py, broker/pause.py, broker/ratelimit.py) ----------------
     no_resume: bool = setting(False, "a new attempt never continues its predecessor's env instance (not the "

@@ -30,6 +30,11 @@ The scripted policy:
 * textarena's GuessTheNumber ("wrapped in square brackets", "The target number is
   higher/lower."): the same binary search, the guess written as ``[N]``.
 * anything else: ``"I don't know"``.
+* the bundled tool task (``examples/agents/``): a request that offers a function tool named
+  ``calculator`` and whose last message is the user's "What is <expression>?" is answered with
+  a ``tool_calls`` call of ``calculator`` on that expression (``finish_reason: "tool_calls"``,
+  no content); one whose last message is that tool's result (role ``tool``) is answered
+  ``"The answer is R. <answer>R</answer>"`` with R the result, as a model that trusts its tool.
 
 ``POST /weights`` ``{"version": N}`` stands for a trainer pushing new weights (the online-RL demo,
 ``examples/rl_trainer.py``): the server reports ``metadata.weight_version`` ``"vN"`` from then on,
@@ -241,6 +246,36 @@ def _tagged_answer(msgs: list[tuple[str, str]], rng: random.Random, skill: float
         return "I don't know. <answer>unknown</answer>"
     value = _with_skill(value, rng, skill)
     return f"Let me compute it step by step. <answer>{value}</answer>"
+
+
+TOOL_NAME = "calculator"
+
+
+def offers_tool(tools: Any, name: str = TOOL_NAME) -> bool:
+    """Whether a request's ``tools`` offers a function tool called ``name``."""
+    return isinstance(tools, list) and any(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name") == name
+        for t in tools)
+
+
+def tool_reply(messages: list, tools: Any, call_id: str) -> tuple[str | None, list | None] | None:
+    """The bundled tool task's answer, (content, tool_calls), or None when the request is not
+    one of it (see the module docstring)."""
+    if not offers_tool(tools) or not messages or not isinstance(messages[-1], dict):
+        return None
+    last = messages[-1]
+    if last.get("role") == "tool":
+        result = message_text(last.get("content")).strip()
+        return f"The answer is {result}. <answer>{result}</answer>", None
+    if last.get("role") != "user":
+        return None
+    m = _QUESTION_RE.search(message_text(last.get("content")))
+    if not m:
+        return None
+    expression = m.group(1).strip().rstrip(".")
+    call = {"id": call_id, "type": "function",
+            "function": {"name": TOOL_NAME, "arguments": json.dumps({"expression": expression})}}
+    return None, [call]
 
 
 def scripted_reply(messages: list[dict], rng: random.Random, skill: float = 0.7) -> str:
@@ -568,7 +603,12 @@ class _ModelHandler(JSONHandler):
                 content = reply
                 break
         finish_reason = "stop"
-        if fault == "length":
+        tool_calls = None
+        with_tool = tool_reply(messages, req.get("tools"), f"call_standin_{counter}")
+        if with_tool is not None:
+            content, tool_calls = with_tool
+            finish_reason = "tool_calls" if tool_calls else "stop"
+        if fault == "length" and content is not None:
             finish_reason = "length"
             content = content[: max(1, len(content) // 2)]
         with srv.lock:
@@ -576,14 +616,17 @@ class _ModelHandler(JSONHandler):
                 srv.faults["length"] += 1
             srv.by_finish_reason[finish_reason] = srv.by_finish_reason.get(finish_reason, 0) + 1
 
-        completion_tokens = len(content.split())
+        completion_tokens = len((content or json.dumps(tool_calls)).split())
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         out: dict[str, Any] = {
             "id": f"chatcmpl-standin-{counter}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
             "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": content},
+                         "message": message,
                          "finish_reason": finish_reason}],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
@@ -591,7 +634,8 @@ class _ModelHandler(JSONHandler):
         if srv.weight_version:
             out["metadata"] = {"weight_version": str(srv.weight_version)}
         if req.get("logprobs") or req.get("return_token_ids"):
-            self.add_tokens(req, messages, content, finish_reason, out)
+            self.add_tokens(req, messages, content if content is not None else json.dumps(tool_calls),
+                            finish_reason, out)
         self.answer(200, out)
 
     def add_tokens(self, req: dict, messages: list, content: str, finish_reason: str, out: dict) -> None:

@@ -152,6 +152,8 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
             base_url, queue, seed_base, rows = ent["base_url"], ent["queue"], ent["seed"], ent["rows"]
             transport, env_class, image = ent["transport"], ent["env_class"], ent["image"]
             sampling = ent.get("sampling") or {}
+            agent, agent_command = ent.get("agent", ""), ent.get("agent_command") or []
+            env_calls_model = ent.get("env_calls_model", False)
             # An entry without a dataset sends "dataset": {}, as the original system does (an env
             # whose constructor defaults dataset=None sees what it saw there); an own "dataset"
             # in its env_params is sent as written.
@@ -183,6 +185,9 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
                     # positional (checked against the schema at import): ~2x faster than kwargs
                     append(Spec(job_id, f"{group_id}.{k}", group_id, n, name, base_url, p,
                                 seed, queue, source, transport, env_class, image, sampling))
+                    if agent or agent_command or env_calls_model:
+                        spec = episodes[-1]
+                        spec.agent, spec.agent_command, spec.env_calls_model = agent, list(agent_command), env_calls_model
             groups += len(tasks)
             by_env[name] = by_env.get(name, 0) + n * len(tasks)
     return episodes, groups, by_env

@@ -30,7 +30,21 @@ An entry may instead name an environment class that the worker runs in its own p
         transport: inproc                                      # "http" (default) or "inproc"
         env_class: envs.textarena_env:TextArenaEnv  # "module:Class"; implies inproc
 
-Such an entry needs no base_url (one given explicitly is an error). Only the shape
+Such an entry needs no base_url (one given explicitly is an error).
+
+An entry may instead name an agent that owns its loop (an *agent episode*,
+workers/agent_episode.py): the worker runs it against the model gateway and records each of its
+model calls as a step::
+
+      - env_name: calculator
+        agent: examples.agents.openai_client:solve   # "module:function", allowed by INTERACTOR_AGENTS
+        # or: agent_command: [python3, examples/agents/subprocess_agent.py]   (INTERACTOR_AGENT_COMMANDS)
+        dataset: examples/agents/calculator.jsonl
+        env_num: 4
+
+Such an entry has no env server (base_url, transport and env_class are errors). An env entry may
+say ``env_calls_model: true``: its env server's reset body then carries the gateway's
+``llm: {base_url, api_key, model}`` for the env to call the model itself, recorded alike. Only the shape
 ``module:Class`` is checked here: workers share no files with the producer, so whether the
 class imports is for the worker to find out (``env_bad_request`` if it does not).
 
@@ -70,8 +84,10 @@ from producer.yamlfile import load_yaml, yaml_error
 __all__ = ["TaskFileError", "load_task_file", "DATASET_FORMATS"]
 
 ENTRY_KEYS = ("env_name", "env_params", "dataset", "env_num", "base_url", "seed", "queue", "transport",
-              "env_class", "env_image", "dataset_load_mode") + ("max_tokens", "temperature", "stop", "n")
+              "env_class", "env_image", "dataset_load_mode") + ("max_tokens", "temperature", "stop", "n") + (
+              "agent", "agent_command", "env_calls_model")
 TRANSPORTS = ("http", "inproc")
+AGENT_TRANSPORT = "agent"  # an agent episode's: no env server, its agent runs in the worker
 # How a dataset file's rows go to the env, as the original system's reader takes them: read here
 # and sent whole (eager), or, for a .parquet file, each row as a reference to its place in the
 # file (PARQUET_ROW_REF, producer/datasets.py parquet_row_refs) for the env to read itself.
@@ -296,7 +312,19 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
     env_num = _samples(raw, env_num, fail)
     sampling = _sampling(raw, fail)
 
-    transport, env_class, base_url = _entry_target(raw, default_base_url, fail)
+    agent, agent_command = _entry_agent(raw, fail)
+    if agent or agent_command:
+        transport, env_class, base_url = AGENT_TRANSPORT, "", ""
+    else:
+        transport, env_class, base_url = _entry_target(raw, default_base_url, fail)
+    env_calls_model = raw.get("env_calls_model", False)
+    if env_calls_model is None:
+        env_calls_model = False
+    if not isinstance(env_calls_model, bool):
+        raise fail("env_calls_model", f"must be true or false, got {env_calls_model!r}")
+    if env_calls_model and transport != "http":
+        raise fail("env_calls_model", "only for an env server's entry (an agent calls the model through the gateway "
+                                      "anyway; an inproc env is not given it)")
 
     seed = raw.get("seed", _ABSENT)
     if seed is _ABSENT:
@@ -328,7 +356,28 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
 
     return {"index": e, "line": line, "env_name": name, "env_params": params, "env_num": env_num,
             "base_url": base_url, "seed": seed, "queue": queue, "rows": rows, "dataset": dataset,
-            "transport": transport, "env_class": env_class, "image": image, "sampling": sampling}
+            "transport": transport, "env_class": env_class, "image": image, "sampling": sampling,
+            "agent": agent, "agent_command": agent_command, "env_calls_model": env_calls_model}
+
+
+def _entry_agent(raw: dict, fail: Fail) -> tuple[str, list[str]]:
+    """The entry's agent (``module:function``) or agent command (argv), or ("", [])."""
+    agent, command = raw.get("agent"), raw.get("agent_command")
+    if agent is None and command is None:
+        return "", []
+    if agent is not None and command is not None:
+        raise fail("agent_command", "an entry names one agent: agent (module:function) or agent_command, not both")
+    for key in ("base_url", "transport", "env_class"):
+        if raw.get(key) is not None:
+            raise fail(key, "not used by an agent episode (its agent calls the model itself, through the gateway); "
+                            "remove it")
+    if agent is not None:
+        if not valid_object_path(agent):
+            raise fail("agent", f"must be 'module:function' (e.g. 'mypkg.agents:solve'), got {agent!r}")
+        return agent, []
+    if not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command):
+        raise fail("agent_command", f"must be a non-empty list of non-empty strings (an argv), got {command!r}")
+    return "", list(command)
 
 
 def _samples(raw: dict, env_num: int, fail: Fail) -> int:

@@ -14,6 +14,9 @@ import or which hosts they call beyond what the worker's own settings allow:
 * ``env_hosts``: env servers a worker may call (``host``, ``host:port`` or
   ``scheme://host:port``); empty means any. Whatever the list, a URL must pass
   ``broker.urls.check_url``, and the comparison is made on the host and port it approved.
+* ``agents`` / ``agent_commands``: the agents of agent episodes (workers/agent_episode.py) a
+  worker may import (``module:function`` patterns, as env classes) or run (argv prefixes: an
+  agent command must start with one, word for word); unset, none.
 * the API key goes only to a model endpoint of a trusted origin (``llm_base_url``'s and
   ``llm_trusted_origins``): a job may name any endpoint, and one that would collect the key
   gets requests without it.
@@ -62,6 +65,19 @@ class PathAllowlist:
         return ", ".join(self.patterns) or "(nothing)"
 
 
+class CommandAllowlist:
+    """Agent commands a worker may run: argv prefixes (comma-separated, words split by spaces)."""
+
+    def __init__(self, setting: str):
+        self.prefixes = tuple(tuple(p.split()) for p in setting.split(",") if p.split())
+
+    def allows(self, argv: list[str]) -> bool:
+        return any(len(argv) >= len(p) and tuple(argv[:len(p)]) == p for p in self.prefixes)
+
+    def __str__(self) -> str:
+        return ", ".join(" ".join(p) for p in self.prefixes) or "(nothing)"
+
+
 class HostAllowlist:
     """Env servers a worker may call; empty = any host (still only URLs ``check_url`` accepts)."""
 
@@ -104,6 +120,8 @@ class TrustBoundary:
         self.env_classes = env_class_allowlist(settings.env_classes)
         self.hooks = hook_allowlist(settings.episode_hooks, settings.episode_hook)
         self.env_hosts = HostAllowlist(settings.env_hosts)
+        self.agents = PathAllowlist(settings.agents)
+        self.agent_commands = CommandAllowlist(settings.agent_commands)
         self.key_origins = settings.trusted_model_origins()
         self._api_key = settings.llm_api_key
         self._untrusted_warned: set[str] = set()
@@ -115,7 +133,12 @@ class TrustBoundary:
         problem = url_problem(job.llm_base_url)
         if problem:
             return f"model endpoint {redact_url(job.llm_base_url)!r}: {problem}; nothing was called"
-        if spec.transport != "inproc":
+        agent, command = getattr(spec, "agent", ""), getattr(spec, "agent_command", None)
+        if agent or command:
+            refused = self._agent_refused(agent, command)
+            if refused:
+                return refused
+        elif spec.transport != "inproc":
             problem = url_problem(spec.base_url)
             if problem:
                 return f"env server {redact_url(spec.base_url)!r}: {problem}; nothing was called"
@@ -129,12 +152,35 @@ class TrustBoundary:
             if not self.env_classes.allows(spec.env_class):
                 return (f"env_class {spec.env_class!r} is not on this worker's allow-list "
                         f"(INTERACTOR_ENV_CLASSES: {self.env_classes}); it was not imported")
-        elif not self.env_hosts.allows(spec.base_url):
+        elif not (agent or command) and not self.env_hosts.allows(spec.base_url):
             return (f"env server {redact_url(spec.base_url)} is not on this worker's allow-list "
                     f"(INTERACTOR_ENV_HOSTS: {self.env_hosts})")
         if job.episode_hook and not self.hooks.allows(job.episode_hook):
             return (f"episode hook {job.episode_hook!r} is not on this worker's allow-list "
                     f"(INTERACTOR_EPISODE_HOOKS: {self.hooks}); it was not imported")
+        # an entry's observation_to_messages / completion_to_action (workers/env_mappings.py):
+        # code a task file names, allowed as env classes are
+        for key, path in sorted((getattr(spec, "mapping", None) or {}).items()):
+            if not valid_object_path(path):
+                return f"{key} {path!r} is not 'module:function' (one attribute, no dotted path); it was not imported"
+            if not self.env_classes.allows(path):
+                return (f"{key} {path!r} is not on this worker's allow-list (INTERACTOR_ENV_CLASSES: "
+                        f"{self.env_classes}); it was not imported")
+        return ""
+
+    def _agent_refused(self, agent: str, command: list | None) -> str:
+        if agent:
+            if not valid_object_path(agent):
+                return f"agent {agent!r} is not 'module:function' (one attribute, no dotted path); it was not imported"
+            if not self.agents.allows(agent):
+                return (f"agent {agent!r} is not on this worker's allow-list (INTERACTOR_AGENTS: {self.agents}); "
+                        "it was not imported")
+            return ""
+        if not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command):
+            return f"agent_command {command!r} is not a non-empty list of strings; nothing was run"
+        if not self.agent_commands.allows(command):
+            return (f"agent_command {' '.join(command)[:200]!r} is not on this worker's allow-list "
+                    f"(INTERACTOR_AGENT_COMMANDS: {self.agent_commands}); nothing was run")
         return ""
 
     def api_key_for(self, job: JobSpec) -> str:

@@ -60,6 +60,7 @@ class Completion:
     prompt_tokens: int | None = None  # usage.prompt_tokens, when the server reports usage
     completion_tokens: int | None = None  # usage.completion_tokens, likewise
     tokens: TokenAnswer | None = None  # what the server sampled, when the job asked (workers/token_answers.py)
+    tool_calls: list | None = None  # choices[0].message.tool_calls, when the answer calls tools (a list of objects)
 
 
 class ModelClient(PooledClient):
@@ -288,6 +289,9 @@ def _parse(reply: Reply, what: str, tries: int, tokens: str = "") -> Completion:
         finish = "stop"
     elif not isinstance(finish, str):
         raise bad(f"choices[0].finish_reason is a {type(finish).__name__}, not a string")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and (not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls)):
+        raise bad("choices[0].message.tool_calls is not a list of objects")
     metadata = obj.get("metadata")
     weight_version = _version_text(metadata.get("weight_version")) if isinstance(metadata, dict) else None
     usage = obj.get("usage")
@@ -304,6 +308,7 @@ def _parse(reply: Reply, what: str, tries: int, tokens: str = "") -> Completion:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         tokens=read_tokens(tokens, obj, content) if tokens else None,
+        tool_calls=tool_calls or None,
     )
 
 

@@ -405,6 +405,19 @@ def _env_state(wv: Any) -> str | None:
     return text
 
 
+def _call_state(wv: Any, s: StepRecord) -> str:
+    """``env_state`` of an agent's call (workers/agent_episode.py): the weight version as for any
+    step, with the tools the request offered and the tool calls the answer made
+    (docs/protocol.md#agent-episodes): an agent episode has no env state of its own, and the
+    original's readers read this column as a JSON object."""
+    state: dict[str, Any] = {} if wv is None else {"weight_version": wv}
+    if s.tools is not None:
+        state["tools"] = s.tools
+    if s.tool_calls is not None:
+        state["tool_calls"] = s.tool_calls
+    return orjson.dumps(state, default=str).decode()
+
+
 def _nul_free(v: Any) -> Any:
     """``v`` with every NUL character replaced by U+FFFD (the replacement character), on both
     backends: PostgreSQL's text type cannot hold NUL (the row would be refused and the record
@@ -434,7 +447,8 @@ def _step_row(s: StepRecord) -> tuple:
     return _clean((
         s.env_id, s.step_id, s.env_name, s.llm_model, s.group_id, s.job_id,
         mj.decode() if isinstance(mj, (bytes, bytearray)) else mj, s.response,
-        float(s.step_reward or 0.0), float(s.cumulative_reward or 0.0), _env_state(wv),
+        float(s.step_reward or 0.0), float(s.cumulative_reward or 0.0),
+        _env_state(wv) if s.tool_calls is None and s.tools is None else _call_state(wv, s),
         bool(s.terminated), bool(s.truncated), bool(s.episode_finished), bool(s.is_trainable), s.created_at,
         s.attempt, s.attempt_id or f"n{s.attempt}", None if wv is None else str(wv), s.finish_reason,
         s.ended_by or None, s.env_latency_s, s.model_latency_s, s.prompt_tokens, s.completion_tokens,

@@ -1,0 +1,271 @@
+"""Agent episodes: an agent that owns its loop runs against the model gateway (workers/gateway.py)
+and each of its model calls is recorded as a step (docs/protocol.md#agent-episodes).
+
+A task entry says which agent, in one of two ways (allowed by the worker's lists,
+workers/allowlist.py):
+
+* ``agent: module:function``: the worker calls ``function(task=ROW, base_url=URL, api_key=KEY,
+  model=NAME)`` on a thread of its own; ``base_url`` ends in ``/v1`` and points at this
+  episode's session on the worker's loopback gateway, ``api_key`` is the session's key (never
+  the model's). It returns the reward: a number, or ``{"reward": number, "info": {...}}``.
+* ``agent_command: [argv...]``: the worker runs the process with ``OPENAI_BASE_URL``,
+  ``OPENAI_API_KEY`` (the session's key) and ``INTERACTOR_MODEL`` set, the worker's own
+  secrets (``INTERACTOR_*``, ``REDIS_URL``, ``*_API_KEY``, passwords, tokens) removed from its
+  environment, the task row as JSON on its stdin; its last stdout line ``{"reward": ...}`` is
+  the reward.
+
+``ROW`` is the entry's dataset row (``env_params["dataset"]``) when it has a dataset, else its
+``env_params``. The reward lands on the episode's last step: the recorder holds each call's
+record back until the next one is answered, and the last is published with the reward once
+the agent has returned (an episode whose agent made no call has nothing to hold the reward
+and fails as ``agent_error``).
+
+An agent that raises, exits non-zero, answers no reward, or runs past ``--agent-timeout`` fails
+its attempt (``agent_error`` / ``agent_timeout``, transient: the next attempt runs the agent
+again) with the reason and its last words (the exception, or its stderr's tail). Its session
+ends first, so whatever it still sends is refused (410); the calls it made stay its attempt's
+and never mix into another attempt's trajectory. A model call the gateway could not answer
+(the model down past its retries and outage waits) ends the attempt with that call's reason,
+whatever the agent made of its error. Agents cannot resume: an attempt that is cut off (worker
+killed, lease lost) is followed by a fresh one, which runs the agent from the start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import orjson
+
+from broker import errors
+from broker.records import EpisodeSpec, JobSpec, StepRecord
+from broker.states import EndedBy
+from envs.base import import_object
+from workers.gateway import AgentSession, Gateway
+from workers.loop import LoopConfig
+from workers.token_answers import step_token_fields
+
+log = logging.getLogger("interactor.agent")
+
+_WAIT_SLICE_S = 0.05
+_LAST_WORDS = 1500  # characters of an agent's last words kept in the attempt's error
+# Environment variables of the worker an agent process never inherits: the worker's settings
+# (the model's key, Redis' password among them) and anything that looks like a secret.
+_SECRET_ENV = re.compile(r"^(INTERACTOR_|REDIS_URL$|OPENAI_)|(API_KEY|PASSWORD|PASSWD|SECRET|TOKEN)", re.I)
+
+
+@dataclass
+class AgentOutcome:
+    reward: float
+    info: dict | None
+    steps: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def is_agent(spec: EpisodeSpec) -> bool:
+    return bool(getattr(spec, "agent", "") or getattr(spec, "agent_command", None))
+
+
+def task_row(spec: EpisodeSpec) -> Any:
+    """What the agent is given as its task: the dataset row, else the entry's params."""
+    params = spec.env_params or {}
+    row = params.get("dataset")
+    if isinstance(row, dict) and row:
+        return row
+    return {k: v for k, v in params.items() if k != "dataset"}
+
+
+class CallRecorder:
+    """The step records of one attempt's agent calls, numbered in the order they were answered;
+    each is published when the next is answered, the last with the reward (:meth:`finish`)."""
+
+    def __init__(self, cfg: LoopConfig, publish: Callable[[StepRecord], None]):
+        self.cfg, self.publish = cfg, publish
+        self.steps = 0
+        self.prompt_tokens = self.completion_tokens = 0
+        self._held: StepRecord | None = None
+        self._prev_tokens: list[int] | None = None
+
+    def record(self, messages: list, request: dict, completion: Any, seconds: float) -> int:
+        """One answered call (the gateway calls it under the session's lock)."""
+        cfg = self.cfg
+        self.steps += 1
+        step_id = self.steps
+        tokens, self._prev_tokens = step_token_fields(cfg.job_id, cfg.episode_id, step_id,
+                                                      getattr(completion, "tokens", None), self._prev_tokens)
+        self.prompt_tokens += completion.prompt_tokens or 0
+        self.completion_tokens += completion.completion_tokens or 0
+        record = StepRecord(
+            job_id=cfg.job_id, env_id=cfg.episode_id, attempt=cfg.attempt, step_id=step_id, env_name=cfg.env_name,
+            llm_model=cfg.llm_model, group_id=cfg.group_id, messages_json=orjson.dumps(messages),
+            response=completion.content or "", step_reward=0.0, cumulative_reward=0.0, terminated=False,
+            truncated=False, episode_finished=False, is_trainable=True, weight_version=completion.weight_version,
+            finish_reason=completion.finish_reason or "stop", model_latency_s=seconds, attempt_id=cfg.attempt_id,
+            prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
+            policy_version=getattr(completion, "policy_version", None),
+            tool_calls=completion.tool_calls, tools=request.get("tools") or None, **tokens)
+        held, self._held = self._held, record
+        if held is not None:
+            self.publish(held)
+        return step_id
+
+    def finish(self, reward: float) -> None:
+        """The episode's end: its last call's record, with the reward, published."""
+        last, self._held = self._held, None
+        if last is None:
+            raise errors.EpisodeError(errors.AGENT_ERROR, "the agent returned without calling the model: an "
+                                                          "agent episode needs at least one call to record")
+        last.step_reward = last.cumulative_reward = reward
+        last.terminated = last.episode_finished = True
+        last.ended_by = EndedBy.TERMINATED
+        self.publish(last)
+
+
+def run_agent_episode(gateway: Gateway, *, job: JobSpec, spec: EpisodeSpec, cfg: LoopConfig, policy: Any,
+                      publish: Callable[[StepRecord], None], check: Callable[[], None],
+                      redact: Callable[[str], str], timeout_s: float) -> AgentOutcome:
+    """Run the episode's agent against a session of ``gateway`` and record its calls."""
+    recorder = CallRecorder(cfg, publish)
+    session = gateway.table.open(AgentSession(spec.episode_id, job.model, policy, recorder.record, check, redact))
+    base_url = gateway.session_url(session)
+    try:
+        if getattr(spec, "agent", ""):
+            result = _run_function(spec.agent, task_row(spec), base_url, session, job.model, check, timeout_s)
+        else:
+            result = _run_command(list(spec.agent_command), task_row(spec), base_url, session, job.model, check,
+                                  timeout_s)
+    finally:
+        gateway.table.end(session)
+    if session.error is not None:
+        raise session.error  # a model call failed for good: the attempt ends for the model's reason
+    reward, info = _reward(result)
+    recorder.finish(reward)
+    return AgentOutcome(reward, info, recorder.steps, recorder.prompt_tokens, recorder.completion_tokens)
+
+
+def _run_function(path: str, row: Any, base_url: str, session: AgentSession, model: str,
+                  check: Callable[[], None], timeout_s: float) -> Any:
+    try:
+        fn = import_object(path)
+    except Exception as exc:  # noqa: BLE001 - an agent that does not import is the task's error
+        raise errors.EpisodeError(errors.BAD_TASK, f"agent {path!r} could not be imported: "
+                                                   f"{type(exc).__name__}: {exc}", transient=False) from None
+    if not callable(fn):
+        raise errors.EpisodeError(errors.BAD_TASK, f"agent {path!r} is not callable", transient=False)
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome["result"] = fn(task=row, base_url=base_url, api_key=session.key, model=model)
+        except BaseException as exc:  # noqa: BLE001 - whatever the agent raises is its failure
+            outcome["error"] = exc
+            outcome["words"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4))
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name=f"agent:{session.session_id}", daemon=True).start()
+    _wait(done.is_set, check, timeout_s, path, lambda: "")
+    if "error" in outcome:
+        exc = outcome["error"]
+        raise errors.EpisodeError(errors.AGENT_ERROR, f"agent {path} raised {type(exc).__name__}: "
+                                                      f"{session.redact(str(exc))[:300]}; last words: "
+                                                      f"{_tail(session.redact(outcome['words']))}")
+    return outcome.get("result")
+
+
+def _run_command(argv: list[str], row: Any, base_url: str, session: AgentSession, model: str,
+                 check: Callable[[], None], timeout_s: float) -> Any:
+    env = {k: v for k, v in os.environ.items() if not _SECRET_ENV.search(k)}
+    env.update(OPENAI_BASE_URL=base_url, OPENAI_API_KEY=session.key, INTERACTOR_MODEL=model)
+    shown = " ".join(argv)[:200]
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, start_new_session=True)
+    except OSError as exc:
+        raise errors.EpisodeError(errors.BAD_TASK, f"agent command {shown!r} could not be started: {exc}",
+                                  transient=False) from None
+    out: dict[str, bytes] = {}
+
+    def talk() -> None:
+        try:
+            out["stdout"], out["stderr"] = proc.communicate(orjson.dumps(row) + b"\n")
+        except Exception as exc:  # noqa: BLE001 - a broken pipe: the process exits, its code says more
+            out.setdefault("stderr", f"{type(exc).__name__}: {exc}".encode())
+
+    talker = threading.Thread(target=talk, name=f"agent-cmd:{session.session_id}", daemon=True)
+    talker.start()
+    try:
+        _wait(lambda: not talker.is_alive(), check, timeout_s, shown,
+              lambda: "")
+    except BaseException:
+        _kill(proc)
+        raise
+    words = session.redact((out.get("stderr") or b"").decode("utf-8", "replace"))
+    if proc.returncode != 0:
+        raise errors.EpisodeError(errors.AGENT_ERROR, f"agent command {shown!r} exited with {proc.returncode}; "
+                                                      f"last words: {_tail(words) or '(nothing on stderr)'}")
+    lines = [line for line in (out.get("stdout") or b"").decode("utf-8", "replace").splitlines() if line.strip()]
+    if not lines:
+        raise errors.EpisodeError(errors.AGENT_ERROR, f"agent command {shown!r} printed no reward line "
+                                                      f"({{\"reward\": ...}} as its last line of stdout); last "
+                                                      f"words: {_tail(words) or '(nothing on stderr)'}")
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        raise errors.EpisodeError(errors.AGENT_ERROR, f"agent command {shown!r}: its last stdout line is not "
+                                                      f"JSON: {lines[-1][:200]!r}") from None
+
+
+def _wait(finished: Callable[[], bool], check: Callable[[], None], timeout_s: float, what: str,
+          words: Callable[[], str]) -> None:
+    """Until ``finished()``; the attempt's ``check`` is asked between slices (lease, budget,
+    cancel, shutdown), and past ``timeout_s`` the agent is given up on."""
+    t0 = time.monotonic()
+    while not finished():
+        check()
+        if timeout_s > 0 and time.monotonic() - t0 > timeout_s:
+            raise errors.EpisodeError(errors.AGENT_TIMEOUT, f"agent {what} ran past --agent-timeout "
+                                                            f"({timeout_s:g}s){words()}")
+        time.sleep(_WAIT_SLICE_S)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _reward(result: Any) -> tuple[float, dict | None]:
+    """The agent's reward and info, from a number or ``{"reward": number, "info": {...}}``."""
+    value, info = result, None
+    if isinstance(result, dict):
+        value, info = result.get("reward"), result.get("info")
+        if info is not None and not isinstance(info, dict):
+            raise errors.EpisodeError(errors.AGENT_ERROR, f"the agent's info is a {type(info).__name__}, not a mapping")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        shown = repr(result)[:200]
+        raise errors.EpisodeError(errors.AGENT_ERROR, f"the agent returned {shown}, not a reward (a finite number, "
+                                                      "or {\"reward\": number, \"info\": {...}})")
+    return float(value), info
+
+
+def _tail(text: str) -> str:
+    text = text.strip()
+    return ("..." + text[-_LAST_WORDS:]) if len(text) > _LAST_WORDS else text
