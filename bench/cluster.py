@@ -2,22 +2,25 @@
 (and a replica when the run asks for one), the two stand-ins (bench/standins.py) in their own
 processes (their own, or ones a comparison shares between runs: ``Standins``), ``interactor
 worker`` processes and the consumer (bench/consumer.py: ``interactor consumer`` plus a latency
-observer)."""
+observer); and the load they are started for (:class:`LoadSpec`)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import redis
 
 from bench.measures import procs
+from broker.caps import MAX_CONCURRENCY, Limits
 from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
 from broker.redisconn import client_for
@@ -25,10 +28,48 @@ from broker.settings import Settings
 from interactor.children import role_command, spawn
 from interactor.children import stop as stop_process
 
-if TYPE_CHECKING:
-    from bench.load_runs import LoadSpec
-
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class LoadSpec:
+    concurrency: int
+    pool: str = "gevent"
+    workers: int = 4  # worker processes; concurrency is split between them
+    model_latency_ms: float = 1000.0
+    env_latency_ms: float = 20.0
+    steps: int = 20  # steps per episode
+    window_s: float = 20.0
+    warmup_s: float = 3.0
+    episodes_factor: float = 0.0  # episodes submitted = factor * concurrency; 0: enough for the window
+    label: str = ""
+    # Fleet-wide caps on the model endpoint and the env server at caps_factor * concurrency
+    # (the task file's ``limits:``, README "Fleet-wide limits"); 0: none. Above 1 they never
+    # bind, so a run measures only what holding them costs (the "caps" part of bench/run.py).
+    caps_factor: float = 0.0
+    # A new attempt may continue its predecessor's env instance (broker/resume.py): on by
+    # default, as for a job; off, the workers keep no progress snapshots (the "resume" part).
+    resume: bool = True
+    # A replica beside the primary (its CPU counted as Redis's), and whether the commit points
+    # wait for it (broker/replicas.py: the "waits" part measures the same load off and on).
+    replica: bool = False
+    redis_wait: str = "off"
+
+    def limits(self, env_url: str) -> dict[str, Any]:
+        """The task file's ``limits:`` of this load (empty without caps)."""
+        if self.caps_factor <= 0:
+            return {}
+        n = max(1, math.ceil(self.caps_factor * self.concurrency))
+        return Limits(model=n, env_servers={env_url: {MAX_CONCURRENCY: n}}).to_dict()
+
+    @property
+    def step_latency_s(self) -> float:
+        env = self.env_latency_ms / 1000
+        return self.model_latency_ms / 1000 + 2 * env + 2 * env / self.steps
+
+    @property
+    def ideal_rate(self) -> float:
+        return self.concurrency / self.step_latency_s
 
 
 def start_listening(cmd: list[str], env: dict, log_path: Path, cwd: str) -> tuple[subprocess.Popen, str]:

@@ -20,7 +20,8 @@ import redis
 
 from bench.benchlog import log
 from bench.cluster import Cluster, child_env
-from bench.load_runs import LoadSpec, write_countdown_tasks
+from bench.cluster import LoadSpec
+from bench.load_runs import write_countdown_tasks
 from bench.measures import percentiles
 from broker.keys import Keys
 from broker.ledger import Ledger

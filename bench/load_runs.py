@@ -19,7 +19,6 @@ model, step; reset and close are two more env calls per episode, spread over its
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 import time
 import uuid
@@ -32,55 +31,13 @@ import psutil
 import redis
 
 from bench.benchlog import log
-from bench.cluster import Cluster, Standins
+from bench.cluster import Cluster, LoadSpec, Standins
 from bench.measures import command_calls, cpu_delta, cpu_snapshot, http_json, percentiles, pss_mb
-from broker.caps import MAX_CONCURRENCY, Limits
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.redisconn import client_for
 from broker.settings import Settings
 from broker.states import LedgerState
-
-
-@dataclass
-class LoadSpec:
-    concurrency: int
-    pool: str = "gevent"
-    workers: int = 4  # worker processes; concurrency is split between them
-    model_latency_ms: float = 1000.0
-    env_latency_ms: float = 20.0
-    steps: int = 20  # steps per episode
-    window_s: float = 20.0
-    warmup_s: float = 3.0
-    episodes_factor: float = 0.0  # episodes submitted = factor * concurrency; 0: enough for the window
-    label: str = ""
-    # Fleet-wide caps on the model endpoint and the env server at caps_factor * concurrency
-    # (the task file's ``limits:``, README "Fleet-wide limits"); 0: none. Above 1 they never
-    # bind, so a run measures only what holding them costs (the "caps" part of bench/run.py).
-    caps_factor: float = 0.0
-    # A new attempt may continue its predecessor's env instance (broker/resume.py): on by
-    # default, as for a job; off, the workers keep no progress snapshots (the "resume" part).
-    resume: bool = True
-    # A replica beside the primary (its CPU counted as Redis's), and whether the commit points
-    # wait for it (broker/replicas.py: the "waits" part measures the same load off and on).
-    replica: bool = False
-    redis_wait: str = "off"
-
-    def limits(self, env_url: str) -> dict[str, Any]:
-        """The task file's ``limits:`` of this load (empty without caps)."""
-        if self.caps_factor <= 0:
-            return {}
-        n = max(1, math.ceil(self.caps_factor * self.concurrency))
-        return Limits(model=n, env_servers={env_url: {MAX_CONCURRENCY: n}}).to_dict()
-
-    @property
-    def step_latency_s(self) -> float:
-        env = self.env_latency_ms / 1000
-        return self.model_latency_ms / 1000 + 2 * env + 2 * env / self.steps
-
-    @property
-    def ideal_rate(self) -> float:
-        return self.concurrency / self.step_latency_s
 
 
 @dataclass

@@ -9,6 +9,7 @@ import os
 import platform
 import socket
 import subprocess
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,14 @@ def machine() -> dict:
 
     info["celery"] = celery.__version__
     return info
+
+
+def to_json(obj) -> Any:
+    """A result as results.json holds it: its fields and the figures its properties compute."""
+    if hasattr(obj, "__dataclass_fields__"):
+        d = asdict(obj)
+        for name in ("orch_cpu_ms_per_step", "mem_mb_per_episode", "mem_total_mb_per_episode"):
+            if hasattr(obj, name):
+                d[name] = getattr(obj, name)
+        return d
+    return obj

@@ -23,9 +23,9 @@ from typing import Any
 import psutil
 
 from bench.benchlog import log
-from bench.cluster import ROOT, Standins, child_env
-from bench.load_runs import LoadSpec, run_load, write_countdown_tasks
-from bench.measures import cpu_delta, cpu_snapshot, http_json, procs
+from bench.cluster import ROOT, LoadSpec, Standins, child_env
+from bench.load_runs import run_load, write_countdown_tasks
+from bench.measures import cpu_delta, cpu_snapshot, http_json, procs, to_json
 from broker.settings import Settings
 from interactor.children import spawn
 from interactor.children import stop as stop_process
@@ -76,7 +76,6 @@ def run_comparison(cfg, work: Path, base: Settings) -> dict:
 
 
 def _to_json(r) -> dict:
-    from bench.run import to_json
 
     return to_json(r)
 

@@ -8,9 +8,8 @@ import json
 import os
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from bench import benchmarks_page
 from bench.benchmarks_plot import plot
@@ -20,8 +19,9 @@ from bench.enqueue_run import run_enqueue
 from bench.feature_costs import caps_cost, resume_cost, run_commit_waits, waits_cost
 from bench.feed_run import run_feed
 from bench.ingest_run import run_fleet_ingest
-from bench.load_runs import LoadSpec, run_load
-from bench.measures import machine
+from bench.cluster import LoadSpec
+from bench.load_runs import run_load
+from bench.measures import machine, to_json
 from bench.original_driver import run_comparison
 from bench.token_storage import run_token_storage
 from broker.settings import Settings
@@ -96,17 +96,6 @@ class BenchConfig:
                         model_latency_ms=self.model_latency_ms, env_latency_ms=self.env_latency_ms,
                         steps=steps or self.steps, window_s=self.window_s, warmup_s=self.warmup_s,
                         caps_factor=caps_factor)
-
-
-def to_json(obj) -> Any:
-    """A result as results.json holds it: its fields and the figures its properties compute."""
-    if hasattr(obj, "__dataclass_fields__"):
-        d = asdict(obj)
-        for name in ("orch_cpu_ms_per_step", "mem_mb_per_episode", "mem_total_mb_per_episode"):
-            if hasattr(obj, name):
-                d[name] = getattr(obj, name)
-        return d
-    return obj
 
 
 def _commit() -> str:

@@ -321,7 +321,7 @@ class Ledger:
             try:
                 spec = unpack(raw_spec)
             except RecordError:
-                spec = None  # the runner dead-letters the episode as bad_task
+                spec = None  # the attempt dead-letters the episode as bad_task
         if len(out) > 4 and out[4]:
             earlier = tuple(_parse_attempt_value(v) for v in out[4].split(b",") if v)
         progress = _progress(out[5]) if len(out) > 5 and out[5] else None

@@ -50,7 +50,7 @@ COUNTERS = {
 HISTOGRAMS = {
     "step_latency_seconds": (("part", "env_name"), LATENCY_BUCKETS),
     "episode_duration_seconds": (("env_name", "status"), DURATION_BUCKETS),
-    # per attempt, where its time went (records v5: broker/records.py PHASES)
+    # per attempt, where its time went (records v5: broker/states.py ``Phase``)
     "phase_seconds": (("phase", "env_name"), LATENCY_BUCKETS + (600.0, 1800.0, 3600.0)),
 }
 _STEPS_FIELD = "n|steps"  # all steps, the value the rate samples follow

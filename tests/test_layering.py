@@ -121,3 +121,100 @@ def test_the_checker_sees_a_class_named_from_above(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text('conf = dict(worker_consumer="workers.celery_consumer:EpisodeConsumer")\n')
     assert loaded_by_name(bad) == {("workers", 1)}
+
+
+def module_imports(root: Path, packages: set[str]) -> dict[str, set[str]]:
+    """Each module of ``packages`` under ``root`` and the modules of them it imports: every
+    import statement, in function bodies and ``if TYPE_CHECKING:`` blocks too (an import for a
+    type annotation is still a dependency a reader must follow). ``from pkg import name`` is an
+    edge to the submodule ``pkg.name`` where there is one, else to ``pkg``."""
+    modules: dict[str, Path] = {}
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(known(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    deps.add(full if full in modules else known(base))
+        graph[name] = deps - {name, ""}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The sets of modules that import one another round a circle (strongly connected
+    components of more than one module, Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for root_node in sorted(graph):
+        if root_node in index:
+            continue
+        work = [(root_node, iter(sorted(graph[root_node])))]
+        index[root_node] = low[root_node] = len(index)
+        stack.append(root_node)
+        on_stack.add(root_node)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in graph:
+                    continue
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    members = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        members.append(member)
+                        if member == node:
+                            break
+                    if len(members) > 1:
+                        circles.append(sorted(members))
+    return circles
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """Within and across packages, bench/ and examples/ included: a circle means one module
+    cannot be read, tested or changed without the others (the worker's attempt, runner and
+    trajectory once were one)."""
+    assert import_circles(module_imports(ROOT, set(ALLOWED))) == []
+
+
+def test_the_circle_check_sees_a_circle_hidden_behind_type_checking(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import B\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.c import C\nB = 1\n")
+    (pkg / "c.py").write_text("def f():\n    from pkg import a\n")
+    (pkg / "d.py").write_text("from pkg import a\n")
+    assert import_circles(module_imports(tmp_path, {"pkg"})) == [["pkg.a", "pkg.b", "pkg.c"]]

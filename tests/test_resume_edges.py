@@ -133,7 +133,7 @@ def test_a_lost_lease_gives_the_instance_slot_back_and_the_next_episode_runs(set
     assert first["status"] == errors.LEASE_LOST
     rt2 = runtimes.new(s, "w2")
     rt2.renewer.hold(started.lease)
-    successor = Attempt(rt2, started.lease, started.spec, rt2._job(job.job_id), started.earlier,
+    successor = Attempt(rt2.parts, started.lease, started.spec, rt2._job(job.job_id), started.earlier,
                         started.progress).run()
     assert successor == "completed"
     assert sum(p.lent for p in rt1.fleet._pools.values()) == 0  # nothing of e1's left lent
@@ -253,7 +253,7 @@ def test_a_hand_back_whose_job_was_cancelled_closes_its_instance(settings, redis
             next(iter(rt.renewer.live())).cancelled.set()
             raise errors.EpisodeError(errors.WORKER_SHUTDOWN, "worker shutting down; episode handed back")
 
-    rt.fault = shutdown_then_cancel
+    rt.parts = dataclasses.replace(rt.parts, fault=shutdown_then_cancel)
     assert rt.run(job.job_id, episode) == "cancelled"
     assert ledger.state(job.job_id, episode) == LedgerState.CANCELLED
     assert env.stats()["live"] == 0
@@ -314,7 +314,7 @@ def test_a_prompted_snapshot_written_before_a_failover_is_not_continued(swept, s
     assert started.outage_since_progress and started.progress.phase == ProgressPhase.PROMPTED
     rt2 = runtimes.new(s, "w2")
     rt2.renewer.hold(started.lease)
-    attempt = Attempt(rt2, started.lease, started.spec, rt2._job(job.job_id), started.earlier, started.progress,
+    attempt = Attempt(rt2.parts, started.lease, started.spec, rt2._job(job.job_id), started.earlier, started.progress,
                       started.outage_since_progress)
     assert attempt.run() == "completed"
     assert attempt.base["resume_note"] == ResumeNote.OUTAGE_SINCE_SNAPSHOT

@@ -313,7 +313,7 @@ def test_an_attempt_ended_by_redis_being_away_is_not_counted(runtime, settings, 
     started = runtime.ledger.start(job.job_id, ep.episode_id, runtime.name)
     lease = started.lease
     err = errors.EpisodeError(errors.BROKER_OUTAGE, "lease not renewed for 900s", transient=True, outage=True)
-    assert Attempt(runtime, lease, ep, job).close_error(err, "") == "retrying"
+    assert Attempt(runtime.parts, lease, ep, job).close_error(err, "") == "retrying"
     assert DeadLetterQueue(redis_client, settings).list(job_id=job.job_id) == []
     assert Ledger(redis_client, Keys(settings.key_prefix)).states(job.job_id)[ep.episode_id] == "retrying"
 
@@ -340,7 +340,7 @@ def test_closing_an_attempt_outlasts_redis_errors(runtime, settings, redis_clien
     monkeypatch.setattr(runtime.ledger, "grant_extra_attempt", flaky("grant", runtime.ledger.grant_extra_attempt))
     monkeypatch.setattr(runtime.ledger, "attempt_limit", flaky("limit", runtime.ledger.attempt_limit))
     err = errors.EpisodeError(errors.BROKER_OUTAGE, "Redis unreachable", transient=True, outage=True)
-    assert Attempt(runtime, lease, ep, job).close_error(err, "") == "retrying"
+    assert Attempt(runtime.parts, lease, ep, job).close_error(err, "") == "retrying"
     assert failures == {"grant": 0, "limit": 0}
     assert DeadLetterQueue(redis_client, settings).list(job_id=job.job_id) == []
     assert Ledger(redis_client, Keys(settings.key_prefix)).states(job.job_id)[ep.episode_id] == "retrying"
@@ -431,6 +431,7 @@ def through(runtime, settings, cutter) -> Ledger:
     for script in vars(runtime.ledger).values():
         if hasattr(script, "sha") and hasattr(script, "script"):
             runtime.ledger.r.script_load(script.script)
+    runtime.parts = dataclasses.replace(runtime.parts, ledger=runtime.ledger)
     return runtime.ledger
 
 

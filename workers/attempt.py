@@ -1,9 +1,10 @@
 """One attempt of one episode, from the lease START handed out to the attempt's close.
 
 :class:`WorkerRuntime` (workers/runner.py) is the process; each delivery it STARTs becomes an
-:class:`Attempt`: the trust checks (workers/allowlist.py), its ports (the env instance and the
-model endpoint, wrapped by the policy layers below), the step loop on its trajectory
-(workers/trajectory.py), and its close.
+:class:`Attempt`, handed the process's parts it uses (workers/attempt_parts.py) and nothing
+else: the trust checks (workers/allowlist.py), its ports (the env instance and the model
+endpoint through the declared chain of policy layers, workers/port_layers.py), the step loop on
+its trajectory (workers/trajectory.py), and its close. A delivery reads top-down in this file.
 
 What an attempt can end as (broker/records.py):
 * completed -> ledger ``done``;
@@ -32,28 +33,23 @@ import logging
 import random
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import redis
 
 from broker import closing, errors, resume
-from broker.caps import Limits, server_name
 from broker.keys import env_instance_id
 from broker.lease import Lease
-from broker.queueing import send_episodes
 from broker.records import AttemptRecord, EpisodeSpec, JobSpec, Progress, StepRecord
 from broker.settings import Settings
 from broker.states import AttemptStatus, CloseAction, LedgerState, ResumeNote
-from workers import limits
+from workers.attempt_parts import AttemptParts
 from workers.budget import Budget
-from workers.fleetcaps import CappedEnv, CappedPolicy
 from workers.hooks import load_hook
-from workers.loop import PhaseTimings
-from workers.ports import BoundEnv, BoundPolicy, Guard, policy_url
+from workers.loop import EpisodeOutcome, PhaseTimings, run_episode
+from workers.port_layers import PortContext, capped_env, env_port, policy_port
+from workers.ports import Guard
 from workers.trajectory import Trajectory
-
-if TYPE_CHECKING:
-    from workers.runner import WorkerRuntime
 
 log = logging.getLogger("interactor.worker")
 
@@ -70,16 +66,10 @@ class Attempt:
     """One attempt: its lease, what the ledger says of its episode (spec, job, the attempt before
     it and that one's progress snapshot), its budget, and the fields of its attempt record."""
 
-    # The model port's layers, innermost first: the job's endpoint with its key, budget, breaker
-    # and fleet-wide pacing; the feed's policy version stamped on each answer
-    # (workers/versions.py); the process's concurrency gate (workers/limits.py). The fleet-wide
-    # caps wrap it last, together with the env port (:meth:`fleet_capped`).
-    POLICY_LAYERS: tuple[str, ...] = ("_bound_policy", "_versioned", "_gated")
-
-    def __init__(self, rt: "WorkerRuntime", lease: Lease, spec: EpisodeSpec | None, job: JobSpec | None,
+    def __init__(self, parts: AttemptParts, lease: Lease, spec: EpisodeSpec | None, job: JobSpec | None,
                  earlier: tuple[tuple[int, str], ...] = (), progress: Progress | None = None,
                  outage_since_progress: bool = False):
-        self.rt, self.lease, self.spec, self.job = rt, lease, spec, job
+        self.parts, self.lease, self.spec, self.job = parts, lease, spec, job
         #: the attempts before this one whose env instance may still be open (StartResult.earlier)
         self.earlier, self.progress = tuple(earlier), progress
         self.outage_since_progress = outage_since_progress  # StartResult.outage_since_progress
@@ -88,20 +78,21 @@ class Attempt:
         self.base = dict(job_id=lease.job_id, episode_id=lease.episode_id, attempt=lease.attempt,
                          group_id=spec.group_id if spec else "", group_size=spec.group_size if spec else 0,
                          env_name=spec.env_name if spec else "", llm_model=job.model if job else "",
-                         started_at=self.t_start, worker=rt.name, attempt_id=lease.attempt_id)
+                         started_at=self.t_start, worker=parts.worker, attempt_id=lease.attempt_id)
         self.budget = Budget(job.episode_budget_s if job else 0.0)
-        self.guard = Guard(self.budget, self.check, rt.settings.outage_budget_s)
+        self.guard = Guard(self.budget, self.check, parts.settings.outage_budget_s)
+        self.ports = PortContext(parts, job, spec, self.budget, self.guard, self.check) if job and spec else None
 
     # --- running it ------------------------------------------------------------------
     def run(self) -> str:
-        rt, lease, spec, job = self.rt, self.lease, self.spec, self.job
+        parts, lease, spec, job = self.parts, self.lease, self.spec, self.job
         if job is None or spec is None:
             err = errors.EpisodeError(errors.BAD_TASK, "job or episode spec missing from the ledger")
             return self.close_failed(err, "")
-        refused = rt.trust.refused(job, spec)
+        refused = parts.trust.refused(job, spec)
         if refused:
             err = errors.EpisodeError(errors.BAD_TASK, refused, transient=False)
-            rt.pause_watch.failed(job, lease.episode_id, err.reason, refused)
+            parts.pause_watch.failed(job, lease.episode_id, err.reason, refused)
             self.orphan_earlier()  # this worker calls none of the job's servers; an orphan closer checks its own lists
             return self.close_failed(err, "")
 
@@ -112,26 +103,27 @@ class Attempt:
         resumable = job.resume and spec.transport != "inproc"
         start = resume.decide(progress, had_predecessor=bool(self.earlier), enabled=job.resume,
                               inproc=spec.transport == "inproc", outage_since=self.outage_since_progress)
-        run = Trajectory(self, start.resume if resumable else None, resumable, supersedes=progress is not None)
+        run = Trajectory(lease, start.resume if resumable else None, resumable, self.mark,
+                         supersedes=progress is not None)
         base.update(trajectory=run.recorded_under, resumed_at=run.resumed_at, resume_note=start.note)
         try:
             hook = load_hook(job.episode_hook)
-            rt.jitter.wait(self.check)  # spreads the first wave so it does not hit the model at once
+            parts.jitter.wait(self.check)  # spreads the first wave so it does not hit the model at once
             if start.resume is None:
                 # a fresh instance: those before it are closed first (a second close is a no-op)
                 self.close_earlier()
-            policy = self.policy()
+            policy = policy_port(self.ports)
             try:
-                outcome = run.episode(policy, hook, timings)
+                outcome = self._drive(run, policy, hook, timings)
             except errors.EpisodeError as exc:
                 if not run.instance_gone(exc):
                     raise
                 # The env server no longer has the instance (it restarted): start afresh, in this attempt.
                 log.warning("episode %s attempt %d: the instance it would continue is gone (%s); starting afresh",
                             lease.episode_id, lease.attempt, exc)
-                run = Trajectory(self, None, resumable, supersedes=True)
+                run = Trajectory(lease, None, resumable, self.mark, supersedes=True)
                 base.update(trajectory="", resumed_at=0, resume_note=ResumeNote.INSTANCE_GONE)
-                outcome = run.episode(policy, hook, timings)
+                outcome = self._drive(run, policy, hook, timings)
         except errors.EpisodeError as exc:
             base.update(timings.record_fields())
             return self.close_error(exc, "", outage_seen=self.guard.outage_seen, run=run)
@@ -154,82 +146,72 @@ class Attempt:
         if not self.finish(record, LedgerState.DONE):
             log.warning("episode %s attempt %d: lease lost before completion was recorded", spec.episode_id, lease.attempt)
             return errors.LEASE_LOST
-        rt.pause_watch.succeeded(job)
+        parts.pause_watch.succeeded(job)
         log.info("episode %s attempt %d completed: reward=%.3f steps=%d", spec.episode_id, lease.attempt,
                  outcome.total_reward, outcome.steps)
         return AttemptStatus.COMPLETED
 
-    # --- its ports -------------------------------------------------------------------
-    def policy(self):
-        """The model port, its layers applied in the order :attr:`POLICY_LAYERS` declares."""
-        policy = None
-        for layer in self.POLICY_LAYERS:
-            policy = getattr(self, layer)(policy)
-        return policy
+    # --- its trajectory ----------------------------------------------------------------
+    def _drive(self, run: Trajectory, policy: Any, hook, timings: PhaseTimings) -> EpisodeOutcome:
+        """The step loop (workers/loop.py) on ``run``'s instance, under the job's fleet-wide caps."""
+        env = capped_env(self.ports, env_port(self.ports, run.key))
+        run.driven_by(env)
 
-    def _bound_policy(self, _inner: None):
-        rt, job = self.rt, self.job
-        return BoundPolicy(rt.model, job, policy_url(job, self.spec.episode_id), rt.trust.api_key_for(job),
-                           self.budget, self.guard, rt.breakers.for_model(job.llm_base_url), pacer=self._pacer())
+        def publish(record: StepRecord, progress: Progress | None = None) -> None:
+            run.published += 1
+            self.publish(record, progress)
 
-    def _versioned(self, policy):
-        return self.rt.versions.wrap(policy, self.job.job_id)
+        def keeps_instance(error: BaseException | None) -> bool:
+            # the loop's question at its end; the answer is what the attempt's close goes by
+            run.instance_kept = self._keeps_instance(run, error)
+            return run.instance_kept
 
-    def _gated(self, policy):
-        return limits.LimitedPolicy(policy, self.rt.model_gate, lambda: self.budget.deadline, self.check)
+        return run_episode(run.loop_config(self.job, self.spec), env=env, policy=policy, publish=publish, hook=hook,
+                           check=self.check, timings=timings, track=run.track, keeps_instance=keeps_instance,
+                           fault=self.parts.fault)
 
-    def _pacer(self):
-        """The job's model endpoint paced by its fleet-wide rate limits; None when it sets none."""
-        job = self.job
-        if not job.limits:
-            return None
-        caps = Limits.from_dict(job.limits)
-        if not (caps.model_rpm or caps.model_tpm):
-            return None
-        return self.rt.pacing.pacer(server_name(job.llm_base_url), caps.model_rpm, caps.model_tpm, self.check,
-                                    self.budget)
+    def _keeps_instance(self, run: Trajectory, error: BaseException | None) -> bool:
+        """The env instance outlives this attempt when the episode goes on elsewhere from where
+        it stands: the worker hands the episode back (with a snapshot naming it), or the lease
+        passed to another attempt while the ledger's snapshot names this trajectory (that
+        attempt continues it, or closes it as its predecessor's). Whoever ends the episode closes
+        it, once; one nobody would know of (a snapshot Redis lost, or none written yet) is
+        closed here, and so is every instance of a job that caps live instances (the slot that
+        counts it goes with this attempt; a successor continuing such an instance would find it
+        gone and start afresh)."""
+        decided = run.handed_on_when(error)
+        if decided is not None:
+            return decided
+        lease = self.lease
+        try:
+            kept = self.parts.ledger.progress(lease.job_id, lease.episode_id)
+        except redis.RedisError:
+            return False  # closing one a successor continues costs it the instance (instance_gone), no more
+        return kept is not None and kept.trajectory == run.track.trajectory
 
-    def fleet_capped(self, policy, env):
-        """The ports with the job's fleet-wide caps (workers/fleetcaps.py); as they are when it
-        has none (no round trip then)."""
-        job, spec, rt = self.job, self.spec, self.rt
-        if not job.limits:
-            return policy, env
-        caps = Limits.from_dict(job.limits)
-        model_caps = caps.model_caps(rt.keys, job.llm_base_url)
-        if model_caps:
-            policy = CappedPolicy(policy, rt.fleet, model_caps, self.check, self.budget)
-        if spec.transport != "inproc":
-            call_caps = caps.env_call_caps(rt.keys, spec.base_url, spec.env_name)
-            instance_caps = caps.env_instance_caps(rt.keys, spec.base_url)
-            if call_caps or instance_caps:
-                env = CappedEnv(env, rt.fleet, call_caps, instance_caps, self.check, self.budget)
-        return policy, env
-
-    def env_port(self, instance: tuple[int, str]):
-        """The env of a trajectory: ``instance`` is (number, attempt_id) of the attempt that reset it."""
-        spec, rt = self.spec, self.rt
-        if spec.transport == "inproc":
-            from workers.inproc import InprocEnv  # the env class runs inside this worker process
-
-            return InprocEnv(spec, self.budget, rt.settings, on_wedged=rt.unhealthy)
-        return BoundEnv(rt.env, spec, env_instance_id(spec.episode_id, *instance), self.budget,
-                        self.guard, rt.breakers.for_env(spec.base_url))
+    def _close_instance(self, run: Trajectory) -> None:
+        """Close the instance the loop kept (or, before the loop ran, the predecessor's it was
+        to continue): this attempt ends the trajectory after all."""
+        env = run.env if run.env is not None else env_port(self.ports, run.key)
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - best effort, as every close
+            log.exception("episode %s: closing the env failed (ignored)", self.lease.episode_id)
 
     def close_earlier(self) -> None:
         """Close every instance an earlier trajectory may have left open: the one the progress
         snapshot names (its worker died, or handed it on, without closing it) and those of the
         attempts START listed, which may have reset one and died before any snapshot named it.
         Closing an instance that is gone, or was never made, is a no-op on the env server."""
-        spec = self.spec
-        if spec.transport == "inproc":
+        if self.spec.transport == "inproc":
             return
         keys = list(self.earlier)
         if self.progress is not None:
             keys.append(self.progress.trajectory_key)
         for number, attempt_id in dict.fromkeys(keys):
             if number > 0:
-                self.rt.env.close(spec.base_url, spec.env_name, env_instance_id(spec.episode_id, number, attempt_id))
+                self.parts.env.close(self.spec.base_url, self.spec.env_name,
+                                     env_instance_id(self.spec.episode_id, number, attempt_id))
 
     def orphan_earlier(self) -> None:
         """The instances :meth:`close_earlier` would close, queued for the orphan closers
@@ -238,8 +220,7 @@ class Attempt:
         keys = list(self.earlier) + ([self.progress.trajectory_key] if self.progress is not None else [])
         entries = closing.orphans(self.spec, keys)
         if entries:
-            self._through_outage("queueing earlier instances to close",
-                                 lambda: self.rt.redis.rpush(self.rt.keys.orphans, *entries))
+            self._through_outage("queueing earlier instances to close", lambda: self.parts.queue_orphans(entries))
 
     # --- its lease -------------------------------------------------------------------
     def check(self) -> None:
@@ -252,14 +233,14 @@ class Attempt:
             self._await_renewal()
         if budget.left() <= 0:
             raise errors.EpisodeError(errors.EPISODE_TIMEOUT, "the attempt's wall-clock budget ran out")
-        if self.rt.shutdown_at is not None and time.monotonic() >= self.rt.shutdown_at:
+        if self.parts.shutting_down():
             raise errors.EpisodeError(errors.WORKER_SHUTDOWN, "worker shutting down; episode handed back")
 
     def _await_renewal(self) -> None:
         """The lease may have lapsed by this process's clock: call nothing until a renewal says
         whether it is still ours. The wait pauses the attempt's budget (a Redis outage is not the
         episode's doing); past ``outage_budget_s`` the attempt ends as ``broker_outage``."""
-        lease, budget, renewer = self.lease, self.budget, self.rt.renewer
+        lease, budget, renewer = self.lease, self.budget, self.parts.renewer
         t0 = last = nudged = time.monotonic()
         renewer.nudge()
         warned = False
@@ -269,7 +250,7 @@ class Attempt:
             now = time.monotonic()
             budget.pause(now - last)
             last = now
-            if now - t0 > self.rt.settings.outage_budget_s:
+            if now - t0 > self.parts.settings.outage_budget_s:
                 raise errors.EpisodeError(errors.BROKER_OUTAGE, f"lease not renewed for {now - t0:.0f}s: Redis "
                                           "unreachable past the outage budget", transient=True, outage=True)
             if not warned and now - t0 > 5:
@@ -284,7 +265,7 @@ class Attempt:
     def mark(self, snapshot: Progress, urgent: bool) -> None:
         """A progress snapshot for the ledger; an urgent one is in Redis before this returns
         (or the attempt stops: a lapsed lease refused it)."""
-        publisher = self.rt.publisher
+        publisher = self.parts.publisher
         publisher.mark(self.lease, snapshot, urgent=urgent)
         if urgent:
             while not publisher.flush(self.lease, timeout=_FENCE_SLICE_S * 20):
@@ -297,7 +278,7 @@ class Attempt:
         # Backpressure: when the consumer falls behind, steps wait there instead of the stream
         # growing without bound in Redis memory; the wait pauses the budget (the consumer's
         # delay is not the episode's doing).
-        self.rt.publisher.publish(self.lease, record.pack(), check=self.check, waited=self.budget.pause,
+        self.parts.publisher.publish(self.lease, record.pack(), check=self.check, waited=self.budget.pause,
                                   progress=progress)
         if not self.turned:
             # A completed turn (the env gave a prompt, the model answered, the env stepped) ends
@@ -305,7 +286,7 @@ class Attempt:
             # attempts often fail but get on (a flaky server, the episodes resumed where they
             # stopped) paused after N failures that came between rare completions.
             self.turned = True
-            self.rt.pause_watch.succeeded(self.job)
+            self.parts.pause_watch.succeeded(self.job)
 
     def finish(self, record: AttemptRecord, new_state: str, **kw) -> bool:
         """Close the attempt once its steps are in the stream (never the close before them).
@@ -315,8 +296,8 @@ class Attempt:
         refusal is checked against the ledger (``Ledger.finished_as``: the episode in
         ``new_state`` under this very attempt means the first one landed). Past the outage
         budget it gives up: the sweeper re-runs the episode."""
-        lease, ledger = self.lease, self.rt.ledger
-        self.rt.publisher.flush(lease)
+        lease, ledger = self.lease, self.parts.ledger
+        self.parts.publisher.flush(lease)
         record = _encodable(record)
 
         def finish() -> bool:
@@ -336,7 +317,7 @@ class Attempt:
             return False
 
     def _through_outage(self, what: str, fn: Callable):
-        return self.rt.through_outage(f"{self.lease.episode_id} attempt {self.lease.attempt}", what, fn)
+        return self.parts.through_outage(f"{self.lease.episode_id} attempt {self.lease.attempt}", what, fn)
 
     # --- closing an attempt that did not complete ------------------------------------
     def close_error(self, exc: errors.EpisodeError, tb: str, *, outage_seen: bool = False,
@@ -344,12 +325,12 @@ class Attempt:
         """Close an attempt that did not complete as the close policy (broker/closing.py) says.
         Handed back, an attempt that kept its env instance (``run``) leaves where it stopped for
         the next attempt to continue from."""
-        rt, lease, job, base = self.rt, self.lease, self.job, self.base
-        message = rt.redact(str(exc.args[0]) if exc.args else "")
-        rt.pause_watch.failed(job, lease.episode_id, exc.reason, message)  # counts towards pausing the job (broker/pause.py)
+        parts, lease, job, base = self.parts, self.lease, self.job, self.base
+        message = parts.redact(str(exc.args[0]) if exc.args else "")
+        parts.pause_watch.failed(job, lease.episode_id, exc.reason, message)  # counts towards pausing the job (broker/pause.py)
         limit = 0
         if closing.limit_matters(exc):
-            limit = self._through_outage("reading its attempt limit", lambda: rt.ledger.attempt_limit(
+            limit = self._through_outage("reading its attempt limit", lambda: parts.ledger.attempt_limit(
                 lease.job_id, lease.episode_id, job.max_attempts))
         close = closing.decide(exc, lease.attempt, limit, outage_seen, max_attempts=job.max_attempts)
         if close.action == CloseAction.ABANDON:
@@ -363,11 +344,11 @@ class Attempt:
             if untouched:
                 self.orphan_earlier()
             elif run.instance_kept:
-                run.close_instance()  # kept for a successor that will never come
+                self._close_instance(run)  # kept for a successor that will never come
             return self._close_cancelled(exc, message)
         error_class = type(exc.__cause__ or exc).__name__
         if close.uncounted:  # ended by a server going down (or by what its restart lost), or handed back
-            self._through_outage("granting an uncounted attempt", lambda: rt.ledger.grant_extra_attempt(
+            self._through_outage("granting an uncounted attempt", lambda: parts.ledger.grant_extra_attempt(
                 lease.job_id, lease.episode_id, job.max_attempts))
         if close.action == CloseAction.HAND_BACK:
             record = AttemptRecord(**base, status=AttemptStatus.ABANDONED, reason=exc.reason, error_class=error_class,
@@ -376,9 +357,10 @@ class Attempt:
             # where it stands between calls; None keeps the ledger's snapshot as it is
             at_rest = run.track.at_rest() if kept and run is not None and run.track is not None else None
             if self.finish(record, LedgerState.QUEUED, keep_progress=kept, progress=at_rest):
-                send_episodes(rt.redis, [(lease.job_id, lease.episode_id, rt.settings.queue_for(self.spec))])
-            elif kept and not untouched and not run.keeps_instance(errors.EpisodeError(errors.LEASE_LOST, "taken over")):
-                run.close_instance()  # taken over before it could hand back, and nobody knows of it
+                parts.requeue([(lease.job_id, lease.episode_id, parts.settings.queue_for(self.spec))])
+            elif kept and not untouched and not self._keeps_instance(
+                    run, errors.EpisodeError(errors.LEASE_LOST, "taken over")):
+                self._close_instance(run)  # taken over before it could hand back, and nobody knows of it
             return errors.WORKER_SHUTDOWN
         message = close.message(exc, message, lease.attempt)
         if untouched:
@@ -386,7 +368,7 @@ class Attempt:
         if close.action == CloseAction.RETRY:
             record = AttemptRecord(**base, status=AttemptStatus.RETRYING, reason=exc.reason, error_class=error_class,
                                    error=message)
-            retry_at = time.time() + retry_delay(rt.settings, lease.attempt)
+            retry_at = time.time() + retry_delay(parts.settings, lease.attempt)
             self.finish(record, LedgerState.RETRYING, retry_at=retry_at)
             log.warning("episode %s attempt %d/%d failed (%s); retrying", lease.episode_id, lease.attempt,
                         close.limit, exc)
@@ -407,7 +389,7 @@ class Attempt:
         return AttemptStatus.CANCELLED
 
     def close_failed(self, exc, tb, *, message=None, error_class=None) -> str:
-        lease, redact = self.lease, self.rt.redact
+        lease, redact = self.lease, self.parts.redact
         message = redact(message if message is not None else str(exc.args[0]))
         error_class = error_class or type(exc).__name__
         record = AttemptRecord(**self.base, status=AttemptStatus.FAILED, reason=exc.reason, error_class=error_class,

@@ -280,10 +280,10 @@ class CappedPolicy:
     def __init__(self, inner: Any, gate: FleetGate, caps: list[Cap], check: Callable[[], None], budget: Budget):
         self.inner, self.gate, self.caps, self.check, self.budget = inner, gate, caps, check, budget
 
-    def complete(self, messages: list[dict]) -> Any:
+    def complete(self, messages: list[dict], **request: Any) -> Any:
         holder = self.gate.acquire(self.caps, self.check, self.budget)
         try:
-            return self.inner.complete(messages)
+            return self.inner.complete(messages, **request)
         finally:
             self.gate.release(self.caps, holder)
 

@@ -95,12 +95,12 @@ class LimitedPolicy:
         self.deadline = deadline if callable(deadline) else (lambda: deadline)
         self.check = check
 
-    def complete(self, messages: list[dict]) -> Any:
+    def complete(self, messages: list[dict], **request: Any) -> Any:
         if self.gate is None:
-            return self.inner.complete(messages)
+            return self.inner.complete(messages, **request)
         self.gate.acquire(self.deadline(), self.check)
         try:
-            return self.inner.complete(messages)
+            return self.inner.complete(messages, **request)
         finally:
             self.gate.release()
 

@@ -3,7 +3,7 @@
 No broker, no Redis, no Celery here: ``run_episode`` takes an env port, a policy port, an
 episode hook and a ``publish`` callable, so every rule is unit-testable with plain objects.
 
-How an episode ends (``EpisodeOutcome.ended_by``, broker/records.py ``ENDED_BY``): the env
+How an episode ends (``EpisodeOutcome.ended_by``, broker/states.py ``EndedBy``): the env
 terminates or truncates it, max_steps is reached, the env has no prompt left, or the model side
 cuts it off. The model side ends it in two ways, both recorded as a final step that is truncated,
 has reward 0, is trainable (``is_trainable``: a truncated step always is) and whose action never
@@ -45,7 +45,8 @@ log = logging.getLogger("interactor.loop")
 class PolicyPort(Protocol):
     # -> content, finish_reason, weight_version (and prompt_tokens, completion_tokens if known);
     # raises broker.errors.ContextOverflow when the server refuses a prompt longer than its context
-    def complete(self, messages: list[dict]) -> Any: ...
+    # ``request``: further fields of the chat request (``tools``, ``tool_choice``), passed through
+    def complete(self, messages: list[dict], **request: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class LoopConfig:
 
 @dataclass
 class PhaseTimings:
-    """Where an attempt's time went (broker/records.py PHASES), filled in as the loop goes, so
+    """Where an attempt's time went (broker/states.py ``Phase``), filled in as the loop goes, so
     that an attempt that fails half-way still tells its part."""
 
     reset_s: float = 0.0
@@ -107,7 +108,7 @@ class EpisodeOutcome:
     total_reward: float = 0.0
     steps: int = 0
     last_info: dict | None = None
-    ended_by: str = ""  # one of broker.records.ENDED_BY
+    ended_by: str = ""  # one of broker.states.EndedBy
     prompt_tokens: int = 0  # sums of the server's usage over the steps (0 when it sends none)
     completion_tokens: int = 0
 
@@ -147,7 +148,7 @@ def run_episode(
     fault: Callable[[str, int], None] = never,
 ) -> EpisodeOutcome:
     """Reset, step until the episode ends, then call the end hook and close the env, unless
-    the attempt hands the instance on (``keeps_instance(error)``: the runner's word, when the
+    the attempt hands the instance on (``keeps_instance(error)``: the attempt's word, when the
     episode goes on elsewhere and a successor may continue this instance).
 
     ``check`` is called before every env or model call; it raises to abort (budget spent,

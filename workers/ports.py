@@ -34,10 +34,9 @@ class Guard:
     A failure that looks like an outage and that the server's readiness confirms opens the
     breaker; the attempt then waits, its budget paused. After the outage the call is made
     again if that is safe (``retry_safe``: reset, close, model calls; or a request the server
-    never processed); otherwise the attempt ends with the error marked ``outage`` so that the
-    runner re-runs it without counting the attempt. ``outage_seen`` tells the runner that this
-    attempt lived through an outage (an instance lost to a server restart is the outage's
-    doing too).
+    never processed); otherwise the attempt ends with the error marked ``outage``, and its close
+    has the episode run again without counting the attempt. ``outage_seen``: this attempt lived
+    through an outage (an instance lost to a server restart is the outage's doing too).
     """
 
     budget: Budget
@@ -114,12 +113,13 @@ class BoundPolicy:
     breaker: Breaker
     pacer: Any = None  # the endpoint's fleet-wide rate limits (workers/pacing.py), when the job sets any
 
-    def complete(self, messages: list[dict]):
+    def complete(self, messages: list[dict], **request: Any):
         j = self.job
         # tokens only when the job asks: a v2 JobSpec has none, and the call stays as it was
         extra = {"tokens": j.tokens} if getattr(j, "tokens", "") else {}
         if self.pacer is not None:
             extra["pacer"] = self.pacer
         return self.guard.call(self.breaker, lambda: self.client.complete(
-            self.base_url, messages, model=j.model, temperature=j.temperature, params=j.llm_params,
+            self.base_url, messages, model=j.model, temperature=j.temperature,
+            params={**(j.llm_params or {}), **request} if request else j.llm_params,
             deadline=self.budget.deadline, api_key=self.api_key, **extra), retry_safe=True)

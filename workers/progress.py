@@ -37,7 +37,7 @@ FIRST_TRACKED_STEP = 2
 
 class ProgressTrack:
     """One attempt's snapshots. ``mark(snapshot, urgent)`` queues one for the ledger (the
-    runner's, fenced by the attempt's lease); ``urgent`` ones are waited for. ``resume``: the
+    attempt's, fenced by its lease); ``urgent`` ones are waited for. ``resume``: the
     predecessor's snapshot this attempt continues from, or None."""
 
     def __init__(self, trajectory: str, writer: str, mark: Callable[[Progress, bool], None],
@@ -102,7 +102,7 @@ class ProgressTrack:
         self._rest_totals = totals
         return self._snapshot(**totals)
 
-    # --- the runner's side ----------------------------------------------------------
+    # --- the attempt's side ---------------------------------------------------------
     def supersede(self) -> None:
         """A fresh trajectory where the ledger holds another's snapshot (a predecessor's, or the
         one this attempt found gone): the ledger names this one before its reset is sent, waited

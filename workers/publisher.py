@@ -11,7 +11,7 @@ attempt stops at its next check.
 
 Order and completeness: records go out in the order they were queued, so an attempt's steps
 stay in order. :meth:`StepPublisher.flush` waits until every record queued under a lease has
-been sent or refused; the runner flushes before it closes an attempt, so an AttemptRecord
+been sent or refused; an attempt flushes before it closes, so an AttemptRecord
 never reaches the stream ahead of its steps, and a completed attempt's steps are all there.
 
 Redis unreachable: the batch is sent again with capped backoff until Redis answers; the

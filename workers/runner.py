@@ -1,6 +1,7 @@
 """A worker process's runtime: its connections, clients, allow-lists and background duties,
 its lifecycle (shutdown, unhealthy), and the delivery of one episode task: START in the ledger,
-then an :class:`~workers.attempt.Attempt` runs and closes it (workers/attempt.py).
+then an :class:`~workers.attempt.Attempt` runs and closes it (workers/attempt.py), handed the
+parts of this process it uses (:class:`~workers.attempt_parts.AttemptParts`, built once here).
 
 The Celery task is a one-line call into :meth:`WorkerRuntime.run`; everything that decides
 what happens to an episode lives here and in workers/attempt.py, so it can be driven without
@@ -13,13 +14,14 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import redis
 
 from broker.caps import FleetSlots
 from broker.keys import Keys, member
 from broker.ledger import Ledger
+from broker.queueing import send_episodes
 from broker.records import JobSpec, new_attempt_id
 from broker.ratelimit import RateLimits
 from broker.recovery import SweepDuty, Sweeper
@@ -30,6 +32,7 @@ from broker.states import StartStatus
 from workers import faults, limits
 from workers.allowlist import TrustBoundary
 from workers.attempt import Attempt
+from workers.attempt_parts import AttemptParts, through_outage
 from workers.breakers import BreakerBoard, BreakerHeartbeat
 from workers.envclient import EnvClient
 from workers.fleetcaps import FleetGate
@@ -91,6 +94,15 @@ class WorkerRuntime:
         for duty in duties:
             duty.start()
         self.background = [*duties, self.publisher, self.pause_watch, self.fleet]
+        # What an attempt uses of this process, and nothing more (workers/attempt_parts.py).
+        self.parts = AttemptParts(
+            settings=settings, worker=self.name, ledger=self.ledger, publisher=self.publisher,
+            renewer=self.renewer, pause_watch=self.pause_watch, trust=self.trust, breakers=self.breakers,
+            env=self.env, model=self.model, model_gate=self.model_gate, jitter=self.jitter, pacing=self.pacing,
+            fleet=self.fleet, versions=self.versions, keys=self.keys,
+            queue_orphans=lambda entries: self.redis.rpush(self.keys.orphans, *entries),
+            requeue=lambda episodes: send_episodes(self.redis, episodes), fault=self.fault,
+            shutting_down=self.shutting_down, unhealthy=self.unhealthy, redact=self.redact)
 
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
@@ -98,6 +110,10 @@ class WorkerRuntime:
         at = time.monotonic() + grace
         self.shutdown_at = at if self.shutdown_at is None else min(self.shutdown_at, at)
         log.warning("shutdown: running episodes get %.0fs to finish, then are handed back", grace)
+
+    def shutting_down(self) -> bool:
+        """The shutdown grace is over: running episodes are handed back at their next check."""
+        return self.shutdown_at is not None and time.monotonic() >= self.shutdown_at
 
     def unhealthy(self, reason: str) -> None:
         """This process can no longer run its episodes properly (an inproc call that never
@@ -129,9 +145,9 @@ class WorkerRuntime:
             # whose reply was lost is then found again as ours, with its predecessor, rather than
             # left behind as a phantom lease that makes the next delivery count another attempt.
             attempt_id = new_attempt_id()
-            started = self.through_outage(episode_id, "starting", lambda: self.ledger.start(
+            started = through_outage(self.settings.outage_budget_s, episode_id, "starting", lambda: self.ledger.start(
                 job_id, episode_id, self.name, attempt_id=attempt_id),  # also ends the reservation
-                give_up=lambda: self.shutdown_at is not None and time.monotonic() >= self.shutdown_at)
+                give_up=self.shutting_down)
         finally:
             # Whatever happened before START (parked, started, or raised: a job spec this worker
             # cannot read, Redis gone), the delivery is out of this process's hands: a
@@ -144,7 +160,7 @@ class WorkerRuntime:
         lease = started.lease
         self.renewer.hold(lease)
         try:
-            return Attempt(self, lease, started.spec, self._job(lease.job_id), started.earlier,
+            return Attempt(self.parts, lease, started.spec, self._job(lease.job_id), started.earlier,
                            started.progress, started.outage_since_progress).run()
         finally:
             self.renewer.release(lease)
@@ -164,24 +180,6 @@ class WorkerRuntime:
                     self._jobs.clear()
                 self._jobs[job_id] = job
         return job
-
-    def through_outage(self, name: str, what: str, fn: Callable[[], Any],
-                       give_up: Callable[[], bool] = lambda: False) -> Any:
-        """``fn()``, retried with backoff on Redis errors for up to the outage budget (then the
-        last error is raised): closing an attempt must outlast a Redis restart, or the episode
-        would be reclaimed as a lost worker, an attempt counted against it for our outage.
-        ``name`` names the episode (and attempt) in the log; ``give_up()`` true ends the
-        retries early (the last error is raised)."""
-        t0, delay = time.monotonic(), 0.1
-        while True:
-            try:
-                return fn()
-            except redis.RedisError as exc:
-                if time.monotonic() - t0 > self.settings.outage_budget_s or give_up():
-                    raise
-                log.warning("episode %s: %s failed (%s); retrying", name, what, exc)
-                time.sleep(delay)
-                delay = min(5.0, delay * 2)
 
     def redact(self, text: str) -> str:
         """``text`` with this process's secrets (API key, Redis passwords) starred out."""

@@ -54,13 +54,13 @@ class VersionedPolicy:
         self.versions = versions
         self.job_id = job_id
 
-    def complete(self, messages):
+    def complete(self, messages, **request):
         try:
             version = feed.current_version(self.versions.r, self.versions.keys, self.job_id)
         except redis.RedisError as exc:  # the step is still worth having; it is recorded unversioned
             log.warning("job %s: reading the policy version failed (%s); step recorded without one", self.job_id, exc)
             version = None
-        completion = self.inner.complete(messages)
+        completion = self.inner.complete(messages, **request)
         if completion is not None:
             completion.policy_version = version
         return completion

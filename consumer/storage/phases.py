@@ -1,5 +1,5 @@
-"""The ``attempt_phases`` table: where each closed attempt's time went (records v5, broker/records.py
-``PHASES``), one row per ``attempts`` row, so that ``interactor results`` and the results browser
+"""The ``attempt_phases`` table: where each closed attempt's time went (records v5, broker/states.py
+``Phase``), one row per ``attempts`` row, so that ``interactor results`` and the results browser
 can say whether the env, the model or the queue held a job's episodes up.
 
 A table of its own rather than columns of ``attempts``: adding columns would be a schema
@@ -25,7 +25,7 @@ from consumer.storage import schema
 from consumer.storage.sqltext import completed_close_wins
 
 TABLE = schema.ATTEMPT_PHASES.name
-#: Column of each phase (broker/records.py PHASES): ``<phase>_s``, as AttemptRecord names it.
+#: Column of each phase (broker/states.py ``Phase``): ``<phase>_s``, as AttemptRecord names it.
 PHASE_COLUMNS = schema.PHASE_COLUMNS
 COLUMNS = schema.ATTEMPT_PHASES.names
 SQLITE_DDL = schema.ATTEMPT_PHASES.ddl(schema.SQLITE)

@@ -1,0 +1,125 @@
+"""The ports an attempt hands its step loop: the model port as one declared chain of layers,
+and the env port of an instance.
+
+:data:`POLICY_LAYERS` is the model port's chain, innermost first, as dramatiq declares its
+middleware: each layer wraps the port built so far (or leaves it as it is when the job does not
+ask for it). Adding a policy is adding a layer to that list; nothing else builds the port. The
+env port is the instance's (over HTTP, or in-process), with the job's fleet-wide caps on it.
+
+A port's ``complete(messages, **request)`` passes ``request`` (``tools``, ``tool_choice`` and
+other fields of the chat request) through every layer to the endpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from broker.caps import Limits, server_name
+from broker.keys import env_instance_id
+from broker.records import EpisodeSpec, JobSpec
+from workers import limits
+from workers.attempt_parts import AttemptParts
+from workers.budget import Budget
+from workers.fleetcaps import CappedEnv, CappedPolicy
+from workers.ports import BoundEnv, BoundPolicy, Guard, policy_url
+
+
+@dataclass(frozen=True)
+class PortContext:
+    """What the layers build an attempt's ports from."""
+
+    parts: AttemptParts
+    job: JobSpec
+    spec: EpisodeSpec
+    budget: Budget
+    guard: Guard
+    check: Callable[[], None]
+
+    def caps(self) -> Limits | None:
+        return Limits.from_dict(self.job.limits) if self.job.limits else None
+
+
+class Endpoint:
+    """The job's model endpoint (session-routed when the job asks), with the key where the
+    worker trusts the endpoint with it, under the attempt's budget and the endpoint's breaker."""
+
+    def wrap(self, _inner: None, c: PortContext) -> BoundPolicy:
+        p, job = c.parts, c.job
+        return BoundPolicy(p.model, job, policy_url(job, c.spec.episode_id), p.trust.api_key_for(job), c.budget,
+                           c.guard, p.breakers.for_model(job.llm_base_url))
+
+
+class Paced:
+    """The endpoint's fleet-wide request and token rates (workers/pacing.py). The pacer is asked
+    before each try inside the endpoint's retries, so this layer sits right on the endpoint."""
+
+    def wrap(self, policy: BoundPolicy, c: PortContext) -> BoundPolicy:
+        caps = c.caps()
+        if caps is None or not (caps.model_rpm or caps.model_tpm):
+            return policy
+        pacer = c.parts.pacing.pacer(server_name(c.job.llm_base_url), caps.model_rpm, caps.model_tpm, c.check,
+                                     c.budget)
+        return dataclasses.replace(policy, pacer=pacer)
+
+
+class Versioned:
+    """A feed job's answers carry the policy version they were made under (workers/versions.py)."""
+
+    def wrap(self, policy: Any, c: PortContext) -> Any:
+        return c.parts.versions.wrap(policy, c.job.job_id)
+
+
+class ProcessGate:
+    """The worker process's cap on model calls at once (workers/limits.py)."""
+
+    def wrap(self, policy: Any, c: PortContext) -> Any:
+        return limits.LimitedPolicy(policy, c.parts.model_gate, lambda: c.budget.deadline, c.check)
+
+
+class FleetCaps:
+    """The job's fleet-wide caps on calls to its model (workers/fleetcaps.py); no round trip
+    when it sets none."""
+
+    def wrap(self, policy: Any, c: PortContext) -> Any:
+        caps = c.caps()
+        model_caps = caps.model_caps(c.parts.keys, c.job.llm_base_url) if caps is not None else None
+        if not model_caps:
+            return policy
+        return CappedPolicy(policy, c.parts.fleet, model_caps, c.check, c.budget)
+
+
+POLICY_LAYERS = (Endpoint(), Paced(), Versioned(), ProcessGate(), FleetCaps())
+
+
+def policy_port(c: PortContext, layers=POLICY_LAYERS) -> Any:
+    """The model port: ``layers`` applied innermost first."""
+    policy = None
+    for layer in layers:
+        policy = layer.wrap(policy, c)
+    return policy
+
+
+def env_port(c: PortContext, instance: tuple[int, str]) -> Any:
+    """The env of a trajectory: ``instance`` is (number, attempt_id) of the attempt that reset
+    it. Uncapped: what closes an instance goes through here too."""
+    spec, p = c.spec, c.parts
+    if spec.transport == "inproc":
+        from workers.inproc import InprocEnv  # the env class runs inside this worker process
+
+        return InprocEnv(spec, c.budget, p.settings, on_wedged=p.unhealthy)
+    return BoundEnv(p.env, spec, env_instance_id(spec.episode_id, *instance), c.budget, c.guard,
+                    p.breakers.for_env(spec.base_url))
+
+
+def capped_env(c: PortContext, env: Any) -> Any:
+    """``env`` under the job's fleet-wide caps on calls to its server and on live instances."""
+    caps = c.caps()
+    if caps is None or c.spec.transport == "inproc":
+        return env
+    call_caps = caps.env_call_caps(c.parts.keys, c.spec.base_url, c.spec.env_name)
+    instance_caps = caps.env_instance_caps(c.parts.keys, c.spec.base_url)
+    if not (call_caps or instance_caps):
+        return env
+    return CappedEnv(env, c.parts.fleet, call_caps, instance_caps, c.check, c.budget)
