@@ -448,7 +448,10 @@ def _entry_target(raw: dict, default_base_url: str, fail: Fail) -> tuple[str, st
     base_url = raw.get("base_url", _ABSENT)
     if base_url is _ABSENT or base_url is None:
         if not default_base_url:
-            raise fail("base_url", "missing, and no default env base URL was given")
+            raise fail("base_url", "missing, and no default env base URL was given: name the entry's env server "
+                                   "(base_url: http://HOST:PORT), or one for every entry with --env-base-url URL; "
+                                   "the bundled envs and the reasoning-gym and textarena adapters are served by "
+                                   "`interactor serve-env --port 8080` (then --env-base-url http://127.0.0.1:8080)")
         base_url, from_default = default_base_url, True
     else:
         from_default = False

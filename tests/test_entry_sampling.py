@@ -66,3 +66,91 @@ def test_bad_sampling_is_refused_naming_the_entry_and_field(tmp_path, line, says
     with pytest.raises(TaskFileError) as err:
         plan(tmp_path, f"environments:\n  - env_name: e1\n    base_url: {URL}\n    {line}\n")
     assert says in str(err.value) and "entry 1 (" in str(err.value)
+
+
+@pytest.mark.integration
+def test_each_entrys_sampling_reaches_its_model_calls_and_reasoning_is_kept_and_shown(tmp_path, env_server):
+    """`interactor run` of a task file whose first entry sets its own sampling, with the job's
+    flags set otherwise: the first entry's requests carry its own, the second's the job's. The
+    model's reasoning_content is stored beside each answer and shown on the episode's page."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from consumer.storage import open_store
+    from interactor.ui.app import create_app
+    from interactor.ui.source import Source
+    from tests.conftest import ROOT
+    from tests.recording_model import REASONING, RecordingModel
+
+    _, env_url = env_server
+    model = RecordingModel("smollm2")
+    try:
+        tasks = tmp_path / "tasks.yaml"
+        tasks.write_text(textwrap.dedent(f"""
+            environments:
+              - env_name: arithmetic
+                base_url: {env_url}
+                dataset: [{{question: "What is 1 + 2?", answer: 3}}, {{question: "What is 2 + 2?", answer: 4}}]
+                max_tokens: 32
+                temperature: 0
+                stop: "</answer>"
+                n: 2
+              - env_name: arithmetic
+                base_url: {env_url}
+                dataset: [{{question: "What is 10 + 20?", answer: 30}}]
+            """))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+        run_dir = tmp_path / "runs"
+        run = subprocess.run([sys.executable, "-m", "interactor.cli", "run", str(tasks), "--llm-base-url", model.url,
+                              "--model", "smollm2", "--max-tokens", "100", "--temperature", "0.5", "--run-dir",
+                              str(run_dir), "--concurrency", "2", "--workers", "1", "--job-id", "sampled"],
+                             env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    finally:
+        model.stop()
+
+    def asked(body):
+        return next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
+
+    own = [b for b in model.bodies if "10 + 20" not in asked(b)]
+    jobs = [b for b in model.bodies if "10 + 20" in asked(b)]
+    assert len(own) == 4 and len(jobs) == 1, [asked(b) for b in model.bodies]
+    assert all((b["max_tokens"], b["temperature"], b["stop"]) == (32, 0.0, ["</answer>"]) for b in own), own
+    assert (jobs[0]["max_tokens"], jobs[0]["temperature"], "stop" in jobs[0]) == (100, 0.5, False), jobs
+
+    db = str(run_dir / "results.sqlite")
+    store = open_store(db, readonly=True)
+    try:
+        (episode,) = [e for (e,) in store.sql("SELECT episode_id FROM episodes WHERE job_id = 'sampled' "
+                                              "ORDER BY episode_id LIMIT 1")]
+        (step,) = store.episode_trajectory(episode)
+        assert step["reasoning_content"] == REASONING and step["response"] == "<answer>3</answer>"
+        page = create_app(Source(store, store_shown=db)).test_client().get(f"/episodes/{episode}")
+        html = page.get_data(as_text=True)
+        assert page.status_code == 200 and 'class="reasoning"' in html and REASONING in html
+        spec = json.loads(store.sql("SELECT spec FROM jobs WHERE job_id = 'sampled'")[0][0])
+        assert spec["llm_params"] == {"max_tokens": 100}
+    finally:
+        store.close()
+
+
+def test_an_entry_without_base_url_is_told_what_serves_envs(tmp_path):
+    """The README's first evaluation run without --env-base-url (issue 48): the error names the
+    flag and the command that serves the bundled envs, as the user types them."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text("environments:\n  - env_name: guess_number\n    env_params: {low: 1, high: 100}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERACTOR_") and k != "REDIS_URL"}
+    out = subprocess.run([sys.executable, "-m", "interactor.cli", "run", str(tasks), "--run-dir",
+                          str(tmp_path / "runs")], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "entry 1 (guess_number, line 2): field 'base_url': missing" in out.stderr
+    assert "--env-base-url URL" in out.stderr and "interactor serve-env --port 8080" in out.stderr
+    assert not (tmp_path / "runs" / "redis").exists()  # nothing started
