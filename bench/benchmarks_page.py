@@ -206,31 +206,6 @@ LOAD_HEADER = ["C", "pool", "worker procs", "steps/s", "ideal", "efficiency", "o
                "worker PSS idle MB", "loaded MB", "MB/episode", "latency p50 ms", "p99 ms", "ramp s", "problems"]
 
 
-def compare_rows(before: dict, after: dict) -> list[tuple]:
-    """Headline figures of two runs side by side (for bench/notes.md)."""
-    rows = []
-    bl = {r["spec"]["concurrency"]: r for r in before.get("load", [])}
-    for r in after.get("load", []):
-        c = r["spec"]["concurrency"]
-        b = bl.get(c)
-        if b is None:
-            continue
-        rows.append((f"efficiency, C={c}", _f(b["efficiency"], 3), _f(r["efficiency"], 3)))
-        rows.append((f"orchestration CPU ms/step, C={c}", _f(orch_ms(b), 2), _f(orch_ms(r), 2)))
-        rows.append((f"record latency p99 ms, C={c}", _f((b.get("latency_ms") or {}).get("p99"), 0),
-                     _f((r.get("latency_ms") or {}).get("p99"), 0)))
-    bp = {r["spec"]["pool"]: r for r in before.get("pools", [])}
-    for r in after.get("pools", []):
-        b = bp.get(r["spec"]["pool"])
-        if b is not None:
-            rows.append((f"pool {r['spec']['pool']} (C={r['spec']['concurrency']}): efficiency, CPU ms/step",
-                         f"{b['efficiency']:.3f}, {orch_ms(b):.2f}", f"{r['efficiency']:.3f}, {orch_ms(r):.2f}"))
-    for key, label in (("ingest", "consumer ingest records/s"), ("enqueue", "enqueue episodes/s")):
-        if before.get(key) and after.get(key):
-            rows.append((label, _f(before[key]["rate"], 0), _f(after[key]["rate"], 0)))
-    return rows
-
-
 def _step_s(s: dict) -> float:
     env = s["env_latency_ms"] / 1000
     return s["model_latency_ms"] / 1000 + 2 * env + 2 * env / s["steps"]

@@ -19,7 +19,7 @@ from broker.cancel import JobCancel, JobCancelled
 from broker.keys import Keys, split_member
 from broker.ledger import Ledger
 from broker.pause import JobPause, resume_job
-from broker.queueing import send_episodes
+from broker.queueing import push_episodes
 from broker.records import DeadLetter, unpack
 from broker.settings import Settings
 from broker.states import LedgerState
@@ -146,10 +146,8 @@ class DeadLetterQueue:
         max_attempts = job.max_attempts if job else self.settings.max_attempts
         if not self.ledger.move(job_id, episode_id, LedgerState.QUEUED, [LedgerState.FAILED]):
             return False
-        # A fresh budget of attempts on top of those already used.
-        used = self.ledger.attempts(job_id, episode_id)
-        self.r.hset(self.keys.job_attempt_limit(job_id), episode_id, used + max_attempts)
-        send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(queue))])
+        self.ledger.grant_fresh_attempts(job_id, episode_id, max_attempts)
+        push_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(queue))])
         return True
 
     def purge(self, letters: Iterable[DeadLetter]) -> int:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 import redis
 
 from broker.keys import Keys
-from broker.lua_scripts import lua_file
+from broker.lua_scripts import lua_file, lua_script
 from broker.replicas import ReplicaWait
 from broker.settings import FEED, FEED_FAILED_POLICIES, FEED_STALE_POLICIES, Settings
 from broker.states import LedgerState, ProducerState
@@ -161,7 +161,7 @@ def has_feed(r: redis.Redis, keys: Keys, job_id: str) -> bool:
 MAX_VERSION = 2**53 - 1
 _MAX_DIGITS = len(str(MAX_VERSION))
 
-_SET_VERSION = lua_file("feed_set_version")  # its Lua: broker/lua/feed_set_version.lua
+_SET_VERSION = lua_script(lua_file("feed_set_version"))  # its Lua: broker/lua/feed_set_version.lua
 
 
 def parse_version(v) -> int | None:
@@ -210,7 +210,7 @@ def set_version(r: redis.Redis, keys: Keys, job_id: str, version) -> int:
     one is refused (409): versions order the staleness bound, so they may not go back (an
     operator can: :func:`reset_version`)."""
     version = checked_version(version)
-    ok, cur = r.eval(_SET_VERSION, 1, keys.feed_version(job_id), version)
+    ok, cur = _SET_VERSION(keys=[keys.feed_version(job_id)], args=[version], client=r)
     if not ok:
         cur = cur.decode("utf-8", "replace") if isinstance(cur, bytes) else cur
         raise FeedError(f"version {version} is behind the current version {cur}: versions only go forward "
@@ -231,15 +231,15 @@ def reset_version(r: redis.Redis, keys: Keys, job_id: str, version) -> str | Non
 
 # --- announce and settle --------------------------------------------------------------------
 # Their Lua: broker/lua/feed_announce.lua, feed_settle.lua (broker/lua_scripts.py).
-_ANNOUNCE = lua_file("feed_announce")
-_SETTLE = lua_file("feed_settle")
+_ANNOUNCE = lua_script(lua_file("feed_announce"))
+_SETTLE = lua_script(lua_file("feed_settle"))
 
 
 def announce(r: redis.Redis, keys: Keys, packed_group: bytes, job_id: str, group_id: str) -> str | None:
     """Put a settled group on its job's feed, once: returns the entry id, or None when the group
     was announced before."""
-    out = r.eval(_ANNOUNCE, 3, keys.feed_stream(job_id), keys.feed_seen(job_id), keys.feed_stats(job_id),
-                 group_id, packed_group, C_ANNOUNCED)
+    out = _ANNOUNCE(keys=[keys.feed_stream(job_id), keys.feed_seen(job_id), keys.feed_stats(job_id)],
+                    args=[group_id, packed_group, C_ANNOUNCED], client=r)
     return out.decode() if isinstance(out, bytes) else out
 
 
@@ -248,11 +248,13 @@ def settle(r: redis.Redis, keys: Keys, job_id: str, entry_id: str, counter: str,
     """Finish with a feed entry: acknowledge it and count why, in one script, so that a group is
     counted (and re-run, ``redo``) once even if two servers settle it. False: settled before.
     ``replicas``: returns once a replica has it, when its waits are on (a trainer's ack)."""
-    args = (_SETTLE, 4, keys.feed_stream(job_id), keys.feed_stats(job_id), keys.feed_redo(job_id),
-            keys.feed_failures(job_id), TRAINERS, entry_id, counter, redo, failure, FAILURES_KEPT)
+    script_keys = [keys.feed_stream(job_id), keys.feed_stats(job_id), keys.feed_redo(job_id),
+                   keys.feed_failures(job_id)]
+    args = [TRAINERS, entry_id, counter, redo, failure, FAILURES_KEPT]
     if replicas is None or not replicas.due():
-        return bool(r.eval(*args))
-    return bool(replicas.run(r, lambda pipe: pipe.eval(*args))[0])
+        return bool(_SETTLE(keys=script_keys, args=args, client=r))
+    return bool(replicas.run(r, lambda pipe: pipe.evalsha(_SETTLE.sha, len(script_keys), *script_keys, *args),
+                             scripts=(_SETTLE,))[0])
 
 
 def counters(r: redis.Redis, keys: Keys, job_id: str) -> dict[str, float]:

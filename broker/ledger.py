@@ -84,14 +84,13 @@ _NOW = lua_file("now")
 COUNTS_FN = lua_file("ledger_counts_fn")  # also broker/cancel.py's
 _HOLDS_FN = lua_file("ledger_holds_fn")
 _PROGRESS_FN = lua_file("ledger_progress_fn")
-OUTAGE_FN = lua_file("ledger_outage_fn").replace("OUTAGES_KEPT", str(OUTAGES_KEPT))  # also broker/caps.py's
+OUTAGE_FN = lua_file("ledger_outage_fn", OUTAGES_KEPT=OUTAGES_KEPT)  # also broker/caps.py's
 
 _START = _NOW + COUNTS_FN + lua_file("ledger_start")
 _RENEW = _NOW + _HOLDS_FN + lua_file("ledger_renew")
 _CLAIM = lua_file("ledger_claim")
 _EXPIRED = _NOW + lua_file("ledger_expired")
 _RESERVE = _NOW + lua_file("ledger_reserve")
-_PUBLISH = _NOW + _HOLDS_FN + lua_file("ledger_publish")
 _PUBLISH_MANY = _NOW + _HOLDS_FN + _PROGRESS_FN + lua_file("ledger_publish_many")
 _FINISH = _NOW + COUNTS_FN + _HOLDS_FN + lua_file("ledger_finish")
 _SWEEP_CLOCK = _NOW + OUTAGE_FN + lua_file("ledger_sweep_clock")
@@ -140,7 +139,6 @@ class Ledger:
         self.replicas = replicas or ReplicaWait.off()
         self._start = client.register_script(_START)
         self._renew = client.register_script(_RENEW)
-        self._publish = client.register_script(_PUBLISH)
         self._publish_many = client.register_script(_PUBLISH_MANY)
         self._finish = client.register_script(_FINISH)
         self._reclaim = client.register_script(_RECLAIM)
@@ -273,10 +271,6 @@ class Ledger:
     def attempts(self, job_id: str, episode_id: str) -> int:
         return int(self.r.hget(self.k.job_attempts(job_id), episode_id) or 0)
 
-    def attempt_id(self, job_id: str, episode_id: str) -> str:
-        """The attempt_id of the episode's latest start ("" if it never started)."""
-        return self.latest_attempt(job_id, episode_id)[1]
-
     def latest_attempt(self, job_id: str, episode_id: str) -> tuple[int, str]:
         """(number, attempt_id) of the episode's latest start; (0, "") if it never started."""
         return _parse_attempt_value(self.r.hget(self.k.job_attempt_ids(job_id), episode_id))
@@ -291,6 +285,13 @@ class Ledger:
         """The last attempt number allowed; re-drives and hand-backs raise it."""
         v = self.r.hget(self.k.job_attempt_limit(job_id), episode_id)
         return int(v) if v is not None else default
+
+    def grant_fresh_attempts(self, job_id: str, episode_id: str, max_attempts: int) -> int:
+        """A re-drive's fresh budget: ``max_attempts`` more on top of the attempts already used;
+        returns the new limit."""
+        limit = self.attempts(job_id, episode_id) + max_attempts
+        self.r.hset(self.k.job_attempt_limit(job_id), episode_id, limit)
+        return limit
 
     def grant_extra_attempt(self, job_id: str, episode_id: str, default: int, n: int = 1) -> int:
         key = self.k.job_attempt_limit(job_id)
@@ -382,25 +383,19 @@ class Ledger:
         job_id, _, episode_id = m.partition(" ")
         return bool(self._reclaim_reserved(keys=[self.k.reserved, self.k.job_state(job_id)], args=[m, episode_id]))
 
-    def publish(self, lease: Lease, payload: bytes) -> int:
-        """XADD under the lease (a lapsed one is taken back, as by :meth:`renew`). Returns the
-        stream length, or -1 if the episode is no longer this attempt's (the lease is flagged lost)."""
-        k = self.k
-        n = self._publish(keys=[k.lease(lease.episode_id), k.results, k.running, k.job_state(lease.job_id),
-                                k.job_attempt_ids(lease.job_id)],
-                          args=[lease.token, payload, self.lease_ttl_ms, lease.member, lease.episode_id,
-                                lease.attempt_value])
-        if n < 0:
-            lease.lost.set()
-        return int(n)
+    def results_length(self) -> int:
+        """Records in the results stream not yet trimmed (the consumer's backlog, as the
+        publishers' backpressure reads it)."""
+        return int(self.r.xlen(self.k.results))
 
     def publish_many(self, items: Sequence[tuple[Lease, bytes] | tuple[Lease, bytes, Progress | None]],
                      wait_for_replica: bool = False) -> tuple[list[bool], int]:
-        """XADD several records and write progress snapshots, each under its own lease (fenced
-        as by :meth:`publish`), in one round trip: an item is (lease, record or b"") or (lease,
-        record or b"", snapshot or None). Returns which were written (a refused one's lease is
-        flagged lost) and the stream length after. ``wait_for_replica``: a commit point (a
-        ``stepping`` snapshot among the items), followed by a WAIT when replica waits are on."""
+        """XADD several records and write progress snapshots, each under its own lease, in one
+        round trip (fenced: a lapsed lease is taken back, as by :meth:`renew`): an item is (lease,
+        record or b"") or (lease, record or b"", snapshot or None). Returns which were written (a
+        refused one's lease is flagged lost) and the stream length after. ``wait_for_replica``:
+        a commit point (a ``stepping`` snapshot among the items), followed by a WAIT when replica
+        waits are on."""
         if not items:
             return [], 0
         k = self.k

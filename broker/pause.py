@@ -38,7 +38,7 @@ from broker import errors
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.lua_scripts import lua_file
-from broker.queueing import send_episodes
+from broker.queueing import push_episodes
 from broker.states import LedgerState
 
 # Not the job's doing: these neither count towards a streak nor end one.
@@ -117,7 +117,7 @@ class JobPause:
 
     def resume(self, job_id: str) -> list[str]:
         """Lift the pause (and forget the streak); returns the parked episodes, which the caller
-        sends again (broker.queueing.send_episodes)."""
+        sends again (broker.queueing.push_episodes)."""
         out = self._resume(keys=[self.k.job_pause(job_id), self.k.job_streak(job_id), self.k.job_parked(job_id)])
         return [m.decode() if isinstance(m, bytes) else m for m in out]
 
@@ -130,5 +130,5 @@ def resume_job(client: redis.Redis, settings, job_id: str) -> list[str]:
     states = ledger.states(job_id) if parked else {}
     waiting = [e for e in parked if states.get(e) == LedgerState.QUEUED]
     specs = ledger.episode_specs(job_id, waiting)
-    send_episodes(client, [(job_id, e, settings.queue_for(specs.get(e))) for e in waiting])
+    push_episodes(client, [(job_id, e, settings.queue_for(specs.get(e))) for e in waiting])
     return waiting

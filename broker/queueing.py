@@ -101,22 +101,8 @@ def task_message(job_id: str, episode_id: str, queue: str) -> bytes:
     return _message(job_id, episode_id, _dumps(queue), os.urandom(32).hex())
 
 
-def send_episodes(client: redis.Redis, items: Iterable[tuple[str, str, str]], chunk: int = 5000) -> int:
-    """Enqueue ``(job_id, episode_id, queue)`` items, one LPUSH each, ``chunk`` per round trip;
-    returns how many were sent. For a whole job, :func:`push_episodes` is several times faster."""
-    sent = 0
-    pipe = client.pipeline(transaction=False)
-    for job_id, episode_id, queue in items:
-        pipe.lpush(queue, task_message(job_id, episode_id, queue))
-        sent += 1
-        if sent % chunk == 0:
-            pipe.execute()
-    pipe.execute()
-    return sent
-
-
 def push_episodes(client: redis.Redis, items: Iterable[tuple[str, str, str]], chunk: int = 5000) -> int:
-    """Enqueue many ``(job_id, episode_id, queue)`` items: per round trip, one LPUSH per queue
+    """Enqueue ``(job_id, episode_id, queue)`` items, the one way every role sends episodes: per round trip, one LPUSH per queue
     carrying up to ``chunk`` messages (a reply per command instead of per message). Order is
     kept: Celery pops from the right, so within a queue the first item sent runs first.
     Returns how many were sent."""

@@ -65,6 +65,12 @@ Also within version 5, optional: ``EpisodeSpec.sampling``, a task entry's own ``
 settings for that episode's model calls ({}: the job's); and ``StepRecord.reasoning_content``,
 the model answer's reasoning beside its content ("" when it gave none, and then not packed).
 
+Also within version 5, optional: ``EpisodeSpec.protocol``, what the entry's env server speaks
+(broker/states.py ``EnvProtocol``; "" the original protocol, what a record without it reads as),
+``EpisodeSpec.mapping``, the entry's ``observation_to_messages`` / ``completion_to_action``
+functions (``module:function``; {}: the default text mapping), and ``OrphanInstance.protocol``,
+so that an orphan is closed the way its server closes sessions.
+
 Also within version 5, optional: agent episodes (workers/agent_episode.py).
 ``EpisodeSpec.agent`` (``module:function``) or ``EpisodeSpec.agent_command`` (an argv list): the
 agent the worker runs instead of the step loop ("" / []: an env episode, what a record without
@@ -232,6 +238,9 @@ class EpisodeSpec(_Record):
     image: str = ""  # the entry's env_image: stored as job_environments.image, used for nothing else
     # the entry's own sampling (max_tokens, temperature, stop), over the job's llm settings
     sampling: dict[str, Any] = field(default_factory=dict)
+    protocol: str = ""  # what the env server speaks: broker.states.EnvProtocol ("" the original protocol)
+    # OpenEnv: {"observation_to_messages": "module:function", "completion_to_action": ...}; {}: the defaults
+    mapping: dict[str, str] = field(default_factory=dict)
     agent: str = ""  # "module:function": an agent episode's agent (workers/agent_episode.py)
     agent_command: list[str] = field(default_factory=list)  # or its argv, run as a process
     env_calls_model: bool = False  # the env server gets the gateway's URL and key in its reset body
@@ -450,6 +459,7 @@ class OrphanInstance(_Record):
     base_url: str
     env_name: str
     instance_id: str
+    protocol: str = ""  # broker.states.EnvProtocol: how its server closes it
 
 
 _KINDS[OrphanInstance.KIND] = OrphanInstance
@@ -525,8 +535,9 @@ _KINDS[Progress.KIND] = Progress
 @dataclass
 class BreakerState:
     """An open circuit breaker as a worker process publishes it (workers/breakers.py) in
-    ``<prefix>:breakers``, field ``"<kind> <server> <worker>"``; readers drop entries not
-    refreshed for ``BREAKER_STALE_S`` (their worker is gone or the breaker closed unseen)."""
+    ``<prefix>:breakers``, field ``"<kind> <server> <worker>"``; readers skip entries not
+    refreshed for ``BREAKER_STALE_S`` (their worker is gone or the breaker closed unseen), and
+    workers remove them (``live_breaker``)."""
 
     kind: str  # env | model
     server: str  # base URL, password starred
@@ -553,3 +564,14 @@ class BreakerState:
 
 
 BREAKER_STALE_S = 20.0
+
+
+def live_breaker(raw: bytes, now: float | None = None) -> BreakerState | None:
+    """The breaker an entry of ``<prefix>:breakers`` holds, or None when it is stale (not
+    refreshed for ``BREAKER_STALE_S``) or unreadable: the one rule the readers and the workers
+    that prune the hash go by."""
+    try:
+        state = BreakerState.unpack(raw)
+    except RecordError:
+        return None
+    return state if (time.time() if now is None else now) - state.seen <= BREAKER_STALE_S else None

@@ -26,16 +26,16 @@ from broker.cancel import JobCancel
 from broker.duty import Duty
 from broker.keys import Keys, member, split_member
 from broker.ledger import Ledger
-from broker.lua_scripts import lua_file
+from broker.lua_scripts import lua_file, lua_script
 from broker.pause import JobPause
-from broker.queueing import push_episodes, send_episodes, waiting_episodes
+from broker.queueing import push_episodes, waiting_episodes
 from broker.records import AttemptRecord
 from broker.settings import Settings
 from broker.states import AttemptStatus, CloseAction, LedgerState
 
 log = logging.getLogger("interactor.recovery")
 
-_RELEASE_LOCK = lua_file("recovery_release_lock")  # its Lua: broker/lua/recovery_release_lock.lua
+_RELEASE_LOCK = lua_script(lua_file("recovery_release_lock"))  # its Lua: broker/lua/recovery_release_lock.lua
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Sweeper:
         return report
 
     def _release(self, token: str) -> None:
-        self.r.eval(_RELEASE_LOCK, 1, self.keys.sweep_lock, token)
+        _RELEASE_LOCK(keys=[self.keys.sweep_lock], args=[token], client=self.r)
 
     def _note_fading_holders(self) -> None:
         """Who holds the leases that are running out, kept until past their reclaim: an expired
@@ -185,7 +185,7 @@ class Sweeper:
                 record = AttemptRecord(**base, status=AttemptStatus.ABANDONED, error=message)
                 if self.ledger.reclaim(job_id, episode_id, LedgerState.QUEUED, record, outage=self.outage,
                                        uncounted_default=job.max_attempts if close.uncounted else None):
-                    send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
+                    push_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
                     report.reclaimed.append(m)
                     # its env instance is left to the next attempt: continued, or closed by it
                     log.warning("episode %s: %s on attempt %d; re-queued%s", episode_id, what, attempt,
@@ -220,7 +220,7 @@ class Sweeper:
                 continue
             job_id, episode_id = split_member(m)
             spec = self.ledger.episode_spec(job_id, episode_id)
-            send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
+            push_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
             report.resent.append(m)
             log.warning("episode %s: received by a worker that died before starting it; sent again", episode_id)
 
@@ -332,7 +332,7 @@ class Sweeper:
             if not self.ledger.move(job_id, episode_id, LedgerState.QUEUED, [LedgerState.RETRYING]):
                 continue  # started early by a duplicate delivery, or finished meanwhile
             spec = self.ledger.episode_spec(job_id, episode_id)
-            send_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
+            push_episodes(self.r, [(job_id, episode_id, self.settings.queue_for(spec))])
             report.retried.append(m)
 
 

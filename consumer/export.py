@@ -260,12 +260,6 @@ def _flat_messages(msgs: Iterable[Any]) -> list[dict[str, str | None]]:
     return out
 
 
-def export_job(store_path_or_store: str | os.PathLike | ResultStore, job_id: str, out_path: str | os.PathLike,
-               fmt: str = "jsonl", **filters: Any) -> int:
-    """:func:`export_training` (same filters), returning only the number of rows written."""
-    return export_training(store_path_or_store, job_id, out_path, fmt, **filters).rows
-
-
 def export_training(
     store_path_or_store: str | os.PathLike | ResultStore,
     job_id: str,

@@ -149,13 +149,3 @@ def jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def text_of(content: Any) -> str:
-    """The text of a message content (a string, None, or a list of parts)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content
-                         if not isinstance(p, dict) or p.get("type") == "text")
-    return str(content)

@@ -133,7 +133,7 @@ class FleetReader:
         k = self.keys
         pipe = self.r.pipeline(transaction=False)
         pipe.xlen(k.results)
-        pipe.xlen(f"{k.results}:poison")
+        pipe.xlen(k.poison)
         length, poison = pipe.execute()
         groups = []
         try:
@@ -163,28 +163,21 @@ class FleetReader:
     def breakers(self) -> list[dict[str, Any]]:
         """Open circuit breakers, one entry per server: which, since when, on how many worker
         processes, the last error. Entries not refreshed lately (their worker died, or the
-        breaker closed while Redis was away) are dropped and removed."""
-        from broker.records import BREAKER_STALE_S, BreakerState, RecordError
+        breaker closed while Redis was away) are skipped; the workers remove them
+        (workers/breakers.py), the one writer of the hash."""
+        from broker.records import live_breaker
 
         now = time.time()
         merged: dict[tuple[str, str], dict[str, Any]] = {}
-        stale = []
-        for key, raw in self.r.hgetall(self.keys.breakers).items():
-            try:
-                b = BreakerState.unpack(raw)
-            except RecordError:
-                stale.append(key)
-                continue
-            if now - b.seen > BREAKER_STALE_S:
-                stale.append(key)
+        for raw in self.r.hgetall(self.keys.breakers).values():
+            b = live_breaker(raw, now)
+            if b is None:
                 continue
             m = merged.setdefault((b.kind, b.server), {"kind": b.kind, "server": b.server, "since": b.since,
                                                       "workers": 0, "error": b.error})
             m["workers"] += 1
             if b.since and (not m["since"] or b.since < m["since"]):
                 m["since"] = b.since
-        if stale:
-            self.r.hdel(self.keys.breakers, *stale)
         return sorted(merged.values(), key=lambda m: (m["kind"], m["server"]))
 
     # everything ----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from broker.cancel import JobCancel, JobCancelled
 from broker.dlq import DeadLetterQueue
 from broker.keys import Keys, env_instance_id, member
 from broker.ledger import Ledger
-from broker.queueing import send_episodes
+from broker.queueing import push_episodes
 from broker.records import DeadLetter, EpisodesCancelled, unpack
 from broker.recovery import Sweeper, reconcile
 from broker.states import AttemptStatus, LedgerState, ProducerState, StoredStatus
@@ -105,7 +105,7 @@ def test_waiting_episodes_end_at_once_running_ones_are_told_and_nothing_starts_a
     # before its renewal told it would): waiting again, its message sent.
     assert ledger.finish(handing_back, attempt_rec(handing_back, AttemptStatus.ABANDONED,
                                                    reason=errors.WORKER_SHUTDOWN), LedgerState.QUEUED)
-    send_episodes(redis_client, [(JOB, ep_id(1), "q")])
+    push_episodes(redis_client, [(JOB, ep_id(1), "q")])
     assert ledger.start(JOB, ep_id(1), "w3").status == "refused"  # nothing of a cancelled job starts
     queued = redis_client.llen("q")
     assert reconcile(redis_client, settings, JOB) == [] and redis_client.llen("q") == queued

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from broker.records import AttemptRecord, JobSpec, StepRecord
-from consumer.export import export_job, export_training, parquet_schema, version_number
+from consumer.export import export_training, parquet_schema, version_number
 from consumer.storage import open_store
 from consumer.storage.group_stats import group_stats
 from tests.conftest import ROOT
@@ -134,7 +134,7 @@ def test_filters(store, tmp_path):
 
 def test_parquet_is_chat_shaped_for_trl_and_verl(store, tmp_path):
     out = tmp_path / "train.parquet"
-    n = export_job(store, JOB, out, fmt="parquet", complete_groups_only=True)
+    n = export_training(store, JOB, out, fmt="parquet", complete_groups_only=True).rows
     t = pq.read_table(out)
     assert t.num_rows == n > 0 and t.schema.equals(parquet_schema())
     chat = pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
@@ -152,7 +152,7 @@ def test_parquet_is_chat_shaped_for_trl_and_verl(store, tmp_path):
 def test_parquet_loads_with_datasets(store, tmp_path):
     datasets = pytest.importorskip("datasets", reason="the `datasets` library is not installed")
     out = tmp_path / "train.parquet"
-    n = export_job(store, JOB, out, fmt="parquet")
+    n = export_training(store, JOB, out, fmt="parquet").rows
     ds = datasets.load_dataset("parquet", data_files=str(out), split="train")
     assert ds.num_rows == n and ds[0]["messages"] == pq.read_table(out).slice(0, 1).to_pylist()[0]["messages"]
 

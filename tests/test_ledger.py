@@ -59,6 +59,13 @@ def job(ledger):
     return job, eps
 
 
+def publish_one(ledger: Ledger, lease: Lease, payload: bytes) -> int:
+    """One record through the ledger's publish script: the stream's length, or -1 when the lease
+    refused it (and is flagged lost)."""
+    (added,), length = ledger.publish_many([(lease, payload)])
+    return length if added else -1
+
+
 def stream_len(r, keys) -> int:
     return r.xlen(keys.results)
 
@@ -201,9 +208,9 @@ def test_start_retrying_episode(ledger, job):
 def test_publish_with_token_appends(ledger, job, redis_client, keys):
     lease = start_ok(ledger, ep_id(1))
     before = stream_len(redis_client, keys)
-    n = ledger.publish(lease, step_rec(lease, 1))
+    n = publish_one(ledger, lease, step_rec(lease, 1))
     assert n == before + 1
-    assert ledger.publish(lease, step_rec(lease, 2)) == before + 2
+    assert publish_one(ledger, lease, step_rec(lease, 2)) == before + 2
     recs = stream_records(redis_client, keys)
     assert [r.step_id for r in recs if isinstance(r, StepRecord)] == [1, 2]
     assert not lease.lost.is_set()
@@ -213,7 +220,7 @@ def test_publish_with_wrong_token_refused(ledger, job, redis_client, keys):
     lease = start_ok(ledger, ep_id(1))
     bogus = Lease(JOB, ep_id(1), lease.attempt, lease.token + "x")
     before = stream_len(redis_client, keys)
-    assert ledger.publish(bogus, step_rec(lease)) == -1
+    assert publish_one(ledger, bogus, step_rec(lease)) == -1
     assert stream_len(redis_client, keys) == before
     assert bogus.lost.is_set()
     assert not lease.lost.is_set()
@@ -224,17 +231,17 @@ def test_publish_with_stale_token_after_takeover(ledger, job, redis_client, keys
     redis_client.delete(keys.lease(ep_id(1)))
     new = start_ok(ledger, ep_id(1), "w2")
     before = stream_len(redis_client, keys)
-    assert ledger.publish(old, step_rec(old)) == -1
+    assert publish_one(ledger, old, step_rec(old)) == -1
     assert old.lost.is_set()
     assert stream_len(redis_client, keys) == before
-    assert ledger.publish(new, step_rec(new)) == before + 1
+    assert publish_one(ledger, new, step_rec(new)) == before + 1
 
 
 def test_publish_after_finish_refused(ledger, job, redis_client, keys):
     lease = start_ok(ledger, ep_id(1))
     assert ledger.finish(lease, attempt_rec(lease), LedgerState.DONE)
     before = stream_len(redis_client, keys)
-    assert ledger.publish(lease, step_rec(lease)) == -1
+    assert publish_one(ledger, lease, step_rec(lease)) == -1
     assert stream_len(redis_client, keys) == before
 
 
@@ -571,7 +578,7 @@ def test_lease_expiry_then_reclaim_and_restart(redis_client, keys):
     assert ledger.expired_running(grace_ms=60_000) == []
     # the sweeper re-queued it: the holder cannot write once its lease expired and was reclaimed
     assert ledger.reclaim(JOB, ep_id(1), LedgerState.QUEUED, attempt_rec(lease, AttemptStatus.ABANDONED)) is True
-    assert ledger.publish(lease, step_rec(lease)) == -1 and lease.lost.is_set()
+    assert publish_one(ledger, lease, step_rec(lease)) == -1 and lease.lost.is_set()
     assert ledger.expired_running() == []
     again = start_ok(ledger, ep_id(1), "w2")
     assert again.attempt == 2
@@ -588,7 +595,7 @@ def test_publish_takes_back_a_lapsed_lease_nobody_took(ledger, job, redis_client
     a = start_ok(ledger, ep_id(1))
     b = start_ok(ledger, ep_id(2))
     redis_client.delete(keys.lease(ep_id(1)), keys.lease(ep_id(2)))
-    assert ledger.publish(a, step_rec(a)) > 0 and not a.lost.is_set()
+    assert publish_one(ledger, a, step_rec(a)) > 0 and not a.lost.is_set()
     assert redis_client.get(keys.lease(ep_id(1))).decode() == a.token
     assert redis_client.pttl(keys.lease(ep_id(1))) > 2000
     assert redis_client.zscore(keys.running, a.member) > time.time() * 1000

@@ -10,7 +10,7 @@ import pytest
 from kombu.serialization import prepare_accept_content
 
 from broker.celery_app import EPISODE_TASK, make_app
-from broker.queueing import decode_task_args, send_episodes, task_message
+from broker.queueing import decode_task_args, push_episodes, task_message
 
 
 @pytest.fixture
@@ -178,68 +178,12 @@ def test_decode_valid_json_but_not_an_envelope_is_none(raw):
     assert decode_task_args(raw) is None
 
 
-# --- send_episodes -----------------------------------------------------------------------
-
-
-class CountingClient:
-    """Wraps a redis client and counts pipeline executions."""
-
-    def __init__(self, client):
-        self.client = client
-        self.executes: list[int] = []
-
-    def pipeline(self, *a, **kw):
-        pipe = self.client.pipeline(*a, **kw)
-        real = pipe.execute
-        outer = self
-
-        def execute(*ea, **ekw):
-            outer.executes.append(len(pipe.command_stack))
-            return real(*ea, **ekw)
-
-        pipe.execute = execute
-        return pipe
-
-
-def test_send_episodes_pushes_to_queues_in_chunks(redis_client, settings):
-    qa, qb = settings.queue, settings.queue + "-b"
-    items = [("job1", f"job1.1.1.1.{i}", qa if i % 3 else qb) for i in range(1, 12)]
-    client = CountingClient(redis_client)
-    sent = send_episodes(client, iter(items), chunk=4)
-    assert sent == 11
-    n_b = sum(1 for _, _, q in items if q == qb)
-    assert redis_client.llen(qa) == 11 - n_b
-    assert redis_client.llen(qb) == n_b
-    assert client.executes[:3] == [4, 4, 3]
-    assert sum(client.executes) == 11
-    # every message decodes back to its episode, in the queue it was sent to
-    got_a = {decode_task_args(m) for m in redis_client.lrange(qa, 0, -1)}
-    got_b = {decode_task_args(m) for m in redis_client.lrange(qb, 0, -1)}
-    assert got_a == {(j, e) for j, e, q in items if q == qa}
-    assert got_b == {(j, e) for j, e, q in items if q == qb}
-    for m in redis_client.lrange(qb, 0, -1):
-        assert json.loads(m)["properties"]["delivery_info"]["routing_key"] == qb
-    # FIFO as Celery consumes it (BRPOP from the right): first sent, first out
-    assert decode_task_args(redis_client.rpop(qa)) == ("job1", "job1.1.1.1.1")
-
-
-def test_send_episodes_empty(redis_client, settings):
-    assert send_episodes(redis_client, [], chunk=10) == 0
-    assert redis_client.llen(settings.queue) == 0
-
-
-def test_send_episodes_exact_multiple_of_chunk(redis_client, settings):
-    items = [("j", f"e{i}", settings.queue) for i in range(6)]
-    assert send_episodes(redis_client, items, chunk=3) == 6
-    assert redis_client.llen(settings.queue) == 6
-
-
 # --- no pickle ---------------------------------------------------------------------------
 
 
 def test_no_pickle_anywhere(app, redis_client, settings):
     celery_message(app, redis_client, settings.queue, ["j", "e1"])
-    send_episodes(redis_client, [("j", "e2", settings.queue)])
+    push_episodes(redis_client, [("j", "e2", settings.queue)])
     for raw in redis_client.lrange(settings.queue, 0, -1):
         env = json.loads(raw)
         assert "pickle" not in env["content-type"] and "python-serialize" not in env["content-type"]

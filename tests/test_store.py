@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord, unpack
-from consumer.export import export_job, parquet_schema
+from consumer.export import export_training, parquet_schema
 from consumer.storage import StoreError, open_store
 
 JOB = "job1"
@@ -676,7 +676,7 @@ def _export_fixture(store):
 def test_export_jsonl(store, tmp_path):
     _export_fixture(store)
     out = tmp_path / "out.jsonl"
-    n = export_job(store, JOB, out)
+    n = export_training(store, JOB, out).rows
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert n == len(rows) == 2 + 1 + 1 + 1
     assert {(r["episode_id"], r["attempt"], r["step_id"]) for r in rows} == {
@@ -688,9 +688,9 @@ def test_export_jsonl(store, tmp_path):
     assert e1[0]["episode_reward"] == 1.0 and e1[0]["weight_version"] == "v1" and e1[1]["weight_version"] is None
     assert {r["episode_id"]: r["group_complete"] for r in rows} == {"e1": True, "e2": True, "f1": False, "e3": True}
     assert set(rows[0]) == set(parquet_schema().names)
-    n = export_job(store.url, JOB, out, complete_groups_only=True)
+    n = export_training(store.url, JOB, out, complete_groups_only=True).rows
     assert n == 4
-    n = export_job(store, JOB, out, trainable_only=False, episode_statuses=None)
+    n = export_training(store, JOB, out, trainable_only=False, episode_statuses=None).rows
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert n == 2 + 1 + 1 + 2  # the failed episode has no trajectory to export
     assert not any(r["attempt"] == 1 and r["episode_id"] == "e1" for r in rows)
@@ -699,7 +699,7 @@ def test_export_jsonl(store, tmp_path):
 def test_export_parquet(store, tmp_path):
     _export_fixture(store)
     out = tmp_path / "out.parquet"
-    n = export_job(store, JOB, out, fmt="parquet")
+    n = export_training(store, JOB, out, fmt="parquet").rows
     t = pq.read_table(out)
     assert t.num_rows == n == 5 and t.schema.equals(parquet_schema())
     msg_type = pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
@@ -708,5 +708,5 @@ def test_export_parquet(store, tmp_path):
     assert not any(r["reward"] == 7.0 for r in rows)  # the superseded attempt's rows are not exported
     e1s1 = next(r for r in rows if r["episode_id"] == "e1" and r["step_id"] == 1)
     assert json.loads(e1s1["prompt"][0]["content"])[0] == {"type": "text", "text": "look"}
-    n = export_job(store, "no-such-job", out, fmt="parquet")
+    n = export_training(store, "no-such-job", out, fmt="parquet").rows
     assert n == 0 and pq.read_table(out).schema.equals(parquet_schema())

@@ -41,7 +41,7 @@ import requests
 from broker.duty import Duty
 from broker.errors import BAD_TASK, ENV_OUTAGE, MODEL_OUTAGE, EpisodeError
 from broker.keys import Keys
-from broker.records import BreakerState
+from broker.records import BreakerState, live_breaker
 from broker.settings import redact_url
 from broker.urls import url_problem
 from workers.allowlist import HostAllowlist
@@ -55,6 +55,7 @@ _OUTAGE_REASON = {ENV: ENV_OUTAGE, MODEL: MODEL_OUTAGE}
 _PROBE_MIN_S, _PROBE_MAX_S = 0.5, 10.0
 _WAIT_SLICE_S = 0.25
 PUBLISH_EVERY_S = 5.0
+PRUNE_EVERY_S = 60.0  # how often a process removes the stale entries of the breakers hash
 FLAP_WINDOW_S = 30.0
 PROBE_TIMEOUT_S = 3.0
 
@@ -172,20 +173,23 @@ class BreakerBoard:
         self._lock = threading.Lock()
         self._breakers: dict[tuple[str, str], Breaker] = {}
         self._last_publish = 0.0
+        self._last_prune = 0.0
         # Probes go to URLs a job named: no ~/.netrc credentials, no redirects followed (either
         # would take the probe past the checks below), proxies as for the calls themselves.
         self._session = requests.Session()
         self._session.trust_env = False
         self.env_hosts = env_hosts or HostAllowlist("")
 
-    def for_env(self, base_url: str) -> Breaker:
-        """The breaker of an env server; readiness: ``GET {base_url}/envs`` answers 2xx. The URL
-        must pass the checks the env calls pass (broker/urls.py, the env host allow-list)."""
+    def for_env(self, base_url: str, readiness: str = "/envs") -> Breaker:
+        """The breaker of an env server; readiness: ``GET {base_url}/envs`` answers 2xx
+        (``readiness``: the route of servers of another protocol, ``/health`` for OpenEnv and
+        ORS). The URL must pass the checks the env calls pass (broker/urls.py, the env host
+        allow-list)."""
         if not self.env_hosts.allows(base_url):
             raise EpisodeError(BAD_TASK, f"env server {redact_url(base_url)!r}: "
                                f"{url_problem(base_url) or 'not on INTERACTOR_ENV_HOSTS'}", transient=False)
         url = base_url.rstrip("/")
-        return self.get(ENV, url, lambda: self._answers(url + "/envs", strict=True))
+        return self.get(ENV, url, lambda: self._answers(url + readiness, strict=True))
 
     def for_model(self, llm_base_url: str) -> Breaker:
         """The breaker of a model endpoint; readiness: ``GET {llm_base_url}/models`` answers at
@@ -243,9 +247,28 @@ class BreakerBoard:
             log.debug("could not publish breakers: %s", exc)
 
     def heartbeat(self) -> None:
-        """Refresh published open breakers now and then (readers drop stale ones)."""
-        if self.open_breakers() and time.monotonic() - self._last_publish >= PUBLISH_EVERY_S:
+        """Refresh published open breakers now and then (readers skip stale ones), and now and
+        then remove the stale entries of every process (those of a worker that died stay
+        otherwise): the workers are the one writer of the breakers hash."""
+        now = time.monotonic()
+        if self.open_breakers() and now - self._last_publish >= PUBLISH_EVERY_S:
             self.publish()
+        if now - self._last_prune >= PRUNE_EVERY_S:
+            self._last_prune = now
+            self.prune_stale()
+
+    def prune_stale(self) -> int:
+        """Remove the entries not refreshed for ``BREAKER_STALE_S`` (or unreadable); best effort."""
+        if self.r is None or self.keys is None:
+            return 0
+        try:
+            stale = [field for field, raw in self.r.hgetall(self.keys.breakers).items() if live_breaker(raw) is None]
+            if stale:
+                self.r.hdel(self.keys.breakers, *stale)
+            return len(stale)
+        except redis.RedisError as exc:
+            log.debug("could not prune stale breakers: %s", exc)
+            return 0
 
 
 class BreakerHeartbeat(Duty):

@@ -188,7 +188,7 @@ class StepPublisher:
     def _refresh_backlog(self) -> None:
         time.sleep(_WAIT_SLICE_S * 2)
         try:
-            self.backlog = int(self.ledger.r.xlen(self.ledger.k.results))
+            self.backlog = self.ledger.results_length()
         except redis.RedisError as exc:
             log.warning("reading the results stream's length failed: %s", exc)
         with self._cv:

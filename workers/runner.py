@@ -21,7 +21,7 @@ import redis
 from broker.caps import FleetSlots
 from broker.keys import Keys, member
 from broker.ledger import Ledger
-from broker.queueing import send_episodes
+from broker.queueing import push_episodes
 from broker.records import JobSpec, new_attempt_id
 from broker.ratelimit import RateLimits
 from broker.recovery import SweepDuty, Sweeper
@@ -101,7 +101,7 @@ class WorkerRuntime:
             env=self.env, model=self.model, model_gate=self.model_gate, jitter=self.jitter, pacing=self.pacing,
             fleet=self.fleet, versions=self.versions, keys=self.keys,
             queue_orphans=lambda entries: self.redis.rpush(self.keys.orphans, *entries),
-            requeue=lambda episodes: send_episodes(self.redis, episodes), fault=self.fault,
+            requeue=lambda episodes: push_episodes(self.redis, episodes), fault=self.fault,
             shutting_down=self.shutting_down, unhealthy=self.unhealthy, redact=self.redact)
 
     # --- lifecycle -------------------------------------------------------------------

@@ -33,7 +33,7 @@ local function reclaim_held(clock, hold, gap_ms, hold_ms, outages, primary)
     redis.call('SET', hold, '1', 'PX', hold_ms)
     if outages then
       redis.call('ZADD', outages, now, string.format('%d:%d', last, now))
-      redis.call('ZREMRANGEBYRANK', outages, 0, -(OUTAGES_KEPT + 1))
+      redis.call('ZREMRANGEBYRANK', outages, 0, -($OUTAGES_KEPT + 1))
     end
     return 1
   end

@@ -3,8 +3,8 @@
 -- ARGV: ttl_ms, then per item: token, record, member, episode, "<attempt>:<attempt_id>", snapshot,
 --       "<trajectory> <seq>"
 -- Each item (a record, a progress snapshot, or both) is written only while its own attempt holds
--- its episode: one round trip for the items of many episodes, fenced exactly as one PUBLISH each
--- would be; a step's record and the snapshot after it land together. Returns {ok_1 .. ok_n, xlen}.
+-- its episode (``holds``: a lapsed lease is taken back): one round trip for the items of many episodes;
+-- a step's record and the snapshot after it land together. Returns {ok_1 .. ok_n, xlen}.
 local n = (#KEYS - 2) / 5
 local out = {}
 for i = 1, n do
