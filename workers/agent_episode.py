@@ -46,13 +46,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import orjson
+import redis
 
 from broker import errors
-from broker.records import EpisodeSpec, JobSpec, StepRecord
-from broker.states import EndedBy
+from broker.records import AttemptRecord, EpisodeSpec, JobSpec, StepRecord
+from broker.states import AttemptStatus, EndedBy, LedgerState, ResumeNote
 from envs.base import import_object
-from workers.gateway import AgentSession, Gateway
+from workers.gateway import AgentSession, Gateway, local_gateway
 from workers.loop import LoopConfig
+from workers.port_layers import policy_port
 from workers.token_answers import step_token_fields
 
 log = logging.getLogger("interactor.agent")
@@ -71,6 +73,7 @@ class AgentOutcome:
     steps: int
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    model_s: float = 0.0
 
 
 def is_agent(spec: EpisodeSpec) -> bool:
@@ -94,6 +97,7 @@ class CallRecorder:
         self.cfg, self.publish = cfg, publish
         self.steps = 0
         self.prompt_tokens = self.completion_tokens = 0
+        self.model_s = 0.0
         self._held: StepRecord | None = None
         self._prev_tokens: list[int] | None = None
 
@@ -106,6 +110,7 @@ class CallRecorder:
                                                       getattr(completion, "tokens", None), self._prev_tokens)
         self.prompt_tokens += completion.prompt_tokens or 0
         self.completion_tokens += completion.completion_tokens or 0
+        self.model_s += seconds
         record = StepRecord(
             job_id=cfg.job_id, env_id=cfg.episode_id, attempt=cfg.attempt, step_id=step_id, env_name=cfg.env_name,
             llm_model=cfg.llm_model, group_id=cfg.group_id, messages_json=orjson.dumps(messages),
@@ -151,32 +156,77 @@ def run_agent_episode(gateway: Gateway, *, job: JobSpec, spec: EpisodeSpec, cfg:
         raise session.error  # a model call failed for good: the attempt ends for the model's reason
     reward, info = _reward(result)
     recorder.finish(reward)
-    return AgentOutcome(reward, info, recorder.steps, recorder.prompt_tokens, recorder.completion_tokens)
+    return AgentOutcome(reward, info, recorder.steps, recorder.prompt_tokens, recorder.completion_tokens,
+                        recorder.model_s)
+
+
+def run_agent_attempt(attempt: Any) -> str:
+    """An attempt (workers/attempt.py ``Attempt``) of an agent episode, from its ports to its
+    close: the agent runs on this process's loopback gateway instead of the step loop. An
+    attempt before it is never continued (an agent's state is its own): the agent runs afresh."""
+    parts, lease, spec, job, base = attempt.parts, attempt.lease, attempt.spec, attempt.job, attempt.base
+    if lease.attempt == 1:
+        base["queue_wait_s"] = max(0.0, attempt.t_start - job.created_at)
+    base.update(trajectory="", resumed_at=0,
+                resume_note=ResumeNote.NOT_RESUMABLE if attempt.progress is not None or attempt.earlier else "")
+    cfg = LoopConfig(job_id=job.job_id, episode_id=spec.episode_id, env_name=spec.env_name, group_id=spec.group_id,
+                     llm_model=job.model, attempt=lease.attempt, max_steps=job.max_steps, message_cut=0,
+                     attempt_id=lease.attempt_id)
+    try:
+        parts.jitter.wait(attempt.check)
+        gateway = local_gateway(parts.settings.gateway_max_body_bytes)
+        outcome = run_agent_episode(gateway, job=job, spec=spec, cfg=cfg, policy=policy_port(attempt.ports),
+                                    publish=attempt.publish, check=attempt.check, redact=parts.redact,
+                                    timeout_s=parts.settings.agent_timeout_s)
+    except errors.EpisodeError as exc:
+        return attempt.close_error(exc, "", outage_seen=attempt.guard.outage_seen)
+    except redis.RedisError as exc:
+        err = errors.EpisodeError(errors.BROKER_OUTAGE, f"Redis unreachable: {type(exc).__name__}: {exc}",
+                                  transient=True, outage=True)
+        return attempt.close_error(err, "")
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: parked with its traceback
+        err = errors.EpisodeError(errors.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", transient=False)
+        return attempt.close_error(err, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__,
+                                                                           limit=-6))[-4000:])
+    record = AttemptRecord(**base, status=AttemptStatus.COMPLETED, total_reward=outcome.reward, steps=outcome.steps,
+                           last_info=outcome.info, ended_by=EndedBy.TERMINATED, prompt_tokens=outcome.prompt_tokens,
+                           completion_tokens=outcome.completion_tokens, model_s=outcome.model_s)
+    if not attempt.finish(record, LedgerState.DONE):
+        log.warning("episode %s attempt %d: lease lost before completion was recorded", spec.episode_id,
+                    lease.attempt)
+        return errors.LEASE_LOST
+    parts.pause_watch.succeeded(job)
+    log.info("episode %s attempt %d (agent) completed: reward=%.3f calls=%d", spec.episode_id, lease.attempt,
+             outcome.reward, outcome.steps)
+    return AttemptStatus.COMPLETED
 
 
 def _run_function(path: str, row: Any, base_url: str, session: AgentSession, model: str,
                   check: Callable[[], None], timeout_s: float) -> Any:
-    try:
-        fn = import_object(path)
-    except Exception as exc:  # noqa: BLE001 - an agent that does not import is the task's error
-        raise errors.EpisodeError(errors.BAD_TASK, f"agent {path!r} could not be imported: "
-                                                   f"{type(exc).__name__}: {exc}", transient=False) from None
-    if not callable(fn):
-        raise errors.EpisodeError(errors.BAD_TASK, f"agent {path!r} is not callable", transient=False)
     outcome: dict[str, Any] = {}
-    done = threading.Event()
+    done: list[bool] = []
 
     def call() -> None:
         try:
+            try:
+                fn = import_object(path)
+            except Exception as exc:  # noqa: BLE001 - an agent that does not import is the task's error
+                outcome["bad"] = f"agent {path!r} could not be imported: {type(exc).__name__}: {exc}"
+                return
+            if not callable(fn):
+                outcome["bad"] = f"agent {path!r} is not callable"
+                return
             outcome["result"] = fn(task=row, base_url=base_url, api_key=session.key, model=model)
         except BaseException as exc:  # noqa: BLE001 - whatever the agent raises is its failure
             outcome["error"] = exc
             outcome["words"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4))
         finally:
-            done.set()
+            done.append(True)
 
-    threading.Thread(target=call, name=f"agent:{session.session_id}", daemon=True).start()
-    _wait(done.is_set, check, timeout_s, path, lambda: "")
+    _start_thread(call, f"agent:{session.session_id}")
+    _wait(lambda: bool(done), check, timeout_s, path, lambda: "")
+    if "bad" in outcome:
+        raise errors.EpisodeError(errors.BAD_TASK, outcome["bad"], transient=False)
     if "error" in outcome:
         exc = outcome["error"]
         raise errors.EpisodeError(errors.AGENT_ERROR, f"agent {path} raised {type(exc).__name__}: "
@@ -226,6 +276,22 @@ def _run_command(argv: list[str], row: Any, base_url: str, session: AgentSession
     except ValueError:
         raise errors.EpisodeError(errors.AGENT_ERROR, f"agent command {shown!r}: its last stdout line is not "
                                                       f"JSON: {lines[-1][:200]!r}") from None
+
+
+def _start_thread(fn: Callable[[], None], name: str) -> None:
+    """``fn`` on an OS thread of its own. Under the gevent pool, a real one (the unpatched
+    ``_thread``), not a greenlet: asyncio keeps its running loop per OS thread, so two agents on
+    asyncio (the OpenAI Agents SDK's ``run_sync``) in greenlets of one thread would see each
+    other's loop; and an agent's imports and computing would stall every other episode of the
+    process (its lease renewals included) if it ran in the hub's thread."""
+    try:
+        from gevent import monkey
+    except ImportError:
+        monkey = None
+    if monkey is not None and monkey.is_module_patched("threading"):
+        monkey.get_original("_thread", "start_new_thread")(fn, ())
+        return
+    threading.Thread(target=fn, name=name, daemon=True).start()
 
 
 def _wait(finished: Callable[[], bool], check: Callable[[], None], timeout_s: float, what: str,

@@ -43,6 +43,7 @@ from broker.lease import Lease
 from broker.records import AttemptRecord, EpisodeSpec, JobSpec, Progress, StepRecord
 from broker.settings import Settings
 from broker.states import AttemptStatus, CloseAction, LedgerState, ResumeNote
+from workers.agent_episode import is_agent, run_agent_attempt
 from workers.attempt_parts import AttemptParts
 from workers.budget import Budget
 from workers.hooks import load_hook
@@ -95,6 +96,8 @@ class Attempt:
             parts.pause_watch.failed(job, lease.episode_id, err.reason, refused)
             self.orphan_earlier()  # this worker calls none of the job's servers; an orphan closer checks its own lists
             return self.close_failed(err, "")
+        if is_agent(spec):
+            return run_agent_attempt(self)  # an agent owns the loop: workers/agent_episode.py
 
         base, progress = self.base, self.progress
         timings = PhaseTimings()  # where the attempt's time goes (records v5)
