@@ -16,7 +16,7 @@ from typing import Iterable
 from broker import errors
 from broker.keys import env_instance_id
 from broker.records import AttemptRecord, DeadLetter, EpisodeSpec, OrphanInstance
-from broker.states import CloseAction
+from broker.states import CloseAction, EnvProtocol
 
 # Attempts ended by an outage are not counted, up to this many beyond max_attempts (a server
 # that flaps forever must still let its episodes end).
@@ -92,8 +92,8 @@ def orphans(spec: EpisodeSpec | None, trajectories: Iterable[tuple[int, str]]) -
     queues them for a worker's orphan closer (workers/orphans.py). ``trajectories``: (number,
     attempt_id) of the attempts that reset them; a number 0 names none. Closing one that is gone
     is a no-op on the env server."""
-    if spec is None or spec.transport == "inproc" or not spec.base_url:
-        return []
-    return [OrphanInstance(base_url=spec.base_url, env_name=spec.env_name,
+    if spec is None or spec.transport == "inproc" or not spec.base_url or spec.protocol == EnvProtocol.OPENENV:
+        return []  # an inproc env, or an OpenEnv session, ended with its worker's process or socket
+    return [OrphanInstance(base_url=spec.base_url, env_name=spec.env_name, protocol=spec.protocol,
                            instance_id=env_instance_id(spec.episode_id, number, attempt_id)).pack()
             for number, attempt_id in dict.fromkeys(trajectories) if number > 0]

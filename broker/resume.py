@@ -30,11 +30,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker.records import Progress
-from broker.states import ProgressPhase, ResumeNote
+from broker.records import EpisodeSpec, Progress
+from broker.states import EnvProtocol, ProgressPhase, ResumeNote
 
 #: Snapshots a successor may continue from: no env call can be in flight there.
 RESUMABLE = frozenset({ProgressPhase.READY, ProgressPhase.PROMPTED})
+
+
+def outlives_worker(spec: EpisodeSpec) -> bool:
+    """Whether an env instance of ``spec`` can outlive the worker that drives it, so that a
+    successor may continue it: an instance on an env server of the original protocol or an ORS
+    session (its id is ours, its server keeps it 15 idle minutes) can; an inproc env dies with
+    its process, and an OpenEnv session with its WebSocket (the server destroys a session when
+    its socket closes: openenv's http_server.py ``websocket_endpoint``)."""
+    return spec.transport != "inproc" and spec.protocol != EnvProtocol.OPENENV
 
 
 @dataclass(frozen=True)

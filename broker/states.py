@@ -106,12 +106,23 @@ class ResumeNote(StrEnum):
 
     CALL_IN_FLIGHT = "call_in_flight"  # the predecessor died inside get_task_prompt or step: outcome unknown
     INSTANCE_GONE = "instance_gone"  # the env server no longer has the instance (it restarted)
-    NOT_RESUMABLE = "not_resumable"  # the job's episodes are not continued: resume off, or an inproc env
+    # the job's episodes are not continued: resume off, an inproc env, or an OpenEnv session (it
+    # lives only as long as its WebSocket, which died with the worker)
+    NOT_RESUMABLE = "not_resumable"
     # the attempt before left nothing to continue: it closed its own instance (it failed, its close
     # said so), or it died before its first step was recorded (snapshots begin at the second)
     NOTHING_KEPT = "nothing_kept"
     # prompted before an outage or a failover: the ``stepping`` write that may have followed could be lost
     OUTAGE_SINCE_SNAPSHOT = "outage_since_snapshot"
+
+
+class EnvProtocol(StrEnum):
+    """What an env server speaks (a task entry's ``protocol``, ``EpisodeSpec.protocol``):
+    docs/environments.md#environments-from-other-ecosystems."""
+
+    ORIGINAL = ""  # the original system's protocol (docs/protocol.md#environment-server): the default
+    OPENENV = "openenv"  # OpenEnv's create_app servers: a WebSocket session per episode (workers/openenv_port.py)
+    ORS = "ors"  # the Open Reward Standard: HTTP sessions, tool calls answered over SSE (workers/ors_port.py)
 
 
 class StartStatus(StrEnum):

@@ -55,6 +55,7 @@ from broker.errors import (
     EpisodeError,
 )
 from broker.settings import redact_url
+from broker.states import EnvProtocol
 from workers.deadlines import deadline_passed, timeouts
 from workers.envport import (
     CLOSE_BUDGET_S,
@@ -118,18 +119,28 @@ class EnvClient(PooledClient):
         )
         return check_step_answer(self._json(reply, what), what)
 
-    def close(self, base_url: str, env_name: str, env_id: str, *, deadline: float | None = None) -> None:
-        """Best effort: DELETE the instance (POST .../close on servers that answer 404/405).
-        Own budget ``CLOSE_BUDGET_S``, capped by ``deadline`` but never below
-        ``CLOSE_MIN_BUDGET_S`` (an episode that ran out of time still releases its instance).
-        Never raises."""
+    def close(self, base_url: str, env_name: str, env_id: str, *, deadline: float | None = None,
+              protocol: str = "") -> None:
+        """Best effort: DELETE the instance (POST .../close on servers that answer 404/405); an
+        ORS session is deleted by ``POST /delete`` with its ``X-Session-ID``, and an OpenEnv
+        session needs nothing (it ends with its WebSocket). Own budget ``CLOSE_BUDGET_S``,
+        capped by ``deadline`` but never below ``CLOSE_MIN_BUDGET_S`` (an episode that ran out
+        of time still releases its instance). Never raises."""
         what = f"close {env_name}/{env_id}"
         now = time.monotonic()
         budget_end = now + CLOSE_BUDGET_S
         if deadline is not None:
             budget_end = min(budget_end, max(deadline, now + CLOSE_MIN_BUDGET_S))
+        if protocol == EnvProtocol.OPENENV:
+            return
         url = self._url(base_url, env_name, env_id)
         try:
+            if protocol == EnvProtocol.ORS:
+                reply = self._call("POST", f"{base_url.rstrip('/')}/delete", what=what, deadline=budget_end,
+                                   idempotent=True, raise_4xx=False, headers={"X-Session-ID": env_id})
+                if not reply.ok:
+                    log.warning("%s at %s: HTTP %d: %s", what, redact_url(base_url), reply.status, error_text(reply))
+                return
             reply = self._call("DELETE", url, what=what, deadline=budget_end, idempotent=True, raise_4xx=False)
             if reply.status in (404, 405):
                 reply = self._call(
@@ -186,6 +197,7 @@ class EnvClient(PooledClient):
         body: bytes | None = None,
         not_found: str = ENV_BAD_REQUEST,
         raise_4xx: bool = True,
+        headers: dict[str, str] | None = None,
     ) -> Reply:
         s = self.settings
         shown = redact_url(url)
@@ -196,7 +208,7 @@ class EnvClient(PooledClient):
             try:
                 reply = send(
                     self.http, method, url, deadline=deadline, timeout=timeout,
-                    max_bytes=s.max_response_bytes, what=what, body=body,
+                    max_bytes=s.max_response_bytes, what=what, body=body, headers=headers,
                 )
             except TooLarge as exc:
                 raise EpisodeError(

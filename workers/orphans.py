@@ -6,7 +6,8 @@ predecessor's before its own reset. What neither covers: an attempt whose worker
 on the episode's last allowed attempt (dead-lettered by the sweeper, no next attempt), or one
 re-queued to a queue nobody serves for a while. The sweeper pushes such instances to
 ``<prefix>:orphans``; this duty, on every worker process, pops a few each round and closes
-them (``DELETE``, 200 even for an unknown id, so a second close is harmless).
+them (``DELETE``, 200 even for an unknown id, so a second close is harmless; an ORS session's
+``POST /delete``, likewise).
 
 An entry's ``base_url`` came from a job, through Redis: it gets the same checks as the job's
 own calls (broker/urls.py and the worker's env host allow-list), and is dropped unsent when
@@ -60,5 +61,6 @@ class OrphanCloser(Duty):
                     log.warning("not closing orphan %s at %s: %s", orphan.instance_id, redact_url(orphan.base_url),
                                 url_problem(orphan.base_url) or f"not on INTERACTOR_ENV_HOSTS ({self.env_hosts})")
                     continue
-                self.env.close(orphan.base_url, orphan.env_name, orphan.instance_id)  # never raises
+                self.env.close(orphan.base_url, orphan.env_name, orphan.instance_id,  # never raises
+                               protocol=orphan.protocol)
                 self.closed += 1

@@ -1,0 +1,443 @@
+"""OpenEnv and Open Reward Standard servers, unchanged: the env ports (workers/openenv_port.py,
+workers/ors_port.py) against real servers made from the installed packages, and hostile ones.
+
+The servers: a multi-turn text game made with OpenEnv's ``create_app`` (tests/openenv_game.py),
+the template ``openenv init`` generates, and an ORS environment with a tool served by
+openreward's ``Server`` (tests/ors_game.py), each run by uvicorn in a process of its own on a
+free port. The hostile ones are ours: a WebSocket server and an SSE server answering what no
+real server should (frames that are not JSON, binary, huge; streams that stop mid-event).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+
+from broker.errors import (
+    ENV_BAD_REQUEST,
+    ENV_INSTANCE_LOST,
+    ENV_MALFORMED,
+    ENV_SERVER_ERROR,
+    ENV_UNREACHABLE,
+    EpisodeError,
+)
+from broker.records import EpisodeSpec
+from broker.settings import Settings
+from broker.states import EndedBy, EnvProtocol
+from tests.protocol_servers import Uvicorn, next_guess, openenv_template
+from workers.breakers import BreakerBoard
+from workers.budget import Budget
+from workers.env_mappings import Mapping, default_completion_to_action, default_observation_to_messages
+from workers.env_protocols import protocol_env_port
+from workers.envclient import EnvClient
+from workers.hooks import NullHook
+from workers.loop import LoopConfig, run_episode
+from workers.modelclient import Completion
+from workers.openenv_port import OpenEnvPort, SchemaCache
+from workers.ors_port import OrsPort, SseEvents
+from workers.ports import Guard
+
+pytest.importorskip("openenv.core.env_server.http_server")
+pytest.importorskip("openreward.environments")
+
+
+@pytest.fixture(scope="module")
+def game(tmp_path_factory):
+    server = Uvicorn("openenv_game:app", Uvicorn.tests_dir(), log=tmp_path_factory.mktemp("game") / "log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    folder = openenv_template(tmp_path_factory.mktemp("tmpl"))
+    server = Uvicorn("server.app:app", folder, log=folder / "server.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def ors(tmp_path_factory):
+    server = Uvicorn("ors_game:app", Uvicorn.tests_dir(), log=tmp_path_factory.mktemp("ors") / "log").start()
+    yield server
+    server.stop()
+
+
+def fast_settings(**kw) -> Settings:
+    return Settings.from_env({}, env_backoff_initial_s=0.05, env_backoff_max_s=0.2, env_read_timeout_s=5,
+                             env_connect_timeout_s=2, outage_budget_s=5, **kw)
+
+
+def spec_of(url: str, protocol: str, env_name: str = "guess", params: dict | None = None, seed: int | None = 1,
+            mapping: dict | None = None, episode: str = "j.f.0.0.0") -> EpisodeSpec:
+    return EpisodeSpec(job_id="j", episode_id=episode, group_id="g", group_size=1, env_name=env_name, base_url=url,
+                       env_params={"dataset": {}, **(params or {})}, seed=seed, protocol=protocol,
+                       mapping=mapping or {})
+
+
+def port_of(spec: EpisodeSpec, settings: Settings | None = None, budget_s: float = 60):
+    settings = settings or fast_settings()
+    budget = Budget(budget_s)
+    return protocol_env_port(spec, (1, "a1"), settings=settings, client=EnvClient(settings), budget=budget,
+                             guard=Guard(budget, lambda: None, settings.outage_budget_s),
+                             breakers=BreakerBoard(None, None), check=lambda: None)
+
+
+class GuessPolicy:
+    """The test stand-in's policy, in process: text guesses, or ``guess`` tool calls when offered."""
+
+    def __init__(self):
+        self.requests: list[tuple[list, dict]] = []
+
+    def complete(self, messages, **request):
+        self.requests.append((messages, request))
+        guess = next_guess(messages)
+        if request.get("tools"):
+            return Completion(content="", finish_reason="tool_calls", weight_version=None, latency_s=0.0,
+                              tool_calls=[{"id": f"c{len(self.requests)}", "type": "function",
+                                           "function": {"name": "guess", "arguments": json.dumps({"number": guess})}}])
+        text = "hello" if guess is None else f"My guess: {guess}"
+        return Completion(content=text, finish_reason="stop", weight_version=None, latency_s=0.0)
+
+
+def drive(port, policy, max_steps: int = 12, message_cut: int = 0):
+    records: list = []
+    cfg = LoopConfig(job_id="j", episode_id="e", env_name="guess", group_id="g", llm_model="m", max_steps=max_steps,
+                     message_cut=message_cut)
+    out = run_episode(cfg, env=port, policy=policy, publish=lambda record, *_: records.append(record), hook=NullHook())
+    return out, records
+
+
+# --- the default text mapping -------------------------------------------------------------------
+
+def test_the_default_mapping_reads_messages_prompt_or_the_one_string_field():
+    assert default_observation_to_messages({"messages": [{"role": "user", "content": "x"}]}, []) == [
+        {"role": "user", "content": "x"}]
+    said = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert default_observation_to_messages({"prompt": "c", "turn": 2}, said) == [*said, {"role": "user", "content": "c"}]
+    assert default_observation_to_messages({"echoed_message": "hi", "message_length": 2}, []) == [
+        {"role": "user", "content": "hi"}]
+    with pytest.raises(EpisodeError) as err:
+        default_observation_to_messages({"board": "x", "legend": "y"}, [])
+    assert err.value.reason == ENV_MALFORMED and "observation_to_messages" in str(err.value) and "board" in str(err.value)
+
+
+def test_the_default_action_is_the_one_string_field_of_the_schema():
+    schema = {"properties": {"metadata": {"type": "object"}, "message": {"type": "string"}}}
+    assert default_completion_to_action("hi", None, schema) == {"message": "hi"}
+    two = {"properties": {"a": {"type": "string"}, "b": {"type": "string"}}}
+    with pytest.raises(EpisodeError) as err:
+        default_completion_to_action("hi", None, two)
+    assert err.value.reason == ENV_BAD_REQUEST and not err.value.transient and "completion_to_action" in str(err.value)
+
+
+def test_a_mapping_that_fails_or_answers_nonsense_names_itself():
+    m = Mapping(observation_to_messages=lambda obs, conv: 1 / 0, completion_to_action=lambda t, c, s: ["no"])
+    with pytest.raises(EpisodeError) as err:
+        m.messages({}, [], "x")
+    assert err.value.reason == ENV_MALFORMED and "ZeroDivisionError" in str(err.value)
+    with pytest.raises(EpisodeError) as err:
+        m.action("t", None, {}, "x")
+    assert err.value.reason == ENV_BAD_REQUEST and "not an object" in str(err.value)
+    with pytest.raises(EpisodeError) as err:
+        Mapping.load({"observation_to_messages": "tests.no_such_module:f"})
+    assert "could not be loaded" in str(err.value)
+
+
+# --- OpenEnv, real servers ------------------------------------------------------------------------
+
+def test_an_openenv_game_plays_to_its_end_through_the_step_loop(game):
+    port = port_of(spec_of(game.url, EnvProtocol.OPENENV, params={"target": 37}))
+    out, records = drive(port, GuessPolicy())
+    assert out.ended_by == EndedBy.TERMINATED and out.total_reward == 1.0
+    assert [r.response for r in records] == ["My guess: 25", "My guess: 38", "My guess: 31", "My guess: 34",
+                                             "My guess: 36", "My guess: 37"]
+    # the conversation the port keeps: the env's prompts, each answer, each feedback
+    last = json.loads(records[-1].messages_json)
+    assert last[0]["content"].startswith("Guess the number between 1 and 50")
+    assert [m["role"] for m in last] == ["user", "assistant"] * 5 + ["user"]
+    assert port.closed and port.ws is None
+
+
+def test_the_openenv_init_template_runs_without_adapter_code(template):
+    port = port_of(spec_of(template.url, EnvProtocol.OPENENV, env_name="tmpl_env"))
+    out, records = drive(port, GuessPolicy(), max_steps=3)
+    assert out.ended_by == EndedBy.MAX_STEPS and len(records) == 3
+    assert json.loads(records[0].messages_json) == [{"role": "user", "content": "Tmpl Env environment ready!"}]
+    assert [r.step_reward for r in records] == pytest.approx([0.5] * 3)  # "hello": 5 characters, 0.1 each
+
+
+def test_a_full_openenv_server_is_waited_for_not_failed(template):
+    # the template serves max_concurrent_envs=1, as openenv init writes it
+    try:
+        first = port_of(spec_of(template.url, EnvProtocol.OPENENV, env_name="tmpl_env"))
+        first.reset()
+        second = port_of(spec_of(template.url, EnvProtocol.OPENENV, env_name="tmpl_env"))
+        done = threading.Event()
+        threading.Thread(target=lambda: (second.reset(), done.set()), daemon=True).start()
+        time.sleep(1.0)
+        assert not done.is_set() and second.capacity_waits == 1  # waiting: the one session is taken
+        first.close()
+        assert done.wait(20), "the second reset never got the freed session"
+        assert second.observation["echoed_message"] == "Tmpl Env environment ready!"
+        assert second.budget.paused_s > 0.5  # the wait was not the episode's doing
+        second.close()
+    finally:
+        first.close()
+
+
+def test_an_openenv_server_restart_loses_the_session_and_says_so(game):
+    port = port_of(spec_of(game.url, EnvProtocol.OPENENV))
+    port.reset()
+    port.get_task_prompt()
+    game.restart()
+    with pytest.raises(EpisodeError) as err:
+        port.step("My guess: 3")
+    assert err.value.reason == ENV_INSTANCE_LOST and err.value.transient
+    fresh = port_of(spec_of(game.url, EnvProtocol.OPENENV))
+    assert fresh.reset()["observation"]["prompt"].startswith("Guess")  # a new attempt starts afresh
+    fresh.close()
+
+
+def test_an_openenv_server_that_is_not_one_is_named(ors):
+    with pytest.raises(EpisodeError) as err:
+        port_of(spec_of(ors.url, EnvProtocol.OPENENV)).reset()
+    assert err.value.reason in (ENV_BAD_REQUEST, ENV_MALFORMED) and not err.value.transient
+
+
+# --- OpenEnv, hostile frames -------------------------------------------------------------------------
+
+class HostileWs:
+    """A WebSocket server that answers a reset properly and each later message as ``answer`` says."""
+
+    def __init__(self, answer):
+        from websockets.sync.server import serve
+
+        self.answer = answer
+        def health(connection, request):  # GET /health answers 200, as a live OpenEnv server's does
+            return connection.respond(200, "ok\n") if request.path == "/health" else None
+
+        self.server = serve(self._handle, "127.0.0.1", 0, max_size=None, process_request=health)
+        self.url = f"http://127.0.0.1:{self.server.socket.getsockname()[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _handle(self, ws):
+        try:
+            for raw in ws:
+                kind = json.loads(raw)["type"]
+                if kind == "reset":
+                    ws.send(json.dumps({"type": "observation", "data": {
+                        "observation": {"prompt": "Guess the number between 1 and 9."}, "reward": 0, "done": False}}))
+                elif kind == "step":
+                    if self.answer(ws) == "close":
+                        return
+        except Exception:  # noqa: BLE001 - the client went away
+            pass
+
+    def stop(self):
+        self.server.shutdown()
+
+
+HOSTILE = {
+    "not json": (lambda ws: ws.send("{not json"), ENV_MALFORMED),
+    "binary": (lambda ws: ws.send(b"\x00\x01"), ENV_MALFORMED),
+    "a list": (lambda ws: ws.send("[1, 2]"), ENV_MALFORMED),
+    "unknown type": (lambda ws: ws.send(json.dumps({"type": "mystery", "data": {}})), ENV_MALFORMED),
+    "observation not an object": (lambda ws: ws.send(json.dumps({"type": "observation", "data": {
+        "observation": "x", "reward": 0, "done": False}})), ENV_MALFORMED),
+    "reward not a number": (lambda ws: ws.send(json.dumps({"type": "observation", "data": {
+        "observation": {}, "reward": "lots", "done": False}})), ENV_MALFORMED),
+    "done not a boolean": (lambda ws: ws.send(json.dumps({"type": "observation", "data": {
+        "observation": {}, "reward": 1, "done": "maybe"}})), ENV_MALFORMED),
+    "huge": (lambda ws: ws.send("x" * 200_000), ENV_MALFORMED),
+    "execution error": (lambda ws: ws.send(json.dumps({"type": "error", "data": {
+        "code": "EXECUTION_ERROR", "message": "boom"}})), ENV_SERVER_ERROR),
+    "closed mid-step": (lambda ws: "close", ENV_INSTANCE_LOST),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_openenv_answer_fails_the_episode_with_its_reason(case):
+    answer, reason = HOSTILE[case]
+    server = HostileWs(answer)
+    try:
+        settings = fast_settings(max_response_bytes=65536)
+        budget = Budget(30)
+        schemas = SchemaCache()
+        schemas._schemas[server.url] = {"properties": {"text": {"type": "string"}}}
+        port = OpenEnvPort(spec_of(server.url, EnvProtocol.OPENENV), settings, budget,
+                           Guard(budget, lambda: None, 2), BreakerBoard(None, None).for_env(server.url, "/health"),
+                           lambda: None, EnvClient(settings), schemas=schemas)
+        port.reset()
+        port.get_task_prompt()
+        with pytest.raises(EpisodeError) as err:
+            port.step("5")
+        assert err.value.reason == reason, err.value
+        port.close()
+    finally:
+        server.stop()
+
+
+# --- ORS, a real server -------------------------------------------------------------------------------
+
+def test_an_ors_game_plays_to_its_end_through_tool_calls(ors):
+    port = port_of(spec_of(ors.url, EnvProtocol.ORS, env_name="guessing", params={"target": 42}))
+    port.reset()
+    policy, rewards, turns = GuessPolicy(), [], 0
+    while True:
+        prompt = port.get_task_prompt()
+        assert prompt["tools"][0]["function"]["name"] == "guess"
+        answer = policy.complete(prompt["messages"], tools=prompt["tools"])
+        result = port.step(answer.content, tool_calls=answer.tool_calls)
+        rewards.append(result.reward)
+        turns += 1
+        if result.terminated or result.truncated:
+            break
+    assert result.terminated and not result.truncated and sum(rewards) == 1.0 and turns == 5
+    tool_results = [m["content"] for m in port.messages if m["role"] == "tool"]
+    assert tool_results == ["25 is too low.", "38 is too low.", "44 is too high.", "41 is too low.", "42 is right!"]
+    port.close()
+    gone = requests.post(f"{ors.url}/ping", headers={"X-Session-ID": port.sid}, timeout=5)
+    assert gone.status_code == 404  # the session was deleted
+
+
+def test_an_ors_tool_call_the_env_refuses_goes_back_to_the_model(ors):
+    port = port_of(spec_of(ors.url, EnvProtocol.ORS, env_name="guessing", params={"target": 3}))
+    port.reset()
+    port.get_task_prompt()
+    bad = [{"id": "a", "type": "function", "function": {"name": "guess", "arguments": "{not json"}},
+           {"id": "b", "type": "function", "function": {"name": "nope", "arguments": "{}"}},
+           {"id": "c", "type": "function", "function": {"name": "guess", "arguments": '{"number": "x"}'}}]
+    result = port.step("", tool_calls=bad)
+    assert result.reward == 0.0 and not result.terminated
+    said = [m["content"] for m in port.messages if m["role"] == "tool"]
+    assert said[0] == "error: the arguments are not JSON" and said[1].startswith("error:") and said[2].startswith(
+        "error:")
+    plain = port.step("I give up")  # no tool call and no terminal tool: the model stopped acting
+    assert plain.truncated and not plain.terminated
+    port.close()
+
+
+def test_an_ors_session_lost_to_a_restart_is_an_instance_lost(ors):
+    port = port_of(spec_of(ors.url, EnvProtocol.ORS, env_name="guessing"))
+    port.reset()
+    prompt = port.get_task_prompt()
+    ors.restart()
+    call = GuessPolicy().complete(prompt["messages"], tools=prompt["tools"])
+    with pytest.raises(EpisodeError) as err:
+        port.step("", tool_calls=call.tool_calls)
+    assert err.value.reason == ENV_INSTANCE_LOST and err.value.transient
+
+
+# --- ORS, hostile streams ------------------------------------------------------------------------------
+
+class HostileOrs(ThreadingHTTPServer):
+    """An ORS-shaped server whose ``call`` answers as ``stream(handler, body)`` writes it."""
+
+    daemon_threads = True
+
+    def __init__(self, stream):
+        super().__init__(("127.0.0.1", 0), _OrsHandler)
+        self.stream = stream
+        self.calls: list[dict] = []
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class _OrsHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _json(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        if self.path.endswith("/tools"):
+            self._json({"tools": [{"name": "guess", "description": "", "input_schema": None}]})
+        else:
+            self._json([{"type": "text", "text": "Guess the number between 1 and 9."}])
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        if not self.path.endswith("/call"):
+            return self._json({"sid": self.headers.get("X-Session-ID")})
+        self.server.calls.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.server.stream(self.wfile, body)
+        self.wfile.flush()
+        self.close_connection = True
+
+
+OK_RESULT = json.dumps({"ok": True, "output": {"blocks": [{"type": "text", "text": "5 is right!"}], "reward": 1.0,
+                                               "finished": True}})
+
+
+def _cut_once(w, body):
+    """The first stream stops mid-event after its task id; asked again by it, the result comes whole."""
+    if body.get("task_id") == "t1":
+        w.write(f"event: end\r\ndata: {OK_RESULT}\r\n\r\n".encode())
+    else:
+        w.write(b"event: task_id\r\ndata: t1\r\n\r\n: ping\r\n\r\nevent: chunk\r\ndata: {\"ok\": tr")
+
+
+STREAMS = {
+    "cut mid-event, asked again by its task id": (_cut_once, None),
+    "cut mid-event, no task id": (lambda w, b: w.write(b"event: chunk\r\ndata: {\"ok\""), ENV_UNREACHABLE),
+    "an error event": (lambda w, b: w.write(b"event: task_id\ndata: t\n\nevent: error\ndata: tool crashed\n\n"),
+                       ENV_SERVER_ERROR),
+    "a result that is not JSON": (lambda w, b: w.write(b"event: end\ndata: {nope\n\n"), ENV_MALFORMED),
+    "a result of the wrong shape": (lambda w, b: w.write(b'event: end\ndata: {"ok": true, "output": 3}\n\n'),
+                                    ENV_MALFORMED),
+    "a reward that is not finite": (lambda w, b: w.write(
+        b'event: end\ndata: {"ok": true, "output": {"blocks": [], "reward": 1e999}}\n\n'), ENV_MALFORMED),
+    "a stream past max_response_bytes": (lambda w, b: w.write(b"event: chunk\ndata: " + b"x" * 200_000 + b"\n\n"),
+                                         ENV_MALFORMED),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STREAMS))
+def test_a_hostile_ors_stream(case):
+    stream, reason = STREAMS[case]
+    server = HostileOrs(stream)
+    try:
+        port = port_of(spec_of(server.url, EnvProtocol.ORS, env_name="guessing"),
+                       settings=fast_settings(max_response_bytes=65536))
+        port.reset()
+        port.get_task_prompt()
+        call = [{"id": "a", "type": "function", "function": {"name": "guess", "arguments": '{"number": 5}'}}]
+        if reason is None:
+            result = port.step("", tool_calls=call)
+            assert result.terminated and result.reward == 1.0 and port.replayed == 1
+            assert [c.get("task_id") for c in server.calls] == [None, "t1"]  # never run twice
+        else:
+            with pytest.raises(EpisodeError) as err:
+                port.step("", tool_calls=call)
+            assert err.value.reason == reason, err.value
+            assert len(server.calls) == 1  # a call without a task id is never sent again
+    finally:
+        server.shutdown()
+
+
+def test_sse_events_are_parsed_across_reads_and_line_ends():
+    events = SseEvents()
+    got = []
+    for piece in (b"event: task_id\r", b"\ndata: 7\r\n\r\n: comment\n\nevent: chunk\ndata: a\ndata: b\r\r",
+                  b"event: end\ndata:c\n\n"):
+        got += events.feed(piece)
+    assert got == [("task_id", "7"), ("chunk", "a\nb"), ("end", "c")]
