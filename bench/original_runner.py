@@ -49,9 +49,10 @@ def import_original(path: str):
         import env.env_factory  # noqa: F401
     except ImportError as exc:
         stub = types.ModuleType("env.env_factory")
+        reason = str(exc)  # Python unbinds exc at the end of this block; the stub raises later
 
         def unavailable(*_a, **_k):
-            raise RuntimeError(f"in-process envs are unavailable in this checkout: {exc}")
+            raise RuntimeError(f"in-process envs are unavailable in this checkout: {reason}")
 
         stub.normalize_create_kwargs = stub.resolve_env_class = unavailable
         _shim("env.env_factory", stub, f"{exc}; used only for in-process envs")

@@ -17,7 +17,7 @@ import sys
 
 def cmd_serve_env(args) -> int:
     from envs.http import serve_until_signal
-    from envs import ADAPTERS, REQUIRES, install_hint, installed
+    from envs import ADAPTERS, install_hint, installed
     from envs.base import valid_object_path
     from envs.serve_env import AdapterEnvServer, default_registry
 

@@ -11,7 +11,6 @@ real server should (frames that are not JSON, binary, huge; streams that stop mi
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,7 +39,7 @@ from workers.hooks import NullHook
 from workers.loop import LoopConfig, run_episode
 from workers.modelclient import Completion
 from workers.openenv_port import OpenEnvPort, SchemaCache
-from workers.ors_port import OrsPort, SseEvents
+from workers.ors_port import SseEvents
 from workers.ports import Guard
 
 pytest.importorskip("openenv.core.env_server.http_server")

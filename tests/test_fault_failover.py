@@ -17,7 +17,6 @@ Each prints its figures (run with -s); docs/guarantees.md ("Failover") quotes th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -383,7 +383,7 @@ def test_every_reader_of_the_feed_means_one_thing_by_each_counter(run_factory, t
     snap = FleetReader(run.r, run.settings).snapshot(run.job_id)
     assert "dropped=5 filtered=7 failed=2 refilled=3" in render_status(snap)
     text = exposition(FleetReader(run.r, run.settings))
-    assert f'outcome="failed",reason=""}} 2.0' in text and f'outcome="refilled",reason=""}} 3.0' in text
+    assert 'outcome="failed",reason=""} 2.0' in text and 'outcome="refilled",reason=""} 3.0' in text
 
 
 # --- a trainer process killed and restarted under its own name -------------------------------

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from broker.caps import CAP_ENV, CAP_ENV_INSTANCES, CAP_MODEL, Limits
+from broker.caps import CAP_ENV_INSTANCES, CAP_MODEL, Limits
 from broker.dlq import DeadLetterQueue
 from broker.keys import Keys
 from broker.ledger import Ledger

@@ -19,7 +19,7 @@ from broker.ledger import Ledger
 from broker.recovery import reconcile
 from broker.states import LedgerState
 from producer.continuous import ContinuousProducer, create_continuous_job
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT
 from tests.taskfiles import write_arith_tasks
 
 pytestmark = pytest.mark.integration

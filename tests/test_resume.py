@@ -127,7 +127,7 @@ def test_a_worker_killed_mid_episode_costs_no_step(settings, procs, redis_client
     the next attempts continue the same instances. Each instance is reset once and closed
     once, the env sees every step once, and the stored steps are exactly the env's."""
     run = Run(settings, procs, redis_client, tmp_path, servers, 4)
-    env, s, job, ledger, episodes = run.env, run.s, run.job, run.ledger, run.episodes
+    env, s, episodes = run.env, run.s, run.episodes
     run.hold_in_model_call()
     procs.kill("w1")
     run.model.release()
@@ -273,7 +273,7 @@ def test_an_instance_the_env_server_lost_is_not_continued(settings, procs, redis
     from examples.envserver import EnvServer
 
     run = Run(settings, procs, redis_client, tmp_path, servers, 2)
-    env, model, s, job, ledger, episodes = run.env, run.model, run.s, run.job, run.ledger, run.episodes
+    env, model, job, ledger, episodes = run.env, run.model, run.job, run.ledger, run.episodes
     run.hold_in_model_call()
     held_at = {e: p.step for e, p in snapshots(ledger, job.job_id, episodes).items()}
     procs.kill("w1")

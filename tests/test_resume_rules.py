@@ -9,7 +9,6 @@ import orjson
 import pytest
 
 from broker import resume
-from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.records import AttemptRecord, EpisodeSpec, JobSpec, Progress, StepRecord
 from broker.states import AttemptStatus, LedgerState, ProgressPhase, ResumeNote
