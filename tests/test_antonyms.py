@@ -59,7 +59,7 @@ def test_the_example_env_server_serves_it(env_server):
 def test_the_learning_demos_task_files_give_every_word_back_as_written(tmp_path):
     """YAML reads a bare on, yes or true as a boolean (three train words), which the env refuses:
     every row of both task files must reach the env as the split's word."""
-    from examples.learn.tasks import write
+    from examples.learn.task_files import write
     from producer.yamlfile import load_yaml
 
     for path, name in zip(write(tmp_path, "http://127.0.0.1:1", train_group=1, heldout_samples=1),

@@ -23,7 +23,6 @@ import dataclasses
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -35,7 +34,7 @@ for _mod in ("torch", "transformers", "gguf", "accelerate"):
 
 from consumer.storage import open_store  # noqa: E402
 from examples.learn.llama import INSTALL_HINT, LlamaServer, server_binary, smollm2_gguf  # noqa: E402
-from examples.learn.tasks import SAMPLING  # noqa: E402
+from examples.learn.task_files import SAMPLING  # noqa: E402
 from examples.learn.trainer import (  # noqa: E402
     TOLERANCE,
     CheckFailed,

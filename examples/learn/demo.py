@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
     try:
         import torch
 
-        from examples.learn import evaluate, report, tasks
+        from examples.learn import evaluate, outcome, task_files
         from examples.learn.llama import LlamaServer, server_binary, smollm2_gguf
         from examples.learn.policy import Policy
         from examples.learn.trainer import CheckFailed, Learner
@@ -126,7 +126,7 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
     try:
         env_proc, env_url = start_server("examples.envserver")
         procs.append(env_proc)
-        train_file, heldout_file = tasks.write(run_dir, env_url, args.group_size, args.heldout_samples)
+        train_file, heldout_file = task_files.write(run_dir, env_url, args.group_size, args.heldout_samples)
         say(f"env server at {env_url}; loading {Path(model).name} into PyTorch (fp32)")
         policy = Policy(model, threads=2)
         server = LlamaServer(binary, run_dir / "llama-server.log", parallel=4)
@@ -146,69 +146,19 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
 
         run_eval()  # before any update, on an idle server
 
-        log = run_dir / "feed-serve.log"
-        cmd = [sys.executable, "-m", "interactor.cli", "feed", "serve", str(train_file), "--llm-base-url", llm_url,
-               "--model", "smollm2", *tasks.SAMPLING, "--run-dir", str(run_dir / "feed"), "--port", "0",
-               "--max-ahead", str(2 * args.batch), "--max-staleness", str(args.max_staleness),
-               "--seed", str(args.seed), "--workers", "1", "--concurrency", str(args.concurrency)]
-        # each reload takes the server away for a second or two: retried soon, not after 30 s
-        env = {**os.environ, "INTERACTOR_LLM_BACKOFF_INITIAL_S": "0.2", "INTERACTOR_LLM_BACKOFF_MAX_S": "1"}
-        feed_proc = spawn(cmd, log_path=log, env=env)
-        feed_url = feed_url_from_log(feed_proc, log, timeout_s=180.0)
-        feed = Feed(feed_url, trainer="learn-grpo")
-        feed.set_version(0)
+        feed_proc, feed = _start_feed(args, run_dir, llm_url, task_files.SAMPLING, train_file, Feed)
         learner.feed = feed
-        say(f"feed at {feed_url}: {args.batch} groups of {args.group_size} per step, max staleness "
+        say(f"feed at {feed.url}: {args.batch} groups of {args.group_size} per step, max staleness "
             f"{args.max_staleness}, lr {args.lr}")
-
         t_train = time.monotonic()
-        last_eval_s = evals[0].seconds
-        while learner.version < args.versions:
-            left = budget_s - (time.monotonic() - t_start)
-            if left < 2.5 * last_eval_s + 60:
-                say(f"stopping at version {learner.version}: {left:.0f}s left of the budget, kept for the last evaluation")
-                break
-            t0 = time.monotonic()
-            groups = feed.take(args.batch, timeout=120)
-            wait = time.monotonic() - t0
-            if not groups:
-                say("no group within 120s")
-                continue
-            rec = learner.update(groups, wait)
-            say(f"v{rec.version:<3d} reward {rec.reward:.3f} over {rec.samples} samples ({rec.trained_samples} trained, "
-                f"{rec.tokens} tokens), behind {max(rec.behind, default=0)}; wait {rec.wait_s:.1f}s train "
-                f"{rec.train_s:.1f}s sync {rec.sync_s:.1f}s (write {rec.write_s:.1f} load {rec.load_s:.1f}); "
-                + (f"on-policy |dlogprob| {rec.on_policy['mean']:.4f}/{rec.on_policy['max']:.4f}; " if rec.on_policy else "")
-                + (f"after sync {rec.sync['mean']:.4f}/{rec.sync['max']:.4f}" if rec.sync else "no step (uniform groups)"))
-            if rec.trained_samples and rec.version % args.eval_every == 0 and rec.version < args.versions:
-                run_eval()
-                last_eval_s = evals[-1].seconds
+        _train(args, learner, feed, evals, run_eval, say, t_start, budget_s)
         wall_s = time.monotonic() - t_train
         feed_stats = feed.stats()
         terminate([feed_proc], 60)  # the last evaluation has the server to itself
         feed_proc = None
         if evals[-1].version != learner.version:
             run_eval()
-        settings = {k: v for k, v in vars(args).items()}
-        out = report.summary(run_dir / "summary.json", seed=args.seed, evaluations=evals, records=learner.records,
-                             wall_s=wall_s, start_check=start_check, settings=settings, feed_stats=feed_stats)
-        png = report.plot(run_dir / "reward.png", evals, learner.records,
-                          f"GRPO on SmolLM2-135M-Instruct (CPU, llama-server + interactor feed), seed {args.seed}")
-        print()
-        for line in report.curve_lines(evals, learner.records):
-            print(line)
-        t = {k: (f"{v:.1f}s" if v is not None else "n/a") for k, v in out["timing"]["per_version_s"].items()}
-        idle = out["timing"]["trainer_idle_share"]
-        print(f"held-out reward {out['before']:.3f} -> {out['after']:.3f} ({out['gain']:+.3f}) in {out['versions']} "
-              f"versions, seed {args.seed}; per version: wait {t['wait_s']}, train {t['train_s']}, sync "
-              f"{t['sync_s']} (write {t['write_s']}, load {t['load_s']}, check {t['check_s']}); trainer idle "
-              f"{idle:.0%}; total {time.monotonic() - t_start:.0f}s" if idle is not None else "")
-        c = out["checks"]
-        print(f"checks: on-policy |dlogprob| mean {c['on_policy_logprobs']['mean']}, max {c['on_policy_logprobs']['max']} "
-              f"over {c['on_policy_logprobs']['tokens']} tokens; after each sync mean {c['after_sync']['mean']}, max "
-              f"{c['after_sync']['max']}; stale groups refused {c['groups_refused_as_stale']}, oldest trained on "
-              f"{c['oldest_group_trained_on']} versions behind")
-        print(f"{run_dir / 'summary.json'}" + (f", {png}" if png else " (no matplotlib: no plot)"))
+        _report(args, run_dir, outcome, evals, learner, wall_s, start_check, feed_stats, t_start)
         return 0
     except CheckFailed as exc:
         say(f"CHECK FAILED: {exc}")
@@ -222,6 +172,80 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
         if server is not None:
             server.stop()
         terminate(procs, 5)
+
+
+def _start_feed(args: argparse.Namespace, run_dir: Path, llm_url: str, sampling: list[str], train_file: Path,
+                feed_cls):
+    """``interactor feed serve`` on the training tasks, against the served policy; returns its
+    process and a client of it at version 0."""
+    log = run_dir / "feed-serve.log"
+    cmd = [sys.executable, "-m", "interactor.cli", "feed", "serve", str(train_file), "--llm-base-url", llm_url,
+           "--model", "smollm2", *sampling, "--run-dir", str(run_dir / "feed"), "--port", "0",
+           "--max-ahead", str(2 * args.batch), "--max-staleness", str(args.max_staleness),
+           "--seed", str(args.seed), "--workers", "1", "--concurrency", str(args.concurrency)]
+    # each reload takes the server away for a second or two: retried soon, not after 30 s
+    env = {**os.environ, "INTERACTOR_LLM_BACKOFF_INITIAL_S": "0.2", "INTERACTOR_LLM_BACKOFF_MAX_S": "1"}
+    feed_proc = spawn(cmd, log_path=log, env=env)
+    try:
+        feed = feed_cls(feed_url_from_log(feed_proc, log, timeout_s=180.0), trainer="learn-grpo")
+        feed.set_version(0)
+    except BaseException:
+        terminate([feed_proc], 60)  # not yet the caller's to stop
+        raise
+    return feed_proc, feed
+
+
+def _train(args: argparse.Namespace, learner, feed, evals: list, run_eval, say, t_start: float,
+           budget_s: float) -> None:
+    """Optimizer steps on the feed's groups until ``--versions``, or until only the time for the
+    last evaluation is left of the budget; a held-out evaluation every ``--eval-every`` versions."""
+    last_eval_s = evals[0].seconds
+    while learner.version < args.versions:
+        left = budget_s - (time.monotonic() - t_start)
+        if left < 2.5 * last_eval_s + 60:
+            say(f"stopping at version {learner.version}: {left:.0f}s left of the budget, kept for the last evaluation")
+            break
+        t0 = time.monotonic()
+        groups = feed.take(args.batch, timeout=120)
+        wait = time.monotonic() - t0
+        if not groups:
+            say("no group within 120s")
+            continue
+        rec = learner.update(groups, wait)
+        say(f"v{rec.version:<3d} reward {rec.reward:.3f} over {rec.samples} samples ({rec.trained_samples} trained, "
+            f"{rec.tokens} tokens), behind {max(rec.behind, default=0)}; wait {rec.wait_s:.1f}s train "
+            f"{rec.train_s:.1f}s sync {rec.sync_s:.1f}s (write {rec.write_s:.1f} load {rec.load_s:.1f}); "
+            + (f"on-policy |dlogprob| {rec.on_policy['mean']:.4f}/{rec.on_policy['max']:.4f}; "
+               if rec.on_policy else "")
+            + (f"after sync {rec.sync['mean']:.4f}/{rec.sync['max']:.4f}" if rec.sync else "no step (uniform groups)"))
+        if rec.trained_samples and rec.version % args.eval_every == 0 and rec.version < args.versions:
+            run_eval()
+            last_eval_s = evals[-1].seconds
+
+
+def _report(args: argparse.Namespace, run_dir: Path, outcome, evals: list, learner, wall_s: float, start_check,
+            feed_stats: dict, t_start: float) -> None:
+    """summary.json, the plot, and what the terminal shows of them."""
+    settings = {k: v for k, v in vars(args).items()}
+    out = outcome.summary(run_dir / "summary.json", seed=args.seed, evaluations=evals, records=learner.records,
+                          wall_s=wall_s, start_check=start_check, settings=settings, feed_stats=feed_stats)
+    png = outcome.plot(run_dir / "reward.png", evals, learner.records,
+                       f"GRPO on SmolLM2-135M-Instruct (CPU, llama-server + interactor feed), seed {args.seed}")
+    print()
+    for line in outcome.curve_lines(evals, learner.records):
+        print(line)
+    t = {k: (f"{v:.1f}s" if v is not None else "n/a") for k, v in out["timing"]["per_version_s"].items()}
+    idle = out["timing"]["trainer_idle_share"]
+    print(f"held-out reward {out['before']:.3f} -> {out['after']:.3f} ({out['gain']:+.3f}) in {out['versions']} "
+          f"versions, seed {args.seed}; per version: wait {t['wait_s']}, train {t['train_s']}, sync "
+          f"{t['sync_s']} (write {t['write_s']}, load {t['load_s']}, check {t['check_s']}); trainer idle "
+          f"{idle:.0%}; total {time.monotonic() - t_start:.0f}s" if idle is not None else "")
+    c = out["checks"]
+    print(f"checks: on-policy |dlogprob| mean {c['on_policy_logprobs']['mean']}, max {c['on_policy_logprobs']['max']} "
+          f"over {c['on_policy_logprobs']['tokens']} tokens; after each sync mean {c['after_sync']['mean']}, max "
+          f"{c['after_sync']['max']}; stale groups refused {c['groups_refused_as_stale']}, oldest trained on "
+          f"{c['oldest_group_trained_on']} versions behind")
+    print(f"{run_dir / 'summary.json'}" + (f", {png}" if png else " (no matplotlib: no plot)"))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from examples.learn.tasks import SAMPLING
+from examples.learn.task_files import SAMPLING
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ words): ``train.yaml``, the feed's continuous job, and ``heldout.yaml``, the eva
 Both ask for token ids and logprobs (``tokens: true``); evaluation needs none, but it then runs
 exactly the requests the trainer's samples come from.
 
-    python -m examples.learn.tasks OUT_DIR --env-base-url http://127.0.0.1:PORT
+    python -m examples.learn.task_files OUT_DIR --env-base-url http://127.0.0.1:PORT
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def write(out_dir: str | Path, env_base_url: str, train_group: int = 8, heldout_
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.learn.tasks", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.learn.task_files", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir")
     p.add_argument("--env-base-url", required=True)
     p.add_argument("--group-size", type=int, default=8)
