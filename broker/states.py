@@ -144,7 +144,7 @@ class CloseAction(StrEnum):
 
     ABANDON = "abandon"  # the lease is lost: whoever holds it now owns the episode; record nothing
     HAND_BACK = "hand_back"  # the worker is shutting down: queued again at once, the attempt not counted
-    RETRY = "retry"  # another attempt (the runner after a back-off, the sweeper at once)
+    RETRY = "retry"  # another attempt (the attempt's close after a back-off, the sweeper at once)
     FAIL = "fail"  # failed for good: the attempt failed, the episode dead-lettered
     CANCEL = "cancel"  # the job was cancelled: the episode ends cancelled, the attempt neither failed nor counted
 
@@ -171,15 +171,21 @@ _LUA_NAME = re.compile(r"\$([A-Z][A-Z_]*)\b")
 
 def lua(script: str) -> str:
     """``script`` with each ``$NAME`` replaced by the quoted Lua string of ``LedgerState.NAME``
-    (``$RUNNING`` -> ``'running'``), so the ledger's scripts compare and write the very states
-    Python reads. A name that is not a state fails at import, not in Redis. Lua's own ``$`` (the
-    end-of-string anchor in a pattern) is never followed by a capital letter and is left alone."""
+    (``$RUNNING`` -> ``'running'``), and each ``$START_NAME`` by that of ``StartStatus.NAME``
+    (``$START_BUSY`` -> ``'busy'``, START's answers), so the ledger's scripts compare and write
+    the very states Python reads. A name that is neither fails at import, not in Redis. Lua's own
+    ``$`` (the end-of-string anchor in a pattern) is never followed by a capital letter and is
+    left alone."""
 
     def quoted(m: re.Match) -> str:
+        name = m.group(1)
         try:
-            return f"'{LedgerState[m.group(1)].value}'"
+            if name.startswith("START_"):
+                return f"'{StartStatus[name[len('START_'):]].value}'"
+            return f"'{LedgerState[name].value}'"
         except KeyError:
-            raise ValueError(f"Lua script names ${m.group(1)}, which is not a LedgerState") from None
+            raise ValueError(f"Lua script names ${name}, which is neither a LedgerState nor START_ and a "
+                             "StartStatus") from None
 
     return _LUA_NAME.sub(quoted, script)
 

@@ -2,7 +2,7 @@
 -- KEYS: state, attempts, counts, lease, running, reserved, episodes, attempt_ids, attempt_previous,
 --       reclaim_hold, job cancel, progress, progress_seq, outages, primary
 -- ARGV: episode, token_prefix, ttl_ms, member, attempt_id, the prompted phase's place in a seq
--- Returns {'ok', attempt, token, episode spec, previous attempt, progress, outage since} so that
+-- Returns {$START_OK, attempt, token, episode spec, previous attempt, progress, outage since} so that
 -- starting costs one round trip (progress: the predecessor's snapshot, broker/resume.py decides
 -- on it; outage since: '1' when the sweep clock recorded an outage or a failover after the
 -- snapshot was written, so that writes after it may have been lost).
@@ -48,25 +48,25 @@ local function outage_since(episode)
 end
 redis.call('ZREM', KEYS[6], ARGV[4])
 local st = redis.call('HGET', KEYS[1], ARGV[1])
-if not st then return {'unknown', ''} end
-if st == $DONE or st == $FAILED or st == $CANCELLED then return {'finished', st} end
+if not st then return {$START_UNKNOWN, ''} end
+if st == $DONE or st == $FAILED or st == $CANCELLED then return {$START_FINISHED, st} end
 local holder = redis.call('GET', KEYS[4])
 local latest = redis.call('HGET', KEYS[8], ARGV[1]) or ''
 local mine_attempt, mine_id = string.match(latest, '^(%d+):(.*)$')
 if st == $RUNNING and mine_id == ARGV[5] then
   local token = ARGV[2] .. ':' .. mine_attempt
-  if holder and holder ~= token then return {'busy', holder} end
+  if holder and holder ~= token then return {$START_BUSY, holder} end
   redis.call('SET', KEYS[4], token, 'PX', ARGV[3])  -- a full TTL from this call, which the worker counts from
   redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[4])
   local kept = redis.call('HGET', KEYS[12], ARGV[1]) or ''
-  return {'ok', mine_attempt, token, redis.call('HGET', KEYS[7], ARGV[1]) or '',
+  return {$START_OK, mine_attempt, token, redis.call('HGET', KEYS[7], ARGV[1]) or '',
           redis.call('HGET', KEYS[9], ARGV[1]) or '', kept, kept ~= '' and outage_since(ARGV[1]) or ''}
 end
-if redis.call('EXISTS', KEYS[11]) == 1 then return {'refused', 'its job was cancelled'} end
-if holder then return {'busy', holder} end
+if redis.call('EXISTS', KEYS[11]) == 1 then return {$START_REFUSED, 'its job was cancelled'} end
+if holder then return {$START_BUSY, holder} end
 -- Running with its lease lapsed right after an outage: its attempt is alive and about to take
 -- the lease back; another delivery takes over only as the sweeper would, once the hold is over.
-if st == $RUNNING and redis.call('EXISTS', KEYS[10]) == 1 then return {'busy', 'lease lapsed in an outage'} end
+if st == $RUNNING and redis.call('EXISTS', KEYS[10]) == 1 then return {$START_BUSY, 'lease lapsed in an outage'} end
 local attempt = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 local token = ARGV[2] .. ':' .. attempt
 redis.call('SET', KEYS[4], token, 'PX', ARGV[3])
@@ -85,5 +85,5 @@ if latest ~= '' and progress == '' then
 end
 if earlier ~= '' then redis.call('HSET', KEYS[9], ARGV[1], earlier) else redis.call('HDEL', KEYS[9], ARGV[1]) end
 redis.call('HSET', KEYS[8], ARGV[1], attempt .. ':' .. ARGV[5])
-return {'ok', tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', earlier, progress,
+return {$START_OK, tostring(attempt), token, redis.call('HGET', KEYS[7], ARGV[1]) or '', earlier, progress,
         progress ~= '' and outage_since(ARGV[1]) or ''}
