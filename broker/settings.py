@@ -268,8 +268,9 @@ class Settings:
     agent_commands: str = setting("", "agent commands a worker may run for agent episodes: comma-separated argv "
                                       "prefixes, words split by spaces (\"python3 agents/solve.py\" allows that "
                                       "argv and any arguments after it; unset: none)", "trust")
-    agent_timeout_s: float = setting(600.0, "seconds an agent of an agent episode may run before its attempt "
-                                            "fails as agent_timeout (0: only the episode's budget)", "episodes",
+    agent_timeout_s: float = setting(600.0, "seconds an agent of an agent episode may run (from its call or its "
+                                            "process's start; an agent function's import not counted) before its "
+                                            "attempt fails as agent_timeout (0: only the episode's budget)", "episodes",
                                      flag="--agent-timeout", read_by=(WORKER,))
     gateway_max_body_bytes: int = setting(16 << 20, "largest request body the model gateway takes from an agent "
                                                     "(larger: 413)", "trust")

@@ -42,9 +42,9 @@ model calls as a step::
         dataset: examples/agents/calculator.jsonl
         env_num: 4
 
-Such an entry has no env server (base_url, transport and env_class are errors). An env entry may
-say ``env_calls_model: true``: its env server's reset body then carries the gateway's
-``llm: {base_url, api_key, model}`` for the env to call the model itself, recorded alike. Only the shape
+Such an entry has no env server (base_url, transport and env_class are errors). ``env_calls_model:
+true`` (an env server that calls the model itself, given the gateway in its reset body) is
+refused as not supported yet. Only the shape
 ``module:Class`` is checked here: workers share no files with the producer, so whether the
 class imports is for the worker to find out (``env_bad_request`` if it does not).
 
@@ -322,9 +322,11 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
         env_calls_model = False
     if not isinstance(env_calls_model, bool):
         raise fail("env_calls_model", f"must be true or false, got {env_calls_model!r}")
-    if env_calls_model and transport != "http":
-        raise fail("env_calls_model", "only for an env server's entry (an agent calls the model through the gateway "
-                                      "anyway; an inproc env is not given it)")
+    if env_calls_model:
+        # The key is read (and the spec has its field) so that a file written for it is refused
+        # with this reason rather than warned about as an unknown key and run without it.
+        raise fail("env_calls_model", "not supported yet: an env server that calls the model itself cannot be "
+                                      "given the gateway by this version (an agent entry can: agent: module:function)")
 
     seed = raw.get("seed", _ABSENT)
     if seed is _ABSENT:

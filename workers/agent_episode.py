@@ -216,6 +216,7 @@ def _run_function(path: str, row: Any, base_url: str, session: AgentSession, mod
             if not callable(fn):
                 outcome["bad"] = f"agent {path!r} is not callable"
                 return
+            outcome["called_at"] = time.monotonic()  # --agent-timeout counts from here: imports are not the agent's run
             outcome["result"] = fn(task=row, base_url=base_url, api_key=session.key, model=model)
         except BaseException as exc:  # noqa: BLE001 - whatever the agent raises is its failure
             outcome["error"] = exc
@@ -224,7 +225,7 @@ def _run_function(path: str, row: Any, base_url: str, session: AgentSession, mod
             done.append(True)
 
     _start_thread(call, f"agent:{session.session_id}")
-    _wait(lambda: bool(done), check, timeout_s, path, lambda: "")
+    _wait(lambda: bool(done), check, timeout_s, path, lambda: outcome.get("called_at"))
     if "bad" in outcome:
         raise errors.EpisodeError(errors.BAD_TASK, outcome["bad"], transient=False)
     if "error" in outcome:
@@ -257,8 +258,8 @@ def _run_command(argv: list[str], row: Any, base_url: str, session: AgentSession
     talker = threading.Thread(target=talk, name=f"agent-cmd:{session.session_id}", daemon=True)
     talker.start()
     try:
-        _wait(lambda: not talker.is_alive(), check, timeout_s, shown,
-              lambda: "")
+        started = time.monotonic()
+        _wait(lambda: not talker.is_alive(), check, timeout_s, shown, lambda: started)
     except BaseException:
         _kill(proc)
         raise
@@ -295,15 +296,16 @@ def _start_thread(fn: Callable[[], None], name: str) -> None:
 
 
 def _wait(finished: Callable[[], bool], check: Callable[[], None], timeout_s: float, what: str,
-          words: Callable[[], str]) -> None:
+          started: Callable[[], float | None]) -> None:
     """Until ``finished()``; the attempt's ``check`` is asked between slices (lease, budget,
-    cancel, shutdown), and past ``timeout_s`` the agent is given up on."""
-    t0 = time.monotonic()
+    cancel, shutdown), and ``timeout_s`` past ``started()`` (None: not started yet, its import
+    still running, which only the attempt's budget bounds) the agent is given up on."""
     while not finished():
         check()
-        if timeout_s > 0 and time.monotonic() - t0 > timeout_s:
+        t0 = started()
+        if timeout_s > 0 and t0 is not None and time.monotonic() - t0 > timeout_s:
             raise errors.EpisodeError(errors.AGENT_TIMEOUT, f"agent {what} ran past --agent-timeout "
-                                                            f"({timeout_s:g}s){words()}")
+                                                            f"({timeout_s:g}s)")
         time.sleep(_WAIT_SLICE_S)
 
 

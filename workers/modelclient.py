@@ -307,7 +307,7 @@ def _parse(reply: Reply, what: str, tries: int, tokens: str = "") -> Completion:
         attempts=tries,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        tokens=read_tokens(tokens, obj, content) if tokens else None,
+        tokens=read_tokens(tokens, obj, None if tool_calls else content) if tokens else None,
         tool_calls=tool_calls or None,
     )
 

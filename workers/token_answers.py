@@ -164,9 +164,10 @@ def _ints(value: Any, what: str, ans: TokenAnswer) -> list[int] | None:
     return value
 
 
-def read_tokens(mode: str, obj: dict, content: str) -> TokenAnswer:
+def read_tokens(mode: str, obj: dict, content: str | None) -> TokenAnswer:
     """The tokens of one chat-completion answer ``obj`` (already checked to have choices[0]
-    with a message) for the job's ``tokens`` mode, checked against the answer text ``content``."""
+    with a message) for the job's ``tokens`` mode, checked against the answer text ``content``
+    (None: not checked against it, see below)."""
     choice = obj["choices"][0]
     entries = _content_entries(choice)
     if mode == TOKENS_AUTO:
@@ -227,7 +228,9 @@ def read_tokens(mode: str, obj: dict, content: str) -> TokenAnswer:
 
     # the tokens must spell the answer text
     joined = bytes(raw).decode("utf-8", "replace") if have_bytes and entries else "".join(texts)
-    if entries and not _spells(joined, content):
+    # None: an answer with tool calls, whose sampled text (the call in the model's own markup) the
+    # server parsed out of the content: the tokens cannot spell it, and are not compared with it
+    if entries and content is not None and not _spells(joined, content):
         return ans.invalid(TOK_IDS_NOT_TEXT, f"the tokens spell {joined[:60]!r}, the answer is {content[:60]!r}")
 
     # prompt ids
