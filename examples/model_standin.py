@@ -13,28 +13,7 @@ Routes (stdlib only, keep-alive HTTP/1.1):
 * ``GET /v1/models`` (also ``/models``): the one model.
 * ``GET /stats``: request counters (see :meth:`ModelStandin.stats`).
 
-The scripted policy:
-
-* ``guess_number`` (see ``examples.envserver``): reads the range ("between LOW and HIGH")
-  and the feedback ("N is too low/high") from the conversation and binary-searches.  Like
-  a model thinking aloud, each reply restates the remaining range
-  (``"The number is in range [26, 49]. My guess: 37"``) so the search survives the
-  driver trimming old turns; the guess is always the last number of the reply.
-* ``arithmetic``: evaluates the "What is <expression>?" of the last user message and
-  answers correctly with probability ``skill`` (default 0.7), else off by one.  The die
-  is seeded from the messages, the temperature, ``fault_seed`` and a request counter, so
-  identical requests (the samples of one group) may get different answers.
-* ``<answer>`` prompts (reasoning-gym's system prompts): the last arithmetic expression of the
-  last user message, evaluated like ``arithmetic`` (right with probability ``skill``) and
-  answered as ``<answer>N</answer>``.
-* textarena's GuessTheNumber ("wrapped in square brackets", "The target number is
-  higher/lower."): the same binary search, the guess written as ``[N]``.
-* anything else: ``"I don't know"``.
-* the bundled tool task (``examples/agents/``): a request that offers a function tool named
-  ``calculator`` and whose last message is the user's "What is <expression>?" is answered with
-  a ``tool_calls`` call of ``calculator`` on that expression (``finish_reason: "tool_calls"``,
-  no content); one whose last message is that tool's result (role ``tool``) is answered
-  ``"The answer is R. <answer>R</answer>"`` with R the result, as a model that trusts its tool.
+The scripted policy: examples/standin_policy.py.
 
 ``POST /weights`` ``{"version": N}`` stands for a trainer pushing new weights (the online-RL demo,
 ``examples/rl_trainer.py``): the server reports ``metadata.weight_version`` ``"vN"`` from then on,
@@ -59,17 +38,8 @@ say one full of markup, for the results browser to show).
 ``overflow_style``: ``vllm`` (default), ``sglang``, ``llama.cpp`` (which, like the real one,
 checks the prompt alone) or ``openai``. ``GET /stats`` counts them as ``context_overflows``.
 
-Tokens (docs/protocol.md#token-options): a deterministic toy tokenizer (:class:`ToyTokenizer`:
-one id per UTF-8 byte, three special tokens, a ChatML-like template that only appends) lets
-the stand-in answer as the real servers do when asked. ``logprobs: true`` adds
-``choices[0].logprobs.content`` (token, logprob, bytes; and ``id`` in ``tokens_style``
-``llama.cpp``); ``return_token_ids: true`` adds vLLM's ``prompt_token_ids`` and
-``choices[0].token_ids`` (``tokens_style`` ``vllm``, the default). ``openai`` and ``sglang``
-styles give no ids. ``POST /tokenize``, ``/detokenize`` and ``/apply-template`` answer like
-llama-server's routes. ``token_fault`` (an attribute) spoils the token answer the way a
-broken server would: ``ids_not_text``, ``length``, ``non_integer``, ``nan``, ``positive``,
-``below_float32`` (a logprob of -1e39, finite but past what float32 holds).
-With tokens asked for, ``usage`` counts toy tokens.
+Tokens (docs/protocol.md#token-options): examples/standin_tokens.py (a toy tokenizer, one id per
+UTF-8 byte) lets the stand-in answer as the real servers do when asked.
 
 Fault knobs (constructor, CLI flags, and plain attributes on a running server):
 ``latency_ms``, ``error_rate`` (answered 429/500/503 in turn), ``drop_rate`` (connection
@@ -81,11 +51,8 @@ closed without an answer), ``malformed_rate`` (200 without ``choices``), ``lengt
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import operator
 import random
-import re
 import sys
 import threading
 import time
@@ -94,287 +61,10 @@ from typing import Any
 from envs.http import FaultDice, JSONHandler, QuietHTTPServer, serve_until_signal
 
 from .envserver import add_fault_args
+from .standin_policy import STANDIN_MODEL_NAME, message_text, scripted_reply, tool_reply
+from .standin_tokens import OVERFLOW_STYLES, TOKEN_STYLES, ToyTokenizer, context_refusal
 
-__all__ = ["ModelStandin", "ToyTokenizer", "context_refusal", "scripted_reply", "start_in_thread", "main"]
-
-
-# ---------------------------------------------------------------------------
-# The scripted policy
-# ---------------------------------------------------------------------------
-
-# The name GET /models lists: interactor's --model default, so that a run against the stand-in
-# needs no --model, while one against a real server that lists other names is refused without it
-# (interactor/preflight.py).
-STANDIN_MODEL_NAME = "stand-in"
-
-_RANGE_RE = re.compile(r"between\s+(-?\d+)\s+and\s+(-?\d+)", re.I)
-_STATE_RE = re.compile(r"range\s*\[\s*(-?\d+)\s*,\s*(-?\d+)\s*\]", re.I)
-_FEEDBACK_RE = re.compile(r"(-?\d+)\s+is\s+too\s+(low|high)", re.I)
-_INT_RE = re.compile(r"-?\d+")
-_EXPR_RE = re.compile(r"[-+*/×÷()\d\s.]*\d[-+*/×÷()\d\s.]*")
-_QUESTION_RE = re.compile(r"what\s+is\s+([-+*/×÷xX()\d\s.]*\d[-+*/×÷xX()\d\s.]*)", re.I)
-
-
-def message_text(content: Any) -> str:
-    """Text of a message content: a string, None, or a list of parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, dict) and part.get("type") == "text":
-                texts.append(str(part.get("text") or ""))
-        return "\n".join(texts)
-    return str(content)
-
-
-def _guess_number(msgs: list[tuple[str, str]]) -> str | None:
-    if not any(r in ("system", "user") and "guess" in t.lower() for r, t in msgs):
-        return None
-    orig = None
-    for role, text in msgs:
-        if role in ("system", "user"):
-            m = _RANGE_RE.search(text)
-            if m:
-                orig = (int(m.group(1)), int(m.group(2)))
-                break
-    state = None
-    for role, text in msgs:
-        if role == "assistant":
-            found = _STATE_RE.findall(text)
-            if found:
-                state = (int(found[-1][0]), int(found[-1][1]))
-                break
-    if orig is None and state is None:
-        return None
-    lo, hi = orig if orig is not None else state
-    last_guess = None
-    for role, text in msgs:
-        if role == "assistant":
-            found = _STATE_RE.findall(text)
-            if found:  # the range it had before its guess: tighten, never widen
-                lo, hi = max(lo, int(found[-1][0])), min(hi, int(found[-1][1]))
-            ints = _INT_RE.findall(text)
-            last_guess = int(ints[-1]) if ints else None
-        elif role == "user":
-            fb = _FEEDBACK_RE.findall(text)
-            if not fb and last_guess is not None:
-                low = text.lower()
-                if "too low" in low or "number is higher" in low:
-                    fb = [(str(last_guess), "low")]
-                elif "too high" in low or "number is lower" in low:
-                    fb = [(str(last_guess), "high")]
-            for g, direction in fb:
-                if direction.lower() == "low":
-                    lo = max(lo, int(g) + 1)
-                else:
-                    hi = min(hi, int(g) - 1)
-    if lo > hi:  # inconsistent (trimmed or odd feedback): start over
-        lo, hi = orig if orig is not None else state
-    guess = (lo + hi) // 2
-    if any("square brackets" in t.lower() for r, t in msgs if r in ("system", "user")):
-        return f"The number is in range [{lo}, {hi}]. My guess: [{guess}]"  # textarena's format
-    return f"The number is in range [{lo}, {hi}]. My guess: {guess}"
-
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-
-
-def _eval(node: ast.AST) -> float:
-    if isinstance(node, ast.Expression):
-        return _eval(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
-            and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        v = _eval(node.operand)
-        return -v if isinstance(node.op, ast.USub) else v
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
-    raise ValueError("unsupported expression")
-
-
-def _arithmetic(msgs: list[tuple[str, str]], rng: random.Random, skill: float) -> str | None:
-    user_texts = [t for r, t in msgs if r == "user"]
-    if not user_texts:
-        return None
-    m = _QUESTION_RE.search(user_texts[-1])
-    if not m:
-        return None
-    expr = m.group(1).replace("×", "*").replace("÷", "/").replace("x", "*").replace("X", "*")
-    try:
-        value = _eval(ast.parse(expr.strip(), mode="eval"))
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
-        return None
-    value = _with_skill(value, rng, skill)
-    return f"Let me compute {m.group(1).strip()}. The answer is {value}"
-
-
-def _with_skill(value: float, rng: random.Random, skill: float) -> float:
-    """The right answer with probability ``skill``, else off by one (so group rewards vary)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if rng.random() >= skill:
-        value = value + rng.choice((-1, 1))
-    if isinstance(value, float):
-        value = round(value, 6)
-    return value
-
-
-def _tagged_answer(msgs: list[tuple[str, str]], rng: random.Random, skill: float) -> str | None:
-    if not any("<answer>" in t for r, t in msgs if r in ("system", "user")):
-        return None
-    user_texts = [t for r, t in msgs if r == "user"]
-    if not user_texts:
-        return None
-    value = None
-    for m in reversed(list(_EXPR_RE.finditer(user_texts[-1].replace("×", "*").replace("÷", "/")))):
-        expr = m.group(0).strip().rstrip(".").strip()
-        if not any(op in expr[1:] for op in "+-*/"):
-            continue
-        try:
-            value = _eval(ast.parse(expr, mode="eval"))
-            break
-        except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
-            continue
-    if value is None:
-        return "I don't know. <answer>unknown</answer>"
-    value = _with_skill(value, rng, skill)
-    return f"Let me compute it step by step. <answer>{value}</answer>"
-
-
-TOOL_NAME = "calculator"
-
-
-def offers_tool(tools: Any, name: str = TOOL_NAME) -> bool:
-    """Whether a request's ``tools`` offers a function tool called ``name``."""
-    return isinstance(tools, list) and any(
-        isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name") == name
-        for t in tools)
-
-
-def tool_reply(messages: list, tools: Any, call_id: str) -> tuple[str | None, list | None] | None:
-    """The bundled tool task's answer, (content, tool_calls), or None when the request is not
-    one of it (see the module docstring)."""
-    if not offers_tool(tools) or not messages or not isinstance(messages[-1], dict):
-        return None
-    last = messages[-1]
-    if last.get("role") == "tool":
-        result = message_text(last.get("content")).strip()
-        return f"The answer is {result}. <answer>{result}</answer>", None
-    if last.get("role") != "user":
-        return None
-    m = _QUESTION_RE.search(message_text(last.get("content")))
-    if not m:
-        return None
-    expression = m.group(1).strip().rstrip(".")
-    call = {"id": call_id, "type": "function",
-            "function": {"name": TOOL_NAME, "arguments": json.dumps({"expression": expression})}}
-    return None, [call]
-
-
-def scripted_reply(messages: list[dict], rng: random.Random, skill: float = 0.7) -> str:
-    """The stand-in policy: the reply text for a list of chat messages."""
-    msgs = [(str(m.get("role", "")), message_text(m.get("content")))
-            for m in messages if isinstance(m, dict)]
-    for attempt in (lambda: _guess_number(msgs), lambda: _tagged_answer(msgs, rng, skill),
-                    lambda: _arithmetic(msgs, rng, skill)):
-        reply = attempt()
-        if reply is not None:
-            return reply
-    return "I don't know"
-
-
-
-# ---------------------------------------------------------------------------
-# The toy tokenizer (token answers without a model)
-# ---------------------------------------------------------------------------
-
-
-class ToyTokenizer:
-    """Deterministic and exact: id = byte + 3 for every UTF-8 byte, ids 0..2 special. The chat
-    template appends only (``<|im_start|>role\ncontent<|im_end|>\n`` per message), so a full-history
-    episode's turns extend one another token for token; trimming (``message_cut``) does not."""
-
-    SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-    END_OF_TURN = 2
-    _SPLIT = re.compile("(" + "|".join(re.escape(t) for t in SPECIALS) + ")")
-
-    @classmethod
-    def encode(cls, text: str, parse_special: bool = True) -> list[int]:
-        if not parse_special:
-            return [b + 3 for b in text.encode("utf-8")]
-        out: list[int] = []
-        for piece in cls._SPLIT.split(text):
-            if piece in cls.SPECIALS:
-                out.append(cls.SPECIALS.index(piece))
-            elif piece:
-                out.extend(b + 3 for b in piece.encode("utf-8"))
-        return out
-
-    @classmethod
-    def piece(cls, i: int) -> bytes:
-        return cls.SPECIALS[i].encode() if i < 3 else bytes([i - 3])
-
-    @classmethod
-    def decode(cls, ids: list[int]) -> str:
-        return b"".join(cls.piece(i) for i in ids).decode("utf-8", "replace")
-
-    @staticmethod
-    def render(messages: list, add_generation_prompt: bool = True) -> str:
-        out = "".join(f"<|im_start|>{m.get('role', '')}\n{message_text(m.get('content'))}<|im_end|>\n"
-                      for m in messages if isinstance(m, dict))
-        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-
-    @staticmethod
-    def logprob(token: int, position: int) -> float:
-        """A made-up, reproducible logprob in (-2, 0]."""
-        return -(((token * 2654435761) ^ (position * 40503)) % 1000) / 500.0
-
-
-TOKEN_STYLES = ("vllm", "llama.cpp", "openai", "sglang")
-TOKEN_FAULTS = ("", "ids_not_text", "length", "non_integer", "nan", "positive", "below_float32")
-
-# ---------------------------------------------------------------------------
-# Context overflow, in real servers' words
-# ---------------------------------------------------------------------------
-
-OVERFLOW_STYLES = ("vllm", "sglang", "llama.cpp", "openai")
-
-
-def context_refusal(style: str, context: int, prompt: int, max_tokens: int) -> dict | None:
-    """The 400 body a real server of ``style`` answers when ``prompt`` tokens plus ``max_tokens``
-    do not fit a context of ``context`` tokens, or None when they fit. llama.cpp checks the
-    prompt alone (it stops the answer at the context's end instead)."""
-    total = prompt + max_tokens
-    if style == "llama.cpp":
-        if prompt < context:
-            return None
-        return {"error": {"code": 400, "message": f"request ({prompt} tokens) exceeds the available context size "
-                                                  f"({context} tokens), try increasing it",
-                          "type": "exceed_context_size_error", "n_prompt_tokens": prompt, "n_ctx": context}}
-    if total <= context and prompt < context:
-        return None
-    if style == "sglang":
-        message = (f"The input ({prompt} tokens) is longer than the model's context length ({context} tokens)."
-                   if prompt >= context else
-                   f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
-                   f"requested a total of {total} tokens: {prompt} tokens from the input messages and {max_tokens} "
-                   "tokens for the completion. Please reduce the number of tokens in the input messages or the "
-                   "completion to fit within the limit.")
-        return {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}
-    if style == "openai":
-        return {"error": {"message": f"This model's maximum context length is {context} tokens. However, your "
-                                     f"messages resulted in {prompt} tokens. Please reduce the length of the messages.",
-                          "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}
-    return {"object": "error", "message": f"This model's maximum context length is {context} tokens. However, you "
-            f"requested {total} tokens ({prompt} in the messages, {max_tokens} in the completion). Please reduce the "
-            "length of the messages or completion.", "type": "BadRequestError", "param": None, "code": 400}
+__all__ = ["ModelStandin", "build_parser", "main", "start_in_thread"]
 
 
 # ---------------------------------------------------------------------------

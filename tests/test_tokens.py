@@ -36,7 +36,7 @@ from broker.tokens import (
     valid_logprob,
 )
 from consumer.streams import START_AFTER_GAP, START_DRIFT, START_FIRST, build
-from examples.model_standin import ToyTokenizer
+from examples.standin_tokens import ToyTokenizer
 from workers.hooks import NullHook
 from workers.loop import LoopConfig, run_episode
 from workers.token_answers import TOKEN_ANSWERS, TokenAnswer, read_tokens, request_fields
