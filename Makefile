@@ -20,7 +20,7 @@ REAL_MODEL_STAMP   := $(VENV)/.real-model-installed
 # learning checks of make test-real-model; never make install or make test.
 LEARN_STAMP        := $(VENV)/.learn-installed
 
-.PHONY: install install-real-model install-learn demo demo-rl demo-learn test test-fast test-browser test-real-model test-containers chromium ui-screenshot faults bench clean
+.PHONY: install install-real-model install-learn demo demo-rl demo-learn check test test-browser test-real-model test-containers chromium ui-screenshot faults bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,11 +36,21 @@ demo: $(STAMP)  ## run the bundled example batch on an embedded Redis, print the
 demo-rl: $(STAMP)  ## online RL: a small trainer loop pulling groups from `interactor feed serve` (examples/demo_rl.py)
 	$(PY) -m examples.demo_rl --run-dir runs/demo-rl
 
-test: $(STAMP)  ## the whole suite, fault scenarios included
-	$(PY) -m pytest -q
+# The tiers (docs/testing.md says what each runs and how long it takes).
+# make check: the lint (ruff, the rules in pyproject.toml) and the tests marked unit, which need no
+# server; for the edit-run loop. make test: everything, in TEST_PROCS processes (pytest-xdist):
+# the suite mostly waits on the servers and processes it starts (the two cores were ~15% busy
+# when it ran in one process), so four processes on two cores cut its wall time about 3x.
+# --dist worksteal: a process that runs out of tests takes some of another's, so one slow file
+# does not finish alone at the end. --timeout: a hung test fails with its name and stack (pytest-timeout).
+TEST_PROCS ?= 4
 
-test-fast: $(STAMP)  ## without the fault scenarios
-	$(PY) -m pytest -q -m "not fault"
+check: $(STAMP)  ## lint and the tests that need no server (-m unit), in under 90 s
+	$(VENV)/bin/ruff check --quiet .
+	$(PY) -m pytest -q -m unit -p no:cacheprovider
+
+test: $(STAMP)  ## the whole suite, fault scenarios included, in TEST_PROCS processes
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist worksteal --timeout 600
 
 # The results browser in headless Chromium (tests/test_ui_browser.py; `make test` skips them
 # where Chromium or Playwright is missing).

@@ -1,8 +1,11 @@
 """Shared fixtures: a real Redis (embedded, free port, with a password), the stand-in servers
 on loopback, and real worker / consumer processes.
 
-One embedded Redis serves the whole session; each test gets its own key prefix and queue, so
-tests do not see each other's episodes.
+One embedded Redis serves the whole session (one per process under `make test`'s pytest-xdist);
+each test gets its own key prefix and queue, so tests do not see each other's episodes.
+
+Tests marked ``unit`` are `make check`'s: they need no server, and the hooks below hold them to
+it (a unit test that asks for a server fixture, or listens on a socket, fails saying so).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +29,33 @@ from interactor.children import kill_tree, role_command, signal_group, spawn, st
 from broker.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Fixtures that start a server or processes: a test marked unit (make check) uses none of them.
+SERVER_FIXTURES = frozenset({"redis_server", "pg_server", "env_server", "model_server", "servers", "procs", "cpu_hog"})
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("unit") is not None:
+        used = SERVER_FIXTURES.intersection(item.fixturenames)
+        if used:
+            pytest.fail(f"marked unit (make check: no server) but uses {', '.join(sorted(used))}: "
+                        "drop its unit mark (make test runs it)", pytrace=False)
+
+
+def _unit_tests_listen_nowhere(sock, *args):
+    raise AssertionError("a test marked unit (make check: no server) listens on a socket: "
+                         "drop its unit mark (make test runs it)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    listen, socket.socket.listen = socket.socket.listen, _unit_tests_listen_nowhere
+    try:
+        return (yield)
+    finally:
+        socket.socket.listen = listen
 
 
 @pytest.fixture(scope="session")
