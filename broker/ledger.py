@@ -1,51 +1,33 @@
 """The job ledger: which episodes exist, in which state, and who runs them.
 
-Every state change is one Lua script (its text in ``broker/lua/``), so that it is atomic with the
-fencing check beside it:
+Every change of an episode's state, and every write fenced by its lease, is one Lua script (its
+text in ``broker/lua/``), so that it is atomic with the fencing check beside it:
 
 * ``start``   - queued/retrying/running-without-lease -> running, takes the lease, counts the
-  attempt (running-without-lease not while reclaims are held after an outage, see below). A second delivery of a running or finished episode gets ``busy``/``finished`` and
-  is dropped: the lease holder (or the sweeper, if the holder dies) owns the episode's future.
-  The same START sent again (same worker and attempt_id: its reply was lost) gets its own
-  attempt back, with its predecessor, and counts nothing.
+  attempt (running-without-lease not while reclaims are held after an outage, see below). A
+  second delivery of a running or finished episode gets ``busy``/``finished`` and is dropped:
+  the lease holder (or the sweeper, if the holder dies) owns the episode's future. The same
+  START sent again (same worker and attempt_id: its reply was lost) gets its own attempt back,
+  with its predecessor, and counts nothing.
 * ``renew``   - extends the attempt's lease, and tells the attempt when its job was cancelled.
-* ``publish`` - XADD a record only while the attempt holds its episode, so an abandoned attempt
-  can never write into the results stream after another attempt took over.
+* ``publish_many`` - XADDs records (and writes progress snapshots) only while their attempts
+  hold their episodes: an abandoned attempt never writes after another took over.
 * ``finish``  - XADD the attempt record, move the state (done / failed / retrying / queued /
-  cancelled),
-  park a dead letter, schedule a retry, drop the lease: all or nothing.
+  cancelled), park a dead letter, schedule a retry, drop the lease: all or nothing.
 * ``reclaim`` - for the sweeper: running with no live lease -> queued or failed.
 * ``move``    - guarded transitions for re-drive and reconcile.
 
 A cancelled job (broker/cancel.py) starts nothing: ``start`` refuses its episodes, and its
 waiting episodes move to ``cancelled`` in cancel.py's own script.
 
-**Who holds an episode** (renew, publish and finish alike, ``lua/ledger_holds_fn.lua``): the attempt whose
-token the lease key carries; or, when the key is gone, the attempt the episode is still
+**Who holds an episode** (renew, publish and finish alike, ``lua/ledger_holds_fn.lua``): the
+attempt whose token the lease key carries; or, when the key is gone, the attempt the episode is still
 ``running`` under (its ``"<attempt>:<attempt_id>"`` is the latest START's), which takes the
 lease back. A lease that lapsed is not lost: nobody else took the episode (a reclaim moves it
 out of ``running``, a new START changes the attempt id). An attempt loses its episode only when
 another token holds the lease or the episode moved on.
 
-**When the sweeper reclaims**: a running episode whose lease expired more than a third of the
-TTL ago - unless the sweep clock shows an outage. Every sweep, in every process, stamps the
-clock with Redis' time; a gap of more than half the TTL (at least two sweep intervals) means
-nobody reached Redis, so every lease may have lapsed under a live holder that could not renew.
-(A lease lapses under a live holder only after about two thirds of the TTL without Redis, so
-this sees every such outage as long as ``sweep_interval_s`` is under a third of the TTL, as
-by default: 5 s and 30 s.) Reclaims are then held for two TTLs, time for the holders to take
-their leases back, and the check runs inside the reclaim script too, so a sweep that stalled
-across the outage cannot reclaim on the far side of it. Holders take a lease back on their next renewal (every third of
-the TTL), step record or FINISH. A lease that lapsed in such a gap and that nobody took back
-during the hold had a holder that died with Redis away (stopped during the outage and killed at
-its shutdown deadline while it waited to hand its episode back, say): it is reclaimed with its
-attempt not counted (up to ``closing.OUTAGE_EXTRA_ATTEMPTS`` beyond the limit), as the gaps are
-kept (``Keys.outages``, ``lapsed_in_outage``). So Redis being away - frozen, restarted,
-unreachable from everyone - never costs an attempt. What it cannot tell apart from a dead
-worker: a worker cut off from Redis while the sweepers still reach it (its attempts fence
-themselves by their own clock and are re-run, counted), and a worker whose renewer does not
-get to run for the whole hold after an outage. A gap is also what a fleet with no process up
-leaves; a lease that lapsed then is not counted either.
+**When the sweeper reclaims** a lease that ran out, and when not (an outage): broker/recovery.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,26 @@ harmless: the ledger drops the delivery of an episode running under another leas
 Every worker process and the consumer run ``Sweeper.tick`` every ``sweep_interval_s``; a Redis
 lock lets any number of them run it without doing the work twice, and recovery does not
 depend on any one process being up.
+
+**When the sweeper reclaims**: a running episode whose lease expired more than a third of the
+TTL ago - unless the sweep clock shows an outage. Every sweep, in every process, stamps the
+clock with Redis' time; a gap of more than half the TTL (at least two sweep intervals) means
+nobody reached Redis, so every lease may have lapsed under a live holder that could not renew.
+(A lease lapses under a live holder only after about two thirds of the TTL without Redis, so
+this sees every such outage as long as ``sweep_interval_s`` is under a third of the TTL, as by
+default: 5 s and 30 s.) Reclaims are then held for two TTLs, time for the holders to take their
+leases back, and the check runs inside the reclaim script too, so a sweep that stalled across
+the outage cannot reclaim on the far side of it. Holders take a lease back on their next renewal
+(every third of the TTL), step record or FINISH. A lease that lapsed in such a gap and that
+nobody took back during the hold had a holder that died with Redis away (stopped during the
+outage and killed at its shutdown deadline while it waited to hand its episode back, say): it is
+reclaimed with its attempt not counted (up to ``closing.OUTAGE_EXTRA_ATTEMPTS`` beyond the
+limit), as the gaps are kept (``Keys.outages``, ``lapsed_in_outage``). So Redis being away -
+frozen, restarted, unreachable from everyone - never costs an attempt. What it cannot tell apart
+from a dead worker: a worker cut off from Redis while the sweepers still reach it (its attempts
+fence themselves by their own clock and are re-run, counted), and a worker whose renewer does
+not get to run for the whole hold after an outage. A gap is also what a fleet with no process up
+leaves; a lease that lapsed then is not counted either.
 """
 
 from __future__ import annotations

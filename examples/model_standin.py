@@ -236,21 +236,7 @@ class _ModelHandler(JSONHandler):
         fault = srv.dice.roll(("drop", srv.drop_rate), ("error", srv.error_rate),
                               ("malformed", srv.malformed_rate), ("length", srv.length_rate))
         if fault in ("drop", "error", "malformed"):
-            with srv.lock:
-                srv.faults[fault] += 1
-                turn = srv.error_turn
-                if fault == "error":
-                    srv.error_turn += 1
-            if fault == "drop":
-                with srv.lock:
-                    srv.by_status["dropped"] = srv.by_status.get("dropped", 0) + 1
-                return self.drop()
-            if fault == "error":
-                status = srv.ERROR_STATUSES[turn % len(srv.ERROR_STATUSES)]
-                return self.error(status, f"injected fault {status} (stand-in)",
-                                  "rate_limit_error" if status == 429 else "server_error")
-            return self.answer(200, {"id": f"chatcmpl-standin-{counter}",
-                                     "object": "chat.completion", "oops": "no choices here"})
+            return self.injected_fault(fault, counter)
 
         try:
             req = json.loads(body) if body.strip() else None
@@ -327,6 +313,26 @@ class _ModelHandler(JSONHandler):
             self.add_tokens(req, messages, content if content is not None else json.dumps(tool_calls),
                             finish_reason, out)
         self.answer(200, out)
+
+    def injected_fault(self, fault: str, counter: int) -> None:
+        """A request the fault knobs spoil: the connection dropped, an error status (429, 500
+        and 503 in turn), or a 200 without ``choices``."""
+        srv = self.server
+        with srv.lock:
+            srv.faults[fault] += 1
+            turn = srv.error_turn
+            if fault == "error":
+                srv.error_turn += 1
+        if fault == "drop":
+            with srv.lock:
+                srv.by_status["dropped"] = srv.by_status.get("dropped", 0) + 1
+            return self.drop()
+        if fault == "error":
+            status = srv.ERROR_STATUSES[turn % len(srv.ERROR_STATUSES)]
+            return self.error(status, f"injected fault {status} (stand-in)",
+                              "rate_limit_error" if status == 429 else "server_error")
+        return self.answer(200, {"id": f"chatcmpl-standin-{counter}",
+                                 "object": "chat.completion", "oops": "no choices here"})
 
     def add_tokens(self, req: dict, messages: list, content: str, finish_reason: str, out: dict) -> None:
         """What a real server adds when asked for tokens, in ``tokens_style``'s shape."""
