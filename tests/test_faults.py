@@ -20,7 +20,7 @@ from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.redisconn import connect
-from consumer.export import export_job
+from consumer.export import export_training
 from producer.enqueue import submit
 from tests.conftest import Procs
 from consumer.storage import open_store
@@ -194,7 +194,7 @@ class Scenario:
         assert_trajectories_sound(self.settings.results_store, self.job_id)
         # Exports never carry a superseded step.
         out = self.tmp_path / "export.jsonl"
-        export_job(self.settings.results_store, self.job_id, str(out), fmt="jsonl")
+        export_training(self.settings.results_store, self.job_id, str(out), fmt="jsonl")
         exported = [json.loads(line) for line in out.read_text().splitlines()]
         f.superseded_in_export = sum(1 for r in exported if (r["episode_id"], r["step_id"]) not in trajectory)
         assert f.superseded_in_export == 0 and len(exported) == f.steps
