@@ -162,6 +162,15 @@ class Fakes:
     requeued: list[tuple] = dataclasses.field(default_factory=list)
     shutdown: bool = False
 
+    def shut_down_after_first_step(self) -> None:
+        """The worker's shutdown grace runs out as the first step's record is queued."""
+        publish = self.publisher.publish
+
+        def publish_then_shut_down(lease, packed, *, check, waited, progress=None):
+            publish(lease, packed, check=check, waited=waited, progress=progress)
+            self.shutdown = True
+        self.publisher.publish = publish_then_shut_down
+
     def parts(self) -> AttemptParts:
         settings = Settings(redis_url="redis://unused:6379/0", outage_budget_s=1.0)
         return AttemptParts(
@@ -236,11 +245,7 @@ def test_the_last_attempt_failing_is_dead_lettered_with_the_key_starred_out():
 def test_a_shutdown_hands_the_episode_back_keeping_its_instance_for_the_successor():
     fakes = Fakes()
     a = attempt(fakes)
-
-    def stop_after_first_step(lease, packed, *, check, waited, progress=None):
-        fakes.publisher.records.append(unpack(packed))
-        fakes.shutdown = True
-    fakes.publisher.publish = stop_after_first_step
+    fakes.shut_down_after_first_step()
     assert a.run() == errors.WORKER_SHUTDOWN
     [(record, state, kw)] = fakes.ledger.finished
     assert state == LedgerState.QUEUED and record.status == AttemptStatus.ABANDONED
@@ -253,11 +258,7 @@ def test_a_shutdown_hands_the_episode_back_keeping_its_instance_for_the_successo
 def test_a_successor_continues_its_predecessors_instance_from_the_snapshot():
     fakes = Fakes()
     first = attempt(fakes)
-
-    def stop_after_first_step(lease, packed, *, check, waited, progress=None):
-        fakes.publisher.records.append(unpack(packed))
-        fakes.shutdown = True
-    fakes.publisher.publish = stop_after_first_step
+    fakes.shut_down_after_first_step()
     first.run()
     snapshot = fakes.ledger.finished[0][2]["progress"]
     fakes.publisher = FakePublisher()
