@@ -32,10 +32,9 @@ says so) holds none from then: calls already running finish, and new ones wait u
 is in use fits what it takes anew.
 
 What it costs Redis in the steady state: one round trip per process per :data:`RENEW_S`,
-and one when the load grows or shrinks a block, instead of two a call. (In the bench at
-C=256, renewing every 0.2 s cost 0.88 Redis commands per step; renewing every second but
-giving back idle slots every 0.2 s, 0.45: most of it slots given back and taken again.) A job without caps
-gets none of this: the runtime wraps no port, and no call costs a round trip.
+and one when the load grows or shrinks a block, instead of two a call (docs/benchmarks.md,
+"Cost of the fleet-wide caps", measures it per step). A job without caps gets none of this:
+the runtime wraps no port, and no call costs a round trip.
 """
 
 from __future__ import annotations
@@ -321,8 +320,8 @@ class CappedEnv:
     def get_task_prompt(self):
         return self._call(self.inner.get_task_prompt)
 
-    def step(self, action: str):
-        return self._call(lambda: self.inner.step(action))
+    def step(self, action: str, **tool_calls: Any):
+        return self._call(lambda: self.inner.step(action, **tool_calls))
 
     def close(self) -> None:
         """Always closes (an attempt that is ending must not leak its instance): it waits for a
