@@ -39,11 +39,13 @@ RESUMABLE = frozenset({ProgressPhase.READY, ProgressPhase.PROMPTED})
 
 def outlives_worker(spec: EpisodeSpec) -> bool:
     """Whether an env instance of ``spec`` can outlive the worker that drives it, so that a
-    successor may continue it: an instance on an env server of the original protocol or an ORS
-    session (its id is ours, its server keeps it 15 idle minutes) can; an inproc env dies with
-    its process, and an OpenEnv session with its WebSocket (the server destroys a session when
-    its socket closes: openenv's http_server.py ``websocket_endpoint``)."""
-    return spec.transport != "inproc" and spec.protocol != EnvProtocol.OPENENV
+    successor may continue it: an instance on an env server of the original protocol can (the
+    env keeps the conversation); an inproc env dies with its process, an OpenEnv session with
+    its WebSocket (the server destroys a session when its socket closes: openenv's
+    http_server.py ``websocket_endpoint``), and an ORS session, which its server keeps, is
+    half an episode: the conversation, the tools' results in it, is the worker's
+    (workers/ors_port.py). Those start afresh, ``not_resumable``."""
+    return spec.transport != "inproc" and spec.protocol == EnvProtocol.ORIGINAL
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,14 @@ What is asked, and why it is enough:
   docs/protocol.md#what-get-envs-answers). Where it answers a list of names, an ``env_name`` is
   served when it is listed or the part before its first dot is (``serve-env`` lists
   ``reasoning_gym`` and serves ``reasoning_gym.leg_counting``); any other is a problem too.
-* each inproc ``env_class``: on the workers' allow-list (``env_classes``), or every episode of
-  it would be dead-lettered as ``bad_task``.
+* each server of another protocol (a task entry's ``protocol``): an OpenEnv server answers
+  ``GET /health`` and ``GET /metadata`` (``create_app`` serves both); an ORS server ``GET
+  /list_environments``, which must list the entry's ``env_name``. A server that speaks
+  something else is named in one line (an ORS server has no ``/metadata``, an OpenEnv server no
+  ``/list_environments``, a server of the original protocol neither).
+* each inproc ``env_class``, and each ``observation_to_messages`` / ``completion_to_action``:
+  on the workers' allow-list (``env_classes``), or every episode of it would be dead-lettered as
+  ``bad_task``.
 
 The API key goes only where the workers would send it (``Settings.trusted_model_origins``).
 When every server answered, :func:`gate` says in one line what was asked and how it answered.
@@ -38,6 +44,7 @@ from typing import TextIO
 import requests
 
 from broker.settings import Settings, origin_of, redact_url
+from broker.states import EnvProtocol
 
 PROBE_TIMEOUT_S = 5.0
 NO_PREFLIGHT_HINT = "(--no-preflight skips this check, for servers that start later)"
@@ -195,6 +202,38 @@ class Preflight:
         return []
 
 
+    def protocol_env(self, base_url: str, protocol: str, env_names: set[str]) -> list[Problem]:
+        """A server of ``protocol`` (broker/states.py EnvProtocol), asked as the module says."""
+        base = base_url.rstrip("/")
+        shown = redact_url(base)
+        asks = {EnvProtocol.OPENENV: ("/health", "/metadata"), EnvProtocol.ORS: ("/list_environments",)}[protocol]
+        answers = []
+        for route in asks:
+            try:
+                resp = self.session.get(base + route, timeout=self.timeout_s)
+            except requests.RequestException as exc:
+                return [Problem("env", shown, f"unreachable: {_reason(exc)}")]
+            if resp.status_code >= 400:
+                other = "an ORS server answers /list_environments, an OpenEnv server /metadata"
+                return [Problem("env", shown, f"does not speak protocol {protocol}: GET {route} answers HTTP "
+                                              f"{resp.status_code} ({other}; an entry without protocol: speaks "
+                                              "the original protocol)")]
+            answers.append(resp)
+        if protocol == EnvProtocol.ORS:
+            try:
+                listed = answers[0].json()
+            except ValueError:
+                listed = None
+            if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+                return [Problem("env", shown, "does not speak protocol ors: GET /list_environments is not a list "
+                                              "of names")]
+            missing = sorted(n for n in env_names if n.lower() not in listed)
+            if missing:
+                return [Problem("env", shown, f"does not serve env_name {', '.join(map(repr, missing))}: GET "
+                                              f"/list_environments lists {', '.join(listed[:8]) or 'nothing'}")]
+        return []
+
+
 def serves(listed: list[str], env_name: str) -> bool:
     """Whether a server whose ``GET /envs`` lists ``listed`` serves ``env_name``: listed as it
     is, or its family (the part before the first dot) is, as serve-env routes
@@ -208,7 +247,9 @@ def env_classes(settings: Settings, episodes) -> list[Problem]:
     from workers.allowlist import env_class_allowlist
 
     allowed = env_class_allowlist(settings.env_classes)
-    refused = sorted({e.env_class for e in episodes if e.transport == "inproc" and not allowed.allows(e.env_class)})
+    named = {e.env_class for e in episodes if e.transport == "inproc"}
+    named |= {path for e in episodes for path in (getattr(e, "mapping", None) or {}).values()}
+    refused = sorted(c for c in named if not allowed.allows(c))
     return [Problem("env_class", c, f"not on the workers' allow-list (INTERACTOR_ENV_CLASSES: {allowed}): "
                               f"every episode would fail as bad_task; allow it with INTERACTOR_ENV_CLASSES={c} "
                               "(comma-separated patterns, e.g. mymodule:*)") for c in refused]
@@ -217,17 +258,17 @@ def env_classes(settings: Settings, episodes) -> list[Problem]:
 def ask(settings: Settings, episodes, *, timeout_s: float = PROBE_TIMEOUT_S) -> Outcome:
     """Ask the model endpoint and the env servers these episodes use (``EpisodeSpec`` s;
     inproc episodes call no env server)."""
-    by_server: dict[str, set[str]] = {}
+    by_server: dict[tuple[str, str], set[str]] = {}
     for e in episodes:
         if e.transport != "inproc" and e.base_url:
-            by_server.setdefault(e.base_url.rstrip("/"), set()).add(e.env_name)
+            by_server.setdefault((e.base_url.rstrip("/"), getattr(e, "protocol", "")), set()).add(e.env_name)
     probe = Preflight(settings, timeout_s=timeout_s)
     out = Outcome(model_url=redact_url(settings.llm_base_url.rstrip("/")))
     try:
         out.problems = env_classes(settings, episodes) + probe.model()
         out.model_answer = probe.model_answer
-        for url, names in sorted(by_server.items()):
-            found = probe.env(url, names)
+        for (url, protocol), names in sorted(by_server.items()):
+            found = probe.protocol_env(url, protocol, names) if protocol else probe.env(url, names)
             out.problems += found
             if not found:
                 out.env_urls.append(redact_url(url))

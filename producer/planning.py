@@ -154,6 +154,7 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
             sampling = ent.get("sampling") or {}
             agent, agent_command = ent.get("agent", ""), ent.get("agent_command") or []
             env_calls_model = ent.get("env_calls_model", False)
+            protocol, mapping = ent.get("protocol", ""), ent.get("mapping") or {}
             # An entry without a dataset sends "dataset": {}, as the original system does (an env
             # whose constructor defaults dataset=None sees what it saw there); an own "dataset"
             # in its env_params is sent as written.
@@ -185,6 +186,9 @@ def _expand(paths: list[str], loaded: list[list[dict]], job_id: str
                     # positional (checked against the schema at import): ~2x faster than kwargs
                     append(Spec(job_id, f"{group_id}.{k}", group_id, n, name, base_url, p,
                                 seed, queue, source, transport, env_class, image, sampling))
+                    if protocol:
+                        spec = episodes[-1]
+                        spec.protocol, spec.mapping = protocol, mapping
                     if agent or agent_command or env_calls_model:
                         spec = episodes[-1]
                         spec.agent, spec.agent_command, spec.env_calls_model = agent, list(agent_command), env_calls_model

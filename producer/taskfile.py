@@ -66,6 +66,7 @@ import yaml
 
 from broker.caps import check_limits
 from broker.settings import redact_url
+from broker.states import EnvProtocol
 from broker.tokens import TOKEN_MODES, TOKENS_AUTO
 from broker.urls import url_problem
 from envs.base import valid_object_path
@@ -85,8 +86,15 @@ __all__ = ["TaskFileError", "load_task_file", "DATASET_FORMATS"]
 
 ENTRY_KEYS = ("env_name", "env_params", "dataset", "env_num", "base_url", "seed", "queue", "transport",
               "env_class", "env_image", "dataset_load_mode") + ("max_tokens", "temperature", "stop", "n") + (
-              "agent", "agent_command", "env_calls_model")
+              "agent", "agent_command", "env_calls_model") + (
+              "protocol", "observation_to_messages", "completion_to_action", "split")
 TRANSPORTS = ("http", "inproc")
+# What an entry's env server speaks (broker/states.py EnvProtocol; absent: the original protocol),
+# and what may go with each: OpenEnv's text mappings, ORS's task list of a split.
+PROTOCOLS = tuple(p.value for p in EnvProtocol if p.value)
+MAPPING_KEYS = ("observation_to_messages", "completion_to_action")
+SPLIT_TASKS_MAX_BYTES = 64 * 2**20  # an ORS server's answer to /tasks, read at submit
+SPLIT_TASKS_TIMEOUT_S = 30.0
 AGENT_TRANSPORT = "agent"  # an agent episode's: no env server, its agent runs in the worker
 # How a dataset file's rows go to the env, as the original system's reader takes them: read here
 # and sent whole (eager), or, for a .parquet file, each row as a reference to its place in the
@@ -346,9 +354,12 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
     if not isinstance(image, str):
         raise fail("env_image", f"must be a string (the environment's image, e.g. 'registry/env:1.3'), got {image!r}")
 
+    protocol, mapping, split = _entry_protocol(raw, transport, fail)
     mode = _load_mode(raw, fail)
     ds = raw.get("dataset")
-    if ds is None or (isinstance(ds, str) and not ds.strip()):
+    if split:
+        rows, dataset = _split_rows(base_url, name, split, params, fail), f"<split {split}>"
+    elif ds is None or (isinstance(ds, str) and not ds.strip()):
         # "" or null: no dataset, as the original reads it (its files say `dataset: ""`)
         rows, dataset = None, None
         if "dataset_load_mode" in raw and raw["dataset_load_mode"] not in (None, ""):
@@ -359,7 +370,81 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
     return {"index": e, "line": line, "env_name": name, "env_params": params, "env_num": env_num,
             "base_url": base_url, "seed": seed, "queue": queue, "rows": rows, "dataset": dataset,
             "transport": transport, "env_class": env_class, "image": image, "sampling": sampling,
-            "agent": agent, "agent_command": agent_command, "env_calls_model": env_calls_model}
+            "agent": agent, "agent_command": agent_command, "env_calls_model": env_calls_model,
+            "protocol": protocol, "mapping": mapping}
+
+
+def _entry_protocol(raw: dict, transport: str, fail: Fail) -> tuple[str, dict[str, str], str]:
+    """The entry's ``protocol`` ("" the original's), its ``observation_to_messages`` /
+    ``completion_to_action`` (OpenEnv) and its ``split`` (ORS): docs/environments.md."""
+    protocol = raw.get("protocol")
+    if protocol is None or protocol == "":
+        protocol = ""
+    elif protocol not in PROTOCOLS:
+        raise fail("protocol", f"must be one of {', '.join(PROTOCOLS)} (absent: the original protocol), got {protocol!r}")
+    elif transport != "http":
+        raise fail("protocol", "is what an env server speaks: only for an entry with a base_url")
+    mapping = {}
+    for key in MAPPING_KEYS:
+        path = raw.get(key)
+        if path is None:
+            continue
+        if protocol != EnvProtocol.OPENENV:
+            raise fail(key, "only with protocol: openenv (it maps an OpenEnv observation or action)")
+        if not valid_object_path(path):
+            raise fail(key, f"must be 'module:function' (e.g. 'mypkg.mappings:{key}'), got {path!r}")
+        mapping[key] = path
+    split = raw.get("split")
+    if split is not None:
+        if protocol != EnvProtocol.ORS:
+            raise fail("split", "only with protocol: ors (its server lists a split's tasks)")
+        if not isinstance(split, str) or not split:
+            raise fail("split", f"must be the name of one of the server's splits, got {split!r}")
+        if raw.get("dataset") not in (None, ""):
+            raise fail("split", "an entry's tasks come from its dataset or from a split of its server, not both")
+    return protocol, mapping, split or ""
+
+
+def _split_rows(base_url: str, env_name: str, split: str, params: dict, fail: Fail) -> list[dict]:
+    """The tasks of an ORS server's ``split`` (``POST {base_url}/{env_name}/tasks``), one row each."""
+    import urllib.error
+    import urllib.request
+
+    import orjson
+
+    if "dataset" in params:
+        raise fail("env_params", "has a 'dataset' key, which each task of the split would overwrite")
+    url = f"{base_url.rstrip('/')}/{env_name}/tasks"
+    shown = redact_url(url)
+    request = urllib.request.Request(url, data=orjson.dumps({"split": split}), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.build_opener(urllib.request.HTTPRedirectHandler()).open(
+                request, timeout=SPLIT_TASKS_TIMEOUT_S) as resp:
+            body = resp.read(SPLIT_TASKS_MAX_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read(500).decode("utf-8", "replace").strip()
+        raise fail("split", f"{split!r}: POST {shown} answered HTTP {exc.code}: {detail or exc.reason}") from None
+    except (OSError, ValueError) as exc:
+        raise fail("split", f"{split!r}: POST {shown} failed: {exc} (is the ORS server up? --no-preflight does not "
+                            "skip this: the tasks are the job)") from None
+    if len(body) > SPLIT_TASKS_MAX_BYTES:
+        raise fail("split", f"{split!r}: POST {shown} answered more than {SPLIT_TASKS_MAX_BYTES} bytes")
+    try:
+        tasks = orjson.loads(body).get("tasks")
+    except (orjson.JSONDecodeError, AttributeError):
+        tasks = None
+    if not isinstance(tasks, list):
+        raise fail("split", f"{split!r}: POST {shown} answered no 'tasks' list")
+    if not tasks:
+        raise fail("split", f"{split!r}: the server lists no tasks for it")
+    for r, task in enumerate(tasks, 1):
+        if not isinstance(task, dict):
+            raise fail("split", f"{split!r}: task {r} is a {type(task).__name__}, not an object", row=r)
+        bad = check_plain(task, "split")
+        if bad:
+            raise fail("split", bad, row=r)
+    return tasks
 
 
 def _entry_agent(raw: dict, fail: Fail) -> tuple[str, list[str]]:

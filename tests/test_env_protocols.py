@@ -440,3 +440,74 @@ def test_sse_events_are_parsed_across_reads_and_line_ends():
                   b"event: end\ndata:c\n\n"):
         got += events.feed(piece)
     assert got == [("task_id", "7"), ("chunk", "a\nb"), ("end", "c")]
+
+
+# --- tools in our own protocol -------------------------------------------------------------------------
+
+class ToolsEnvServer(ThreadingHTTPServer):
+    """An env server of the original protocol playing the guessing game; with ``offer`` its
+    prompt answer is ``{"messages", "tools"}`` and it reads the ``tool_calls`` beside the action."""
+
+    daemon_threads = True
+
+    def __init__(self, offer: bool, target: int = 6):
+        super().__init__(("127.0.0.1", 0), _ToolsEnvHandler)
+        self.offer, self.target = offer, target
+        self.messages: list[dict] = []
+        self.step_bodies: list[dict] = []
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class _ToolsEnvHandler(_OrsHandler):
+    def do_GET(self):  # noqa: N802 - get_task_prompt
+        srv = self.server
+        tools = [{"type": "function", "function": {"name": "guess", "parameters": {
+            "type": "object", "properties": {"number": {"type": "integer"}}}}}]
+        self._json({"messages": srv.messages, "tools": tools} if srv.offer else srv.messages)
+
+    def do_DELETE(self):  # noqa: N802
+        self._json({"status": "ok"})
+
+    def do_POST(self):  # noqa: N802
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        if self.path.endswith("/reset"):
+            srv.messages = [{"role": "user", "content": "Guess the number between 1 and 9."}]
+            return self._json({"observation": {}, "info": {}})
+        srv.step_bodies.append(body)
+        calls = body.get("tool_calls") or []
+        guess = json.loads(calls[0]["function"]["arguments"])["number"] if calls else int(body["action"].split()[-1])
+        said = f"{guess} is right!" if guess == srv.target else f"{guess} is too {'low' if guess < srv.target else 'high'}."
+        srv.messages = srv.messages + [{"role": "assistant", "content": body["action"]},
+                                       {"role": "user", "content": said}]
+        self._json({"observation": {}, "reward": 1.0 if guess == srv.target else 0.0,
+                    "terminated": guess == srv.target, "truncated": False, "info": {}})
+
+
+@pytest.mark.parametrize("offer", [True, False])
+def test_tools_in_our_own_protocol_go_to_the_model_and_back_to_step(offer):
+    from workers.ports import BoundEnv
+
+    server = ToolsEnvServer(offer)
+    try:
+        settings = fast_settings()
+        budget = Budget(30)
+        spec = spec_of(server.url, "")
+        env = BoundEnv(EnvClient(settings), spec, "e~1-a", budget, Guard(budget, lambda: None, 2),
+                       BreakerBoard(None, None).for_env(server.url))
+        policy = GuessPolicy()
+        out, records = drive(env, policy)
+        assert out.ended_by == EndedBy.TERMINATED and out.total_reward == 1.0
+        if offer:
+            # the tools went to the model, its calls to step beside its (empty) text, and the step keeps both
+            assert all(request.get("tools") for _, request in policy.requests)
+            assert [set(b) for b in server.step_bodies] == [{"action", "tool_calls"}] * len(records)
+            assert records[0].tools[0]["function"]["name"] == "guess" and records[0].tool_calls[0]["id"] == "c1"
+        else:
+            # an env that offers no tools is sent exactly what it always was
+            assert all(not request for _, request in policy.requests)
+            assert all(b == {"action": r.response} for b, r in zip(server.step_bodies, records))
+            assert records[0].tools is None and records[0].tool_calls is None
+    finally:
+        server.shutdown()

@@ -103,9 +103,10 @@ class Attempt:
         timings = PhaseTimings()  # where the attempt's time goes (records v5)
         if lease.attempt == 1:  # later attempts' waits are not timed
             base["queue_wait_s"] = max(0.0, self.t_start - job.created_at)
-        resumable = job.resume and spec.transport != "inproc"
+        # an inproc env, or a session of another protocol, cannot be continued by a successor
+        resumable = job.resume and resume.outlives_worker(spec)
         start = resume.decide(progress, had_predecessor=bool(self.earlier), enabled=job.resume,
-                              inproc=spec.transport == "inproc", outage_since=self.outage_since_progress)
+                              inproc=not resume.outlives_worker(spec), outage_since=self.outage_since_progress)
         run = Trajectory(lease, start.resume if resumable else None, resumable, self.mark,
                          supersedes=progress is not None)
         base.update(trajectory=run.recorded_under, resumed_at=run.resumed_at, resume_note=start.note)
@@ -214,7 +215,8 @@ class Attempt:
         for number, attempt_id in dict.fromkeys(keys):
             if number > 0:
                 self.parts.env.close(self.spec.base_url, self.spec.env_name,
-                                     env_instance_id(self.spec.episode_id, number, attempt_id))
+                                     env_instance_id(self.spec.episode_id, number, attempt_id),
+                                     protocol=self.spec.protocol)
 
     def orphan_earlier(self) -> None:
         """The instances :meth:`close_earlier` would close, queued for the orphan closers

@@ -102,7 +102,7 @@ class EnvClient(PooledClient):
         )
         return check_reset_answer(self._json(reply, what), what)
 
-    def get_task_prompt(self, base_url: str, env_name: str, env_id: str, *, deadline: float) -> list:
+    def get_task_prompt(self, base_url: str, env_name: str, env_id: str, *, deadline: float) -> list | dict:
         what = f"get_task_prompt {env_name}/{env_id}"
         reply = self._call(
             "GET", self._url(base_url, env_name, env_id, "get_task_prompt"), what=what, deadline=deadline,
@@ -110,9 +110,11 @@ class EnvClient(PooledClient):
         )
         return check_prompt_answer(self._json(reply, what), what)
 
-    def step(self, base_url: str, env_name: str, env_id: str, action: str, *, deadline: float) -> StepResult:
+    def step(self, base_url: str, env_name: str, env_id: str, action: str, *, deadline: float,
+             tool_calls: list | None = None) -> StepResult:
         what = f"step {env_name}/{env_id}"
-        body = self._encode({"action": action}, what)
+        # the model's tool calls beside the text, when the prompt offered tools and it made some
+        body = self._encode({"action": action, "tool_calls": tool_calls} if tool_calls else {"action": action}, what)
         reply = self._call(
             "POST", self._url(base_url, env_name, env_id, "step"), what=what, deadline=deadline,
             body=body, idempotent=False, not_found=ENV_INSTANCE_LOST,

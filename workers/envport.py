@@ -21,7 +21,9 @@ class EnvPort(Protocol):
 
     def reset(self) -> Any: ...
     def get_task_prompt(self) -> Any: ...
-    def step(self, action: str) -> Any: ...  # -> object with reward, terminated, truncated, info
+    # -> object with reward, terminated, truncated, info; ``tool_calls`` (the model's, when the
+    # prompt offered tools and it called some) is passed only when there are any
+    def step(self, action: str, **tool_calls: Any) -> Any: ...
     def close(self) -> None: ...
 
 
@@ -56,7 +58,24 @@ def check_reset_answer(obj: Any, what: str) -> dict:
     return obj
 
 
-def check_prompt_answer(obj: Any, what: str) -> list:
+def prompt_parts(prompt: Any) -> tuple[Any, list | None]:
+    """The messages of a prompt answer and the tools it offers the model (None: none). A prompt
+    is a list of messages, or ``{"messages": [...], "tools": [...]}`` when the env offers tools
+    (docs/protocol.md#tools)."""
+    if isinstance(prompt, dict):
+        return prompt.get("messages") or [], prompt.get("tools") or None
+    return prompt, None
+
+
+def check_prompt_answer(obj: Any, what: str) -> list | dict:
+    """A prompt answer checked: a list of messages, or an object of ``messages`` and the
+    ``tools`` (a list of objects: OpenAI function schemas) the env offers the model."""
+    if isinstance(obj, dict) and "tools" in obj:
+        tools = obj["tools"]
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise EpisodeError(ENV_MALFORMED, f"{what}: 'tools' is not a list of objects")
+        check_prompt_answer(obj.get("messages"), what)
+        return {"messages": obj["messages"], "tools": tools} if tools else obj["messages"]
     if not isinstance(obj, list):
         raise EpisodeError(ENV_MALFORMED, f"{what}: answer is a JSON {type(obj).__name__}, not a list of messages")
     for i, msg in enumerate(obj):

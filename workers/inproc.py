@@ -256,17 +256,18 @@ class InprocEnv:
         raw = self._call(what, create_and_reset)
         return check_reset_answer({} if raw is None else self._answer(raw, what), what)
 
-    def get_task_prompt(self) -> list:
+    def get_task_prompt(self) -> list | dict:
         s = self.spec
         what = f"get_task_prompt {s.env_name}/{s.episode_id} (inproc)"
         env = self._env(what)
         return check_prompt_answer(self._answer(self._call(what, env.get_task_prompt), what), what)
 
-    def step(self, action: str) -> StepResult:
+    def step(self, action: str, tool_calls: list | None = None) -> StepResult:
         s = self.spec
         what = f"step {s.env_name}/{s.episode_id} (inproc)"
         env = self._env(what)
-        raw = self._call(what, lambda: env.step(action))
+        # the model's tool calls only to a class whose prompt offered tools and that got some
+        raw = self._call(what, (lambda: env.step(action, tool_calls=tool_calls)) if tool_calls else (lambda: env.step(action)))
         return check_step_answer(self._answer(raw, what), what)
 
     def close(self) -> None:

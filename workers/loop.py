@@ -31,7 +31,7 @@ import orjson
 from broker.errors import ENV_MALFORMED, ContextOverflow, EpisodeError
 from broker.records import StepRecord
 from broker.states import EndedBy, Phase, ProgressPhase
-from workers.envport import EnvPort
+from workers.envport import EnvPort, prompt_parts
 from workers.faults import never
 from workers.hooks import EpisodeHook
 from workers.progress import FIRST_TRACKED_STEP, ProgressTrack
@@ -174,15 +174,19 @@ def run_episode(
             check()
             prompt_raw, prompt_s = _prompt(env, tm, track, run, step_id)
             fault("after_prompt", step_id)
-            prompt = trim_messages(_hook_handle(hook, cfg, step_id, prompt_raw), cfg.message_cut)
+            messages, tools = prompt_parts(prompt_raw)  # an env may offer the model tools with its prompt
+            prompt = trim_messages(_hook_handle(hook, cfg, step_id, messages), cfg.message_cut)
             if not prompt:
                 out.ended_by = EndedBy.EMPTY_PROMPT
                 break
 
             check()
             with tm.phase(Phase.MODEL) as model:
-                completion, overflow = _complete(policy, prompt)
+                completion, overflow = _complete(policy, prompt, tools)
             answer, tokens = run.model_answered(cfg, step_id, prompt, completion, model.seconds, prompt_s)
+            calls = getattr(completion, "tool_calls", None) if tools else None
+            if tools:  # kept with the step (StepRecord.tools / tool_calls), as an agent episode's are
+                answer.update(tools=tools, tool_calls=calls)
             fault("after_model", step_id)
             if overflow is not None or answer["finish_reason"] == EndedBy.LENGTH:
                 end = _cut_by_model(cfg, step_id, overflow)  # the env never sees the action
@@ -193,7 +197,9 @@ def run_episode(
                     track.stepping(step_id, **run.totals())
                 fault("after_stepping_mark", step_id)
                 with tm.phase(Phase.ENV_STEP) as stepped, _env_call(track, ProgressPhase.STEPPING, step_id):
-                    result = env.step(answer["response"])
+                    # the calls beside the text only where there are any: an env that offers no
+                    # tools is sent exactly what it always was
+                    result = env.step(answer["response"], tool_calls=calls) if calls else env.step(answer["response"])
                 fault("after_step", step_id)
                 end = run.env_answered(cfg, step_id, result, stepped.seconds)
 
@@ -325,10 +331,11 @@ def _prompt(env: EnvPort, tm: PhaseTimings, track: ProgressTrack | None, run: _R
     return prompt, asked.seconds
 
 
-def _complete(policy: PolicyPort, prompt: list) -> tuple[Any, ContextOverflow | None]:
-    """The model's answer, or None and the server's refusal of a prompt longer than its context."""
+def _complete(policy: PolicyPort, prompt: list, tools: list | None = None) -> tuple[Any, ContextOverflow | None]:
+    """The model's answer, or None and the server's refusal of a prompt longer than its context;
+    ``tools`` (OpenAI function schemas the env offered) go into the request."""
     try:
-        return policy.complete(prompt), None
+        return (policy.complete(prompt, tools=tools) if tools else policy.complete(prompt)), None
     except ContextOverflow as exc:
         return None, exc
 

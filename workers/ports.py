@@ -89,10 +89,11 @@ class BoundEnv:
         return self.guard.call(self.breaker, lambda: self.client.get_task_prompt(
             s.base_url, s.env_name, self.instance, deadline=self.budget.deadline), retry_safe=False)
 
-    def step(self, action: str):
+    def step(self, action: str, **tool_calls: Any):
         s = self.spec
         return self.guard.call(self.breaker, lambda: self.client.step(
-            s.base_url, s.env_name, self.instance, action, deadline=self.budget.deadline), retry_safe=False)
+            s.base_url, s.env_name, self.instance, action, deadline=self.budget.deadline, **tool_calls),
+            retry_safe=False)
 
     def close(self) -> None:
         s = self.spec
