@@ -42,6 +42,7 @@ def rg_score(rg, task, size, seed, index, response, tag="answer"):
 
 # --------------------------------------------------------------------------- reasoning-gym
 
+@pytest.mark.unit
 def test_reasoning_gym_item_prompt_and_reward(rg):
     from envs.reasoning_gym_env import ReasoningGymEnv
 
@@ -61,6 +62,7 @@ def test_reasoning_gym_item_prompt_and_reward(rg):
 
 
 @pytest.mark.parametrize("response", ["<answer>12</answer>", "no tags at all", "<answer> 7 legs </answer>", ""])
+@pytest.mark.unit
 def test_reasoning_gym_reward_is_the_library_score(rg, response):
     from envs.reasoning_gym_env import ReasoningGymEnv
 
@@ -70,6 +72,7 @@ def test_reasoning_gym_reward_is_the_library_score(rg, response):
     assert env.step(response)["reward"] == expected
 
 
+@pytest.mark.unit
 def test_reasoning_gym_options_and_whole_entry_rows(rg):
     from envs.reasoning_gym_env import ReasoningGymEnv
 
@@ -90,6 +93,7 @@ def test_reasoning_gym_options_and_whole_entry_rows(rg):
     ({"task": "leg_counting", "config": {"no_such_option": 1}}, "bad config"),
     ({"task": "leg_counting", "config": [1]}, "'config' must be an object"),
 ])
+@pytest.mark.unit
 def test_reasoning_gym_bad_params(rg, params, words):
     from envs.reasoning_gym_env import ReasoningGymEnv
 
@@ -99,6 +103,7 @@ def test_reasoning_gym_bad_params(rg, params, words):
 
 # --------------------------------------------------------------------------- textarena
 
+@pytest.mark.unit
 def test_textarena_conversation_and_library_rewards(ta):
     from envs.textarena_env import TextArenaEnv
 
@@ -128,6 +133,7 @@ def test_textarena_conversation_and_library_rewards(ta):
     assert steps[-1]["info"]["reason"] and env.get_task_prompt() == []
 
 
+@pytest.mark.unit
 def test_textarena_instances_do_not_share_randomness(ta):
     """Interleaving two games (and other users of `random`) changes nothing in either."""
     from envs.textarena_env import TextArenaEnv
@@ -159,6 +165,7 @@ def test_textarena_instances_do_not_share_randomness(ta):
     ({"game": "TicTacToe-v0"}, "not a single-player game"),
     ({"game": "GuessTheNumber-v0", "kwargs": {"bogus": 1}}, "bad kwargs"),
 ])
+@pytest.mark.unit
 def test_textarena_bad_params(ta, params, words):
     from envs.textarena_env import TextArenaEnv
 
@@ -166,6 +173,7 @@ def test_textarena_bad_params(ta, params, words):
         TextArenaEnv().reset(params, 1)
 
 
+@pytest.mark.unit
 def test_env_names_pick_the_adapter():
     assert adapter_for("reasoning_gym.leg_counting").endswith(":ReasoningGymEnv")
     assert adapter_for("textarena.GuessTheNumber-v0").endswith(":TextArenaEnv")
@@ -380,6 +388,7 @@ main(["serve-env", "--list"])
 """
 
 
+@pytest.mark.unit
 def test_install_hints_name_the_library_not_an_unrelated_pypi_package():
     import tomllib
 

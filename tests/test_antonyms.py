@@ -11,6 +11,7 @@ from envs.base import EnvError
 from envs.bundled import Antonym
 
 
+@pytest.mark.unit
 def test_the_reward_reads_the_first_line_for_an_accepted_antonym():
     assert antonyms.reward("hot", 'The opposite of "hot" is "cold".') == 1.0
     assert antonyms.reward("hot", "Cold") == 1.0
@@ -21,6 +22,7 @@ def test_the_reward_reads_the_first_line_for_an_accepted_antonym():
     assert antonyms.reward("hot", "") == 0.0
 
 
+@pytest.mark.unit
 def test_the_splits_share_no_word_and_words_naming_each_other_stay_together():
     train, heldout = antonyms.split("train"), antonyms.split("heldout")
     assert not set(train) & set(heldout)
@@ -35,6 +37,7 @@ def test_the_splits_share_no_word_and_words_naming_each_other_stay_together():
         antonyms.split("test")
 
 
+@pytest.mark.unit
 def test_the_env_class_plays_one_turn():
     env = Antonym()
     env.reset({"dataset": {"word": "hot"}}, seed=1)
@@ -56,6 +59,7 @@ def test_the_example_env_server_serves_it(env_server):
     assert step["reward"] == 1.0 and step["terminated"]
 
 
+@pytest.mark.unit
 def test_the_learning_demos_task_files_give_every_word_back_as_written(tmp_path):
     """YAML reads a bare on, yes or true as a boolean (three train words), which the env refuses:
     every row of both task files must reach the env as the split's word."""

@@ -161,6 +161,7 @@ def test_a_store_made_by_the_previous_code_gains_the_table_on_open(store_url):
     open_store(store_url).close()  # opened again: nothing left to add
 
 
+@pytest.mark.unit
 def test_the_browser_episode_page_shows_each_attempts_phases(tmp_path):
     from interactor.ui.app import create_app
     from interactor.ui.source import Source

@@ -26,6 +26,7 @@ from tests.test_integration import wait_job_stored
 
 
 # --- the policy ----------------------------------------------------------------------------
+@pytest.mark.unit
 def test_policy_recommendation():
     p = Policy(min_workers=1, max_workers=5, target_per_worker=4, scale_down_cooldown_s=30)
     assert p.recommend(0, 0) == 1  # the minimum, even idle
@@ -41,6 +42,7 @@ def test_policy_recommendation():
             Policy(**bad)
 
 
+@pytest.mark.unit
 def test_scale_up_is_immediate_scale_down_waits_for_the_cooldown():
     d = Decider(Policy(min_workers=0, max_workers=10, target_per_worker=10, scale_down_cooldown_s=60))
     assert d.desired(0, 0, now=0) == 0

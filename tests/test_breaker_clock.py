@@ -11,6 +11,8 @@ from broker.errors import ENV_OUTAGE, EpisodeError
 from workers.breakers import ENV, Breaker
 from workers.budget import Budget
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 
 class Server:
     """The readiness answer a breaker's prober gets: up or down, as the test says."""

@@ -18,6 +18,8 @@ from broker.settings import Settings
 from interactor.cli import build_parser
 from interactor.common import SETTING_FLAGS
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # --run-dir: without REDIS_URL, the embedded Redis of a local run still running there

@@ -208,6 +208,7 @@ def test_model_retries_exhausted_is_transient_unavailable(server):
     assert server.count("POST", "/v1/chat/completions") == 3
 
 
+@pytest.mark.unit
 def test_model_connection_refused_retried_then_unavailable(caplog):
     caplog.set_level(logging.WARNING)
     client = ModelClient(fast(llm_retries=2))
@@ -444,6 +445,7 @@ def test_non_idempotent_calls_are_not_retried_once_sent(server, action, reason, 
     assert server.count(method, f"{P}/{call}") == 1
 
 
+@pytest.mark.unit
 def test_step_retried_when_connection_refused(caplog):
     caplog.set_level(logging.WARNING)
     client = EnvClient(fast(env_retries=3))

@@ -10,6 +10,8 @@ from broker.closing import OUTAGE_EXTRA_ATTEMPTS, OUTAGE_NOTE, decide, dead_lett
 from broker.records import AttemptRecord, EpisodeSpec
 from broker.states import AttemptStatus, CloseAction
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 
 def err(reason: str, transient: bool | None = None) -> errors.EpisodeError:
     return errors.EpisodeError(reason, "boom", transient=transient)

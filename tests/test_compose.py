@@ -26,6 +26,8 @@ from interactor.metrics import METRIC_NAMES
 from producer.planning import plan_job
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 ALLOWED_ENV = {"INTERACTOR_" + f.name.upper() for f in fields(Settings)} | {"REDIS_URL", "OPENAI_API_KEY"}
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 # The variables compose requires (no default: no fleet runs on a password written in the file).

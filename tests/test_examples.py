@@ -450,6 +450,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.unit
 def test_the_learning_demos_llama_server_stops_when_the_demo_is_killed(tmp_path):
     """llama-server runs in a session of its own (a terminal's Ctrl-C reaches only the demo): when
     the demo dies without running its own stopping (SIGKILL, the OOM killer; the demo trains a

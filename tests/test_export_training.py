@@ -71,6 +71,7 @@ def by_episode(rows):
     return out
 
 
+@pytest.mark.unit
 def test_group_stats_and_advantages():
     mean, std, adv, equal = group_stats([1.0, 0.0, 0.5])
     assert mean == pytest.approx(0.5) and std == pytest.approx(math.sqrt(1 / 6))

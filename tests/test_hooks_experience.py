@@ -59,6 +59,7 @@ def exp(tmp_path):
     return skills_dir(tmp_path, INDEX, FILES)
 
 
+@pytest.mark.unit
 def test_template_mode_best_success_rate_first_appended_to_system(exp):
     hook = TemplateExperienceHook(exp, top_k=2)
     prompt = [{"role": "system", "content": "Play well."}, {"role": "user", "content": "Guess."}]
@@ -81,6 +82,7 @@ def test_template_mode_best_success_rate_first_appended_to_system(exp):
     assert HEADER in hook.handle("guess_number.hard", "e4", 1, prompt)[0]["content"]
 
 
+@pytest.mark.unit
 def test_cached_per_episode_until_it_ends_and_index_reloads(exp):
     hook = TemplateExperienceHook(exp, top_k=1)
     prompt = [{"role": "system", "content": "S"}]
@@ -94,6 +96,7 @@ def test_cached_per_episode_until_it_ends_and_index_reloads(exp):
     assert "binary-search" in hook.handle("guess_number", "e2", 1, prompt)[0]["content"], "new episodes see the new index"
 
 
+@pytest.mark.unit
 def test_inject_shapes():
     assert inject([{"role": "system", "content": [{"type": "text", "text": "S"}]}], "X")[0]["content"] == [
         {"type": "text", "text": "S"}, {"type": "text", "text": "\n\nX"}]
@@ -102,6 +105,7 @@ def test_inject_shapes():
     assert inject([], "X") == [{"role": "system", "content": "X"}]
 
 
+@pytest.mark.unit
 def test_no_or_bad_index_leaves_prompts_alone(tmp_path, caplog):
     prompt = [{"role": "user", "content": "u"}]
     assert TemplateExperienceHook(tmp_path / "none").handle("guess_number", "e", 1, prompt) == prompt
@@ -112,6 +116,7 @@ def test_no_or_bad_index_leaves_prompts_alone(tmp_path, caplog):
     assert "experience index" in caplog.text
 
 
+@pytest.mark.unit
 def test_factory_reads_the_worker_settings(exp, monkeypatch):
     monkeypatch.setattr(hooks, "_cache", {})
     monkeypatch.setenv("INTERACTOR_EXPERIENCE_DIR", str(exp))
@@ -178,6 +183,7 @@ class Recorder:
 CFG = LoopConfig(job_id="j", episode_id="ep1", env_name="toy", group_id="g", llm_model="m", message_cut=0)
 
 
+@pytest.mark.unit
 def test_handle_rewrites_prompts_and_end_gets_the_total_and_last_info():
     hook, policy, steps = Recorder(), Policy(), []
     out = run_episode(CFG, env=TwoStepEnv(), policy=policy, publish=steps.append, hook=hooks._Adapter(hook))
@@ -186,6 +192,7 @@ def test_handle_rewrites_prompts_and_end_gets_the_total_and_last_info():
     assert hook.ends == [("toy", "ep1", 1.0, {"turn": 2})] and out.total_reward == 1.0
 
 
+@pytest.mark.unit
 def test_hook_errors_are_logged_never_fatal_and_end_runs_for_failed_episodes(caplog):
     hook, steps = Recorder(fail=True), []
     out = run_episode(CFG, env=TwoStepEnv(), policy=Policy(), publish=steps.append, hook=hooks._Adapter(hook))

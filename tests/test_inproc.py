@@ -154,6 +154,7 @@ def deadline(s: float = 30) -> float:
 # --------------------------------------------------------------------------- the port itself
 
 @pytest.mark.parametrize("kind", ["dict", "bytes", "memoryview", "model"])
+@pytest.mark.unit
 def test_answers_are_normalized_validated_and_copied(quick, kind, monkeypatch):
     monkeypatch.setattr(Echo, "answer_kind", kind)
     env = InprocEnv(spec("Echo", env_name="echo", params={"x": 3}), deadline(), quick)
@@ -171,6 +172,7 @@ def test_answers_are_normalized_validated_and_copied(quick, kind, monkeypatch):
     assert not thread.is_alive(), "the instance's thread ends after close"
 
 
+@pytest.mark.unit
 def test_lenient_values_as_over_http(quick):
     env = InprocEnv(spec("NoArgs"), deadline(), quick)  # no env_name keyword: constructed with no args
     assert env.reset() == {}
@@ -189,6 +191,7 @@ def test_lenient_values_as_over_http(quick):
     ("Crashes", "step", errors.ENV_SERVER_ERROR, "segfault-ish"),
     ("tests.nowhere:Nothing", "reset", errors.ENV_BAD_REQUEST, "cannot import env_class"),
 ])
+@pytest.mark.unit
 def test_failures_have_the_http_reasons(quick, cls, call, reason, text):
     env = InprocEnv(spec(cls), deadline(), quick)
     with pytest.raises(errors.EpisodeError) as info:
@@ -236,6 +239,7 @@ def test_same_reason_over_http_and_inproc(quick, cls):
         server.shutdown()
 
 
+@pytest.mark.unit
 def test_a_call_that_hangs_times_out_and_the_instance_is_abandoned(quick):
     Slow.release.clear()
     env = InprocEnv(spec("Slow"), deadline(), quick)
@@ -253,6 +257,7 @@ def test_a_call_that_hangs_times_out_and_the_instance_is_abandoned(quick):
     Slow.release.set()
 
 
+@pytest.mark.unit
 def test_the_attempt_budget_bounds_each_call(quick):
     Slow.release.clear()
     env = InprocEnv(spec("Slow"), time.monotonic() + 0.4, quick.replace(env_read_timeout_s=30))
@@ -268,6 +273,7 @@ def test_the_attempt_budget_bounds_each_call(quick):
     assert info.value.reason == errors.EPISODE_TIMEOUT
 
 
+@pytest.mark.unit
 def test_close_never_raises(quick, caplog):
     env = InprocEnv(spec("CloseFails"), deadline(), quick)
     env.reset()

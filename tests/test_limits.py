@@ -14,6 +14,8 @@ from broker.settings import Settings
 from workers import limits
 from workers.limits import FirstWaveJitter, LimitedPolicy, ModelGate, model_session, shared_gate
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 
 class SlowPolicy:
     def __init__(self, delay: float = 0.05):

@@ -14,6 +14,8 @@ from broker.records import StepRecord
 from workers.hooks import HookError, NullHook, load_hook
 from workers.loop import LoopConfig, is_trainable, run_episode, trim_messages
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 SYS = {"role": "system", "content": "you are a test"}
 
 

@@ -31,6 +31,7 @@ TRY_2 = TRY_1.replace("15481", "15792").replace("6e13c661a3f8d1c2e5b7a9d0", "b73
              .replace("0x7fdf93742390", "0x7f655783a090").replace("\x1b[36m", "").replace("\x1b[39m", "")
 
 
+@pytest.mark.unit
 def test_two_tries_of_one_bad_reset_have_one_signature():
     assert TRY_1 != TRY_2
     assert error_signature(TRY_1) == error_signature(TRY_2)
@@ -41,6 +42,7 @@ def test_two_tries_of_one_bad_reset_have_one_signature():
     assert "ray::EnvActor.__init__()" in masked and masked.endswith(MISSING_TASK)
 
 
+@pytest.mark.unit
 def test_other_failures_keep_other_signatures():
     other_error = TRY_2.replace(MISSING_TASK, "ValueError: Math500TextEnv requires dataset fields: problem, answer")
     other_task = TRY_2.replace("only_task_id=99", "only_task_id=98")
@@ -59,10 +61,12 @@ def test_other_failures_keep_other_signatures():
      "request 0d9e8f7a-6b5c-4d3e-8f1a-2b3c4d5e6f70: constructor raised"),
     ("object ffffffffffffffff8a3c000001000000 lost", "object ffffffffffffffff1b7e000001000000 lost"),
 ])
+@pytest.mark.unit
 def test_times_and_ids_are_masked(first, second):
     assert first != second and error_signature(first) == error_signature(second)
 
 
+@pytest.mark.unit
 def test_the_stand_ins_answers_differ_on_every_try_and_share_a_signature():
     rng = random.Random(1)
     texts = {ray_creation_error("EnvActor", MISSING_TASK, rng) for _ in range(5)}

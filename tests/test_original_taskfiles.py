@@ -46,6 +46,7 @@ def plan(path):
     return plan_job([str(path)], job_id="j", default_base_url=URL)
 
 
+@pytest.mark.unit
 def test_dabstep_loads_its_image_key_ignored_and_an_empty_dataset_sent():
     p = plan(DABSTEP)
     assert len(p.episodes) == 8 and p.groups == 8
@@ -57,6 +58,7 @@ def test_dabstep_loads_its_image_key_ignored_and_an_empty_dataset_sent():
         assert ep.image == "" and ep.env_name == "dabstepgym"  # `image` is not the original's env_image
 
 
+@pytest.mark.unit
 def test_dwgym_loads():
     p = plan(DWGYM)
     assert [e.env_params["thread_id"] for e in p.episodes] == [11, 12]
@@ -64,6 +66,7 @@ def test_dwgym_loads():
     assert p.warnings == [ignored(DWGYM, "entries 1, 2", "image")]
 
 
+@pytest.mark.unit
 def test_qagym_loads_with_its_env_image_and_its_dataset_beside_it():
     p = plan(QAGYM)
     rows = [json.loads(line) for line in (QAGYM.parent / "qa_cases.jsonl").read_text().splitlines()]
@@ -78,6 +81,7 @@ def test_qagym_loads_with_its_env_image_and_its_dataset_beside_it():
     (EMBODIED, "alfred_cases.jsonl", "embodied_alfred", "embodiedbench/alfred:latest"),
     (MATH500, "test.jsonl", "math500_text", ""),
 ])
+@pytest.mark.unit
 def test_a_private_absolute_dataset_path_is_the_one_fault_named(tmp_path, path, local, env_name, image):
     text = path.read_text()
     (private,) = re.findall(r"^\s*dataset: (/\S+)$", text, re.M)
@@ -95,6 +99,7 @@ def test_a_private_absolute_dataset_path_is_the_one_fault_named(tmp_path, path, 
     assert all(e.env_name == env_name and e.image == image for e in p.episodes) and p.warnings == []
 
 
+@pytest.mark.unit
 def test_our_envs_take_an_empty_dataset_as_no_dataset(tmp_path):
     """What an entry without a dataset now sends, "dataset": {}, changes nothing for the bundled
     environments and the adapters."""

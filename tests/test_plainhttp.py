@@ -274,6 +274,7 @@ def test_a_header_that_could_split_the_request_is_refused_before_anything_is_sen
     assert raw_server.seen == [] and raw_server.accepted == 0
 
 
+@pytest.mark.unit
 def test_a_refused_connection_never_reached_the_server_on_both_paths():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

@@ -176,6 +176,7 @@ def test_a_model_server_without_a_get_models_route_passes_and_a_dead_port_does_n
     assert time.monotonic() - started < preflight.PROBE_TIMEOUT_S  # refused at once, not timed out
 
 
+@pytest.mark.unit
 def test_the_summary_names_a_few_env_servers_and_counts_the_rest():
     out = preflight.Outcome(model_url="http://m/v1", model_answer="GET /models: 200",
                             env_urls=[f"http://e{i}" for i in range(5)])

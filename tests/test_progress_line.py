@@ -27,6 +27,7 @@ from tests.conftest import ROOT, wait_for
 PROGRESS = re.compile(r"running=(\d+) (?:stalled=(\d+) )?waiting=\d+ \|\s*(-?[\d.]+) steps/s")
 
 
+@pytest.mark.unit
 def test_the_rate_counts_steps_taken_and_never_falls_below_zero():
     rate = StepRate()
     seen = [rate.update(stored, t) for t, stored in [(0.0, 40), (1.0, 44), (2.0, 38), (3.0, 41), (4.0, 47)]]
@@ -35,6 +36,7 @@ def test_the_rate_counts_steps_taken_and_never_falls_below_zero():
     assert seen == [0.0, 4.0, 0.0, 3.0, 6.0] and rate.taken == 13
 
 
+@pytest.mark.unit
 def test_the_line_shows_stalled_attempts_apart():
     counts = {LedgerState.DONE: 3, LedgerState.RUNNING: 2, LedgerState.QUEUED: 4}
     line = progress_line(counts, {"mean_reward": 0.5}, 10, 1.5, 12, stalled=1)
@@ -42,6 +44,7 @@ def test_the_line_shows_stalled_attempts_apart():
     assert "stalled" not in progress_line(counts, {}, 10, 1.5, 12)
 
 
+@pytest.mark.unit
 def test_a_zombie_is_not_alive():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     wait_for(lambda: open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 30,

@@ -160,6 +160,7 @@ _DROP = object()
     _with(content_type="application/x-python-serialize"),  # pickle: never decoded
     _with(content_type=_DROP),
 ], ids=lambda r: repr(r[:40]))
+@pytest.mark.unit
 def test_decode_garbage_is_none(raw):
     assert decode_task_args(raw) is None
 
@@ -172,6 +173,7 @@ def test_decode_garbage_is_none(raw):
     b'{"headers": "not a map"}',
     b'{"headers": null}',
 ], ids=repr)
+@pytest.mark.unit
 def test_decode_valid_json_but_not_an_envelope_is_none(raw):
     # BUG (broker/queueing.py, decode_task_args): envelope.get / headers.get raise AttributeError
     # for JSON that is not an object, and AttributeError is not in the caught tuple.

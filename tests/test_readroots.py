@@ -11,6 +11,8 @@ from producer.readroots import OutsideRoots, ReadRoots
 from producer.planning import plan_job
 from producer.taskfile import TaskFileError, load_task_file
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 
 @pytest.fixture
 def tree(tmp_path):

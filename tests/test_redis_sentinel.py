@@ -35,6 +35,7 @@ from tests.sentinel import SentinelCluster
      "my.service-1", 0, "app", "p@ss/w,d"),
     ("REDIS+SENTINEL://:pw@H1:7/ix", (("h1", 7),), "ix", 0, "", "pw"),
 ])
+@pytest.mark.unit
 def test_the_sentinel_form_is_read_into_its_parts(url, sentinels, service, db, user, password):
     a = parse_redis_url(url)
     assert (a.sentinels, a.service, a.db, a.username, a.password) == (sentinels, service, db, user, password)
@@ -58,6 +59,7 @@ def test_the_sentinel_form_is_read_into_its_parts(url, sentinels, service, db, u
     ("rediss+sentinel://:s3cret@s1:1/ix", "not supported"),
     ("sentinel://:s3cret@s1:1/ix", "must start with"),
 ])
+@pytest.mark.unit
 def test_a_bad_sentinel_url_is_refused_saying_why_never_its_password(url, why):
     with pytest.raises(RedisUrlError, match=why) as err:
         parse_redis_url(url)
@@ -67,6 +69,7 @@ def test_a_bad_sentinel_url_is_refused_saying_why_never_its_password(url, why):
     assert "s3cret" not in str(err.value)
 
 
+@pytest.mark.unit
 def test_passwords_of_the_sentinel_form_are_hidden_wherever_the_url_is_shown():
     url = "redis+sentinel://user:pw-of-redis@s1:26379,s2:26379/ix/0"
     assert redact_url(url) == "redis+sentinel://user:***@s1:26379,s2:26379/ix/0"
@@ -174,6 +177,7 @@ def test_start_and_finish_wait_for_the_replica_and_stop_waiting_while_it_lags(cl
     assert _waits(primary) == before + 3
 
 
+@pytest.mark.unit
 def test_replica_waits_follow_the_setting():
     sentinel_url = "redis+sentinel://:pw@s1:1/ix"
     for url, mode, on in [(sentinel_url, "auto", True), ("redis://:pw@h:1/0", "auto", False),

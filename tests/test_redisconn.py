@@ -83,6 +83,7 @@ def test_without_hiredis_extras_the_options_are_plain(settings):
     ("unix:///run/redis.sock", ServerAddress("unix", path="/run/redis.sock")),
     ("unix://:p%40w@/run/a%20b.sock?db=4", ServerAddress("unix", path="/run/a b.sock", db=4, password="p@w")),
 ])
+@pytest.mark.unit
 def test_each_one_server_form_is_read_into_its_address(url, address):
     assert parse_redis_url(url) == address
     assert redis_password(url) == address.password
@@ -115,6 +116,7 @@ def test_each_one_server_form_is_read_into_its_address(url, address):
     ("http://:s3cret@h:6379/0", "must start with"),
     ("127.0.0.1:6379", "must start with"),
 ])
+@pytest.mark.unit
 def test_a_bad_one_server_url_is_refused_in_one_line_never_with_its_password(url, why):
     with pytest.raises(RedisUrlError, match=why) as err:
         parse_redis_url(url)
@@ -136,6 +138,7 @@ _FORMS = ["redis://:{}@h:6379/0", "rediss://u:{}@h/1", "unix://:{}@/run/redis.so
 @example(form=_FORMS[2], middle="/")
 @example(form=_FORMS[3], middle="%zz")
 @hsettings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.unit
 def test_a_password_is_read_as_itself_or_refused_and_never_shown(form, middle):
     password = _HEAD + middle + _TAIL
     encoded = form.format(quote(password, safe=""))

@@ -27,11 +27,13 @@ def snap(phase, step=3, trajectory="1:a1", **kw) -> Progress:
     (ProgressPhase.PROMPTING, False, ResumeNote.CALL_IN_FLIGHT),
     (ProgressPhase.STEPPING, False, ResumeNote.CALL_IN_FLIGHT),
 ])
+@pytest.mark.unit
 def test_only_a_snapshot_with_no_call_in_flight_is_continued(phase, resumes, note):
     start = resume.decide(snap(phase), had_predecessor=True, enabled=True, inproc=False)
     assert (start.resume is not None) == resumes and start.note == note
 
 
+@pytest.mark.unit
 def test_nothing_to_continue_says_why_only_when_there_was_a_predecessor():
     assert resume.decide(None, had_predecessor=False, enabled=True, inproc=False) == resume.Start()
     for kw in ({"enabled": False, "inproc": False}, {"enabled": True, "inproc": True}):
@@ -41,6 +43,7 @@ def test_nothing_to_continue_says_why_only_when_there_was_a_predecessor():
 
 
 # --- where an attempt stopped -----------------------------------------------------------------
+@pytest.mark.unit
 def test_an_attempt_stopped_between_calls_leaves_the_exact_point():
     marks = []
     first = ProgressTrack("1:a1", "a1", lambda s, urgent: None)
@@ -68,6 +71,7 @@ def test_an_attempt_stopped_between_calls_leaves_the_exact_point():
     assert marks == [(ProgressPhase.PROMPTED, 2, False), (ProgressPhase.STEPPING, 2, True)]
 
 
+@pytest.mark.unit
 def test_a_resumed_track_starts_where_its_predecessor_stopped():
     from broker.tokens import pack_ids
 
@@ -184,6 +188,7 @@ def test_a_step_the_dead_worker_published_last_is_kept_when_it_arrives_late(stor
 
 
 # --- what the loop writes --------------------------------------------------------------------
+@pytest.mark.unit
 def test_the_loop_keeps_snapshots_from_its_second_step_and_continues_where_told():
     """A single-turn episode writes no snapshot (continuing one at its first step would save a
     reset and a prompt only, and single-turn RL is most of the load); from the second step on,
@@ -226,12 +231,14 @@ def test_the_loop_keeps_snapshots_from_its_second_step_and_continues_where_told(
 @pytest.mark.parametrize("fault", resume.FAULTS)
 @pytest.mark.parametrize("replica_wait", [True, False])
 @pytest.mark.parametrize("landed", [True, False])
+@pytest.mark.unit
 def test_no_point_a_worker_stops_at_has_its_successor_send_a_call_again(point, fault, replica_wait, landed):
     out = resume.successor_at(point, fault, replica_wait=replica_wait, landed=landed)
     assert not out.prompt_sent_twice and not out.step_sent_twice, out
     assert (out.resume_at is None) == bool(out.note)
 
 
+@pytest.mark.unit
 def test_the_model_resumes_where_it_can():
     """Killed while the model thinks (the long part of a turn) and stopped anywhere between
     calls, the successor continues; the points that cost a fresh start are those the README
@@ -247,6 +254,7 @@ def test_the_model_resumes_where_it_can():
     assert at("after_stepping_mark", "write_lost", replica_wait=True).note == ResumeNote.CALL_IN_FLIGHT
 
 
+@pytest.mark.unit
 def test_a_prompted_snapshot_after_an_outage_would_send_the_step_again_without_the_rule():
     """Why the outage rule is there: a lost ``stepping`` write leaves ``prompted`` k while the
     step k may have been applied; taken as it is, the successor sends it again."""
@@ -256,6 +264,7 @@ def test_a_prompted_snapshot_after_an_outage_would_send_the_step_again_without_t
                          outage_since=True).note == ResumeNote.OUTAGE_SINCE_SNAPSHOT
 
 
+@pytest.mark.unit
 def test_nothing_kept_is_said_apart_from_resume_being_off():
     assert resume.decide(None, had_predecessor=True, enabled=True, inproc=False).note == ResumeNote.NOTHING_KEPT
     assert resume.decide(None, had_predecessor=True, enabled=False, inproc=False).note == ResumeNote.NOT_RESUMABLE

@@ -20,6 +20,7 @@ from tests.conftest import ROOT, wait_for
 from workers.ports import policy_url
 
 
+@pytest.mark.unit
 def test_flags_fold_into_llm_params():
     args = build_parser().parse_args(
         ["submit", "t.yaml", "--max-tokens", "64", "--top-p", "0.9", "--stop", '["</answer>", "\\n\\n"]',
@@ -44,6 +45,7 @@ def test_flags_fold_into_llm_params():
     ({"llm_max_concurrency": -2}, "llm_max_concurrency"),
     ({"llm_startup_jitter_s": -1}, "llm_startup_jitter_s"),
 ])
+@pytest.mark.unit
 def test_bad_model_settings(kw, words):
     from broker.settings import SettingsError
 

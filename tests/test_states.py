@@ -21,6 +21,8 @@ from broker import states
 from broker.records import AttemptRecord, unpack
 from broker.states import AttemptStatus, CloseAction, FeedGroupStatus, LedgerState, StartStatus, StoredStatus
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("broker", "producer", "workers", "consumer", "envs", "interactor", "bench", "examples")
 

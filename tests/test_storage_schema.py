@@ -61,6 +61,7 @@ def test_each_backend_creates_the_declared_tables(store_url):
         s.close()
 
 
+@pytest.mark.unit
 def test_the_writers_column_lists_follow_the_declaration():
     assert STEP_COLUMNS == tuple(c.name for c in schema.STEP_FIELDS)
     assert schema.SUPERSEDED_STEPS.insert_columns == STEP_COLUMNS + ("superseded_reason", "superseded_at")
@@ -74,6 +75,7 @@ def test_the_writers_column_lists_follow_the_declaration():
     assert "WITHOUT ROWID" not in schema.ATTEMPTS.ddl(schema.POSTGRES)
 
 
+@pytest.mark.unit
 def test_group_statistics_are_one_formula():
     from interactor.ui.formatting import advantage as shown
 
@@ -89,6 +91,7 @@ def test_group_statistics_are_one_formula():
         group_stats([])
 
 
+@pytest.mark.unit
 def test_group_statistics_stay_finite_or_the_group_is_unusable():
     """Finite rewards whose sum or squares overflow still get finite statistics (the same as
     scaled-down rewards'); a group with a reward that is not finite is unusable: no mean, no
@@ -110,6 +113,7 @@ def test_group_statistics_stay_finite_or_the_group_is_unusable():
     assert advantage(math.inf, 0.0, 1.0) is None and shown(1.0, {"reward_mean": math.nan, "reward_std": 1.0}) is None
 
 
+@pytest.mark.unit
 def test_the_rows_the_writer_builds_line_up_with_the_declared_columns():
     # A stored field is declared in schema.py and filled in by _step_row / _attempt_row in the
     # column's position: every column here must get its own record field, not its neighbour's.

@@ -152,6 +152,7 @@ def column_types(store, table):
                                           "WHERE table_name = ?", (table,))}
 
 
+@pytest.mark.unit
 def test_sqlite_commits_are_durable(tmp_path):
     s = open_store(str(tmp_path / "r.sqlite"))
     try:
@@ -531,6 +532,7 @@ def old_file(path):
     con.close()
 
 
+@pytest.mark.unit
 def test_a_results_file_of_the_previous_schema_is_migrated_in_place(tmp_path):
     path = str(tmp_path / "old.sqlite")
     old_file(path)
@@ -563,6 +565,7 @@ def test_a_results_file_of_the_previous_schema_is_migrated_in_place(tmp_path):
     assert "attempt_steps" not in tables and "v1_session_steps" not in tables
 
 
+@pytest.mark.unit
 def test_a_results_file_of_schema_v2_gains_the_reopen_count(tmp_path):
     path = str(tmp_path / "v2.sqlite")
     open_store(path).close()
@@ -635,6 +638,7 @@ def test_a_postgres_store_of_the_previous_schema_is_migrated_in_place(pg_server)
     open_store(url).close()  # opened again: nothing left to migrate
 
 
+@pytest.mark.unit
 def test_a_newer_schema_is_refused(tmp_path):
     path = str(tmp_path / "new.sqlite")
     con = sqlite3.connect(path)
@@ -644,6 +648,7 @@ def test_a_newer_schema_is_refused(tmp_path):
         open_store(path)
 
 
+@pytest.mark.unit
 def test_bad_store_targets_are_named(tmp_path):
     with pytest.raises(StoreError, match="unknown results store"):
         open_store("mysql://db/x")

@@ -16,6 +16,8 @@ from broker.records import unpack
 from producer.planning import PlannedJob, derive_seed, plan_job
 from producer.taskfile import TaskFileError, load_task_file
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 URL = "http://env.local:8000"
 
 

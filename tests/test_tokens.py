@@ -112,6 +112,7 @@ def copy(answer: dict) -> dict:
 # --------------------------------------------------------------------------- the table
 
 
+@pytest.mark.unit
 def test_the_table_names_each_server_once_and_asks_for_logprobs():
     servers = [w.server for w in TOKEN_ANSWERS]
     assert sorted(servers) == sorted(set(servers)) == ["llama.cpp", "openai", "sglang", "vllm"]
@@ -125,6 +126,7 @@ def test_the_table_names_each_server_once_and_asks_for_logprobs():
 
 
 @pytest.mark.parametrize("mode", ["vllm", "auto"])
+@pytest.mark.unit
 def test_vllm_answer(mode):
     t = read_tokens(mode, VLLM_ANSWER, content(VLLM_ANSWER))
     assert (t.source, t.status, t.error) == ("vllm", TOKENS_OK, "")
@@ -134,6 +136,7 @@ def test_vllm_answer(mode):
     assert not t.needs_prompt_tokenize
 
 
+@pytest.mark.unit
 def test_sglang_answer_without_ids_keeps_logprobs_and_strings_and_warns():
     for mode in ("sglang", "auto"):
         t = read_tokens(mode, SGLANG_ANSWER, content(SGLANG_ANSWER))
@@ -152,6 +155,7 @@ def test_sglang_answer_without_ids_keeps_logprobs_and_strings_and_warns():
 
 
 @pytest.mark.parametrize("mode", ["llama.cpp", "auto"])
+@pytest.mark.unit
 def test_llama_cpp_answer_ids_from_logprobs_prompt_ids_asked_of_the_server(mode):
     t = read_tokens(mode, LLAMA_ANSWER, content(LLAMA_ANSWER))
     assert (t.source, t.status) == ("llama.cpp", TOKENS_OK)
@@ -159,12 +163,14 @@ def test_llama_cpp_answer_ids_from_logprobs_prompt_ids_asked_of_the_server(mode)
     assert t.needs_prompt_tokenize and t.prompt_ids is None  # the client asks /apply-template + /tokenize
 
 
+@pytest.mark.unit
 def test_openai_answer_no_ids():
     t = read_tokens("openai", OPENAI_ANSWER, content(OPENAI_ANSWER))
     assert t.status == TOKENS_NO_IDS and t.token_texts == ["Yes", "."] and t.logprobs == [-0.00012, -0.31]
     assert read_tokens("auto", OPENAI_ANSWER, content(OPENAI_ANSWER)).source == "openai"
 
 
+@pytest.mark.unit
 def test_an_answer_without_logprobs_is_missing_not_an_error():
     a = copy(OPENAI_ANSWER)
     del a["choices"][0]["logprobs"]
@@ -207,6 +213,7 @@ def spoil(answer: dict, how) -> dict:
     ("id past int32", VLLM_ANSWER, lambda a: a["choices"][0]["token_ids"].__setitem__(0, 2**31), TOK_NOT_INTEGER),
     ("prompt ids disagree with usage", VLLM_ANSWER, lambda a: a["usage"].update(prompt_tokens=10), TOK_PROMPT_IDS),
 ])
+@pytest.mark.unit
 def test_bad_token_answers_are_marked_invalid_with_the_reason(name, answer, how, code):
     a = spoil(answer, how)
     t = read_tokens("auto", a, content(a))
@@ -247,6 +254,7 @@ def test_without_tokens_asked_nan_stays_malformed(model_server):
 # --------------------------------------------------------------------------- packing, records
 
 
+@pytest.mark.unit
 def test_packing_is_little_endian_int32_and_float32():
     ids = [0, 1, 151645, 2**31 - 1]
     assert pack_ids(ids) == struct.pack("<4i", *ids) and len(pack_ids(ids)) == 16
@@ -256,6 +264,7 @@ def test_packing_is_little_endian_int32_and_float32():
     assert len(pack_logprobs(lps)) == 12
 
 
+@pytest.mark.unit
 def test_the_checks_accept_only_what_the_packing_holds():
     """valid_id and valid_logprob use the packing's bounds: a value they accept packs (a value
     past them used to pass and then fail the step as it was packed)."""
@@ -283,6 +292,7 @@ def step_record(**kw) -> StepRecord:
     return StepRecord(**base)
 
 
+@pytest.mark.unit
 def test_records_v3_carry_tokens_and_v2_records_still_decode():
     assert SCHEMA_VERSION >= 3
     rec = step_record(token_source="vllm", token_status="ok", prompt_ids=pack_ids([1, 2]),
@@ -380,12 +390,14 @@ def token_rows(steps: list[StepRecord]) -> list[dict]:
              "completion_logprobs": unpack_logprobs(s.completion_logprobs)} for s in steps]
 
 
+@pytest.mark.unit
 def test_append_only_template_no_drift():
     steps = run_toy(4)
     assert [s.token_drift for s in steps] == [None] * 4
     assert all(s.token_status == TOKENS_OK and s.weight_version == "w7" for s in steps)
 
 
+@pytest.mark.unit
 def test_rewriting_template_records_drift_at_the_first_differing_position():
     steps = run_toy(3, rewriting=True)
     assert steps[0].token_drift is None
@@ -399,6 +411,7 @@ def test_rewriting_template_records_drift_at_the_first_differing_position():
         assert seg.ids == unpack_ids(s.prompt_ids) + unpack_ids(s.completion_ids)
 
 
+@pytest.mark.unit
 def test_message_cut_trimming_records_drift_where_it_trims():
     steps = run_toy(4, message_cut=1)  # system + the last message: every later turn drops history
     assert steps[0].token_drift is None
@@ -406,6 +419,7 @@ def test_message_cut_trimming_records_drift_where_it_trims():
     assert not build(token_rows(steps)).single
 
 
+@pytest.mark.unit
 def test_three_turn_episode_one_stream_and_its_mask():
     steps = run_toy(3)
     stream = build(token_rows(steps))
@@ -428,6 +442,7 @@ def test_three_turn_episode_one_stream_and_its_mask():
     assert len(seg.ids) == len(seg.mask) == len(seg.logprobs)
 
 
+@pytest.mark.unit
 def test_a_step_without_ids_cuts_the_stream():
     rows = token_rows(run_toy(3))
     rows[1] = {"step_id": 2, "token_status": TOKENS_INVALID, "token_drift": None, "prompt_ids": None,
@@ -437,6 +452,7 @@ def test_a_step_without_ids_cuts_the_stream():
     assert [s.starts_because for s in stream.segments] == [START_FIRST, START_AFTER_GAP]
 
 
+@pytest.mark.unit
 def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3, 4]) is None
     assert first_difference([1, 2, 3], [1, 9, 3, 4]) == 1
@@ -485,6 +501,7 @@ def test_store_keeps_token_rows_and_reads_them_back(store_url):
         assert store.sql("SELECT COUNT(*) FROM step_tokens")[0][0] == 5
 
 
+@pytest.mark.unit
 def test_a_store_made_before_step_tokens_is_read_and_upgraded(tmp_path):
     from consumer.storage import open_store
 
@@ -499,6 +516,7 @@ def test_a_store_made_before_step_tokens_is_read_and_upgraded(tmp_path):
         assert len(store.episode_tokens("e1")) == 3
 
 
+@pytest.mark.unit
 def test_bytes_per_token_measured(tmp_path, capsys):
     """Stored bytes per token id: 4 per id, 4 per completion logprob, the row's other columns
     on top; measured on a 3-turn full-history episode (ids of every turn's prompt kept)."""
@@ -518,6 +536,7 @@ def test_bytes_per_token_measured(tmp_path, capsys):
 # --------------------------------------------------------------------------- settings and task files
 
 
+@pytest.mark.unit
 def test_settings_and_task_file_key(tmp_path):
     from broker.settings import Settings, SettingsError
     from producer.planning import plan_job
@@ -540,6 +559,7 @@ def test_settings_and_task_file_key(tmp_path):
         plan_job([task("d.yaml", "vllm"), task("e.yaml", "openai")], job_id="j")
 
 
+@pytest.mark.unit
 def test_the_flag_takes_a_server_or_stands_alone():
     from interactor.cli import build_parser
 
@@ -674,6 +694,7 @@ def test_bad_token_answers_keep_the_steps_and_warn_once(settings, procs, redis_c
 # --------------------------------------------------------------------------- the results browser
 
 
+@pytest.mark.unit
 def test_browser_shows_a_steps_tokens_on_demand(tmp_path):
     from broker.records import AttemptRecord
     from consumer.storage import open_store
@@ -726,6 +747,7 @@ class NoIdsPolicy(ToyPolicy):
         return c
 
 
+@pytest.mark.unit
 def test_a_server_without_ids_warns_once_per_job_not_per_step(caplog):
     import logging
 
@@ -743,6 +765,7 @@ def test_a_server_without_ids_warns_once_per_job_not_per_step(caplog):
     assert len(warnings) == 1 and "no token ids" in warnings[0].getMessage()
 
 
+@pytest.mark.unit
 def test_results_line_says_how_many_steps_have_ids_and_where_they_drifted():
     from interactor.report import token_ids_line
 

@@ -144,6 +144,7 @@ def test_failed_episodes_redriven_after_their_letters_were_purged(settings, redi
     assert set(states.values()) == {LedgerState.QUEUED}
 
 
+@pytest.mark.unit
 def test_urls_and_settings_are_shown_without_secrets():
     assert redact_url("redis://:s3cret@host:6379/0") == "redis://:***@host:6379/0"
     assert "s3cret" not in redact_url("postgresql://u:s3cret@db/x?sslmode=require")
@@ -168,6 +169,7 @@ def test_embedded_redis_refuses_config_and_keeps_files_private(tmp_path):
         assert aof.exists() and aof.stat().st_mode & 0o077 == 0
 
 
+@pytest.mark.unit
 def test_sqlite_results_file_is_private(tmp_path):
     from consumer.storage import open_store
 

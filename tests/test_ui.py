@@ -96,6 +96,7 @@ def body(resp) -> str:
 
 
 # --- pages and escaping --------------------------------------------------------------------
+@pytest.mark.unit
 def test_every_page_renders_and_untrusted_text_stays_text(db):
     c = client_for(db)
     jobs = body(c.get("/"))
@@ -128,6 +129,7 @@ def test_every_page_renders_and_untrusted_text_stays_text(db):
     assert c.get(f"/jobs/{JOB}/episodes?after=%7Bbad&after_id=x").status_code == 400
 
 
+@pytest.mark.unit
 def test_group_page_puts_samples_side_by_side_with_advantages(db):
     page = body(client_for(db).get("/groups/g1"))
     assert page.count('class="column"') == 2
@@ -136,6 +138,7 @@ def test_group_page_puts_samples_side_by_side_with_advantages(db):
     assert ">+1.00<" in page and ">-1.00<" in page
 
 
+@pytest.mark.unit
 def test_pager_walks_every_episode_with_keyset_links(tmp_path):
     path = str(tmp_path / "many.sqlite")
     store = open_store(path)
@@ -165,6 +168,7 @@ def test_pager_walks_every_episode_with_keyset_links(tmp_path):
         assert back == seen
 
 
+@pytest.mark.unit
 def test_full_history_prompts_are_not_repeated_on_the_episode_page(tmp_path):
     """message_cut 0: every prompt is the whole conversation. The page shows each message once
     and folds in only short prompts; long ones are a link to a page of their own."""
@@ -201,6 +205,7 @@ def test_pages_render_on_both_backends(backend, request, tmp_path):
 
 
 # --- transcripts ----------------------------------------------------------------------------
+@pytest.mark.unit
 def test_chat_shows_each_message_of_a_trimmed_conversation_once():
     history = [{"role": "system", "content": "rules"}, {"role": "user", "content": "start"}]
     steps = []
@@ -219,6 +224,7 @@ def test_chat_shows_each_message_of_a_trimmed_conversation_once():
     assert transcript.chat(odd)[2].restarted and [m.text for m in transcript.chat(odd)[2].shown] == ["something else"]
 
 
+@pytest.mark.unit
 def test_message_parts():
     parts = transcript.parts_of(IMAGES["content"])
     assert [p.kind for p in parts] == ["text", "image", "image_link", "image_link"]
@@ -231,6 +237,7 @@ def test_message_parts():
     assert msg.parts[0].kind == "json" and "c1" in msg.parts[0].value
 
 
+@pytest.mark.unit
 def test_plots_escape_labels_and_survive_odd_inputs():
     svg = plots.reward_distribution({"<b>x</b>": [1.0, 2.0, 2.0, 5.0], "flat": [3.0]})
     assert "<b>x" not in svg and "&lt;b&gt;x&lt;/b&gt;" in svg and svg.startswith("<svg")
@@ -242,6 +249,7 @@ def test_plots_escape_labels_and_survive_odd_inputs():
     assert plots.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
 
 
+@pytest.mark.unit
 def test_steps_per_second_from_polled_totals():
     m = RateMeter(window_s=10)
     assert m.sample("j", 0, now=0.0) is None
@@ -250,6 +258,7 @@ def test_steps_per_second_from_polled_totals():
 
 
 # --- guards ---------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_only_our_own_host_names_are_served(db):
     assert allowed_hosts("127.0.0.1", 8050) == {"127.0.0.1:8050", "localhost:8050", "[::1]:8050"}
     assert allowed_hosts("10.1.2.3", 80) == {"10.1.2.3:80", "10.1.2.3"}
@@ -262,6 +271,7 @@ def test_only_our_own_host_names_are_served(db):
     assert c.get("/api/jobs", headers={"Host": "127.0.0.1.nip.io:8050"}).status_code == 421
 
 
+@pytest.mark.unit
 def test_actions_are_off_without_the_flag(db):
     c = client_for(db)
     assert c.post("/dead-letters/redrive", data={"episode_id": "ep-x", "token": "x" * 32}).status_code == 403
@@ -319,6 +329,7 @@ def test_redrive_needs_the_flag_the_token_and_the_same_origin(db, settings, redi
     assert "Re-drove 1 episodes" in page and eps[0].episode_id not in page and eps[1].episode_id in page
 
 
+@pytest.mark.unit
 def test_without_redis_the_store_is_enough(db):
     page = body(client_for(db).get("/dead-letters"))
     assert "has none" in page
@@ -407,18 +418,21 @@ def test_interactor_run_with_ui_serves_while_it_runs_and_after(env_server, model
 # --- bounded work per page --------------------------------------------------------------------
 @settings_hyp(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=12))
+@pytest.mark.unit
 def test_the_seen_part_of_a_prompt_is_the_longest_context_tail_that_starts_it(context, body):
     as_msgs = lambda xs: [{"role": "user", "content": str(x)} for x in xs]  # noqa: E731
     brute = next((n for n in range(min(len(context), len(body)), 0, -1) if context[-n:] == body[:n]), 0)
     assert transcript._overlap(as_msgs(context), as_msgs(body)) == brute
 
 
+@pytest.mark.unit
 def test_the_seen_part_of_a_prompt_ignores_key_order():
     a = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     b = [{"content": "y", "role": "assistant"}, {"role": "user", "content": "z"}]
     assert transcript._overlap(a, b) == 1
 
 
+@pytest.mark.unit
 def test_api_jobs_refuses_unbounded_job_lists(db):
     c = client_for(db)
     assert c.get("/api/jobs?" + "&".join(f"job=j{i}" for i in range(101))).status_code == 400
@@ -426,6 +440,7 @@ def test_api_jobs_refuses_unbounded_job_lists(db):
     assert c.get("/api/jobs?job=" + JOB).status_code == 200
 
 
+@pytest.mark.unit
 def test_what_the_server_remembers_per_job_is_bounded(db):
     from interactor.ui.source import MAX_REMEMBERED_JOBS
 

@@ -219,6 +219,7 @@ def test_postgres_page_queries_read_an_index_at_100k_episodes(pg_server):
         store.close()
 
 
+@pytest.mark.unit
 def test_writer_adds_browse_indexes_to_an_older_store(tmp_path):
     path = str(tmp_path / "old.sqlite")
     store = open_store(path)

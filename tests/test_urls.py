@@ -106,6 +106,7 @@ def backslash_url(listen_port: int, trusted: str) -> str:
 
 # --------------------------------------------------------------------------- the check itself
 
+@pytest.mark.unit
 def test_the_backslash_form_has_no_origin_and_is_on_no_allow_list():
     url = "http://127.0.0.1:9999\\@localhost:8000/v1"
     assert origin_of(url) == ""
@@ -122,6 +123,7 @@ def test_the_backslash_form_has_no_origin_and_is_on_no_allow_list():
     assert check_url("http://[::1]:8080/").origin == "http://[::1]:8080"
 
 
+@pytest.mark.unit
 def test_settings_refuse_urls_the_check_refuses():
     for field in ("llm_base_url", "env_base_url", "llm_trusted_origins"):
         with pytest.raises(SettingsError, match=field):
@@ -314,6 +316,7 @@ def test_breaker_probes_get_the_same_checks_and_follow_no_redirect(listener):
     ("redis://:p@w123@h:6379/0", "w123"),
     ("redis://user:pw123/x@h:6379/0?x=1&token=tok123", "tok123"),
 ])
+@pytest.mark.unit
 def test_redact_url_hides_tokens_codes_and_signatures(url, secret):
     shown = redact_url(url)
     assert secret not in shown and "***" in shown, shown
@@ -325,6 +328,7 @@ def test_redact_url_hides_tokens_codes_and_signatures(url, secret):
 @example(scheme="redis", middle="#", after="h:6379/0")
 @example(scheme="https", middle="/x?y", after="h/v1?a=b")
 @hsettings(max_examples=300, deadline=None)
+@pytest.mark.unit
 def test_redact_url_never_shows_a_password_whatever_it_holds(scheme, middle, after):
     password = "Zq9" + middle + "Xw7"  # any part of it that shows carries one of the ends
     for url in (f"{scheme}://:{password}@{after}", f"{scheme}://user:{password}@{after}"):
@@ -334,6 +338,7 @@ def test_redact_url_never_shows_a_password_whatever_it_holds(scheme, middle, aft
 
 # --------------------------------------------------------------------------- code a job names
 
+@pytest.mark.unit
 def test_only_what_a_module_defines_itself_can_be_imported():
     assert import_object("envs.bundled:BundledEnv").__name__ == "BundledEnv"
     for path in ("workers.experience:os", "workers.experience:Path", "tests.reexported_env:BundledEnv"):
