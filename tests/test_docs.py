@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 import yaml
@@ -73,6 +72,7 @@ def command_lines() -> list[tuple[str, list[str]]]:
 
 
 @pytest.mark.parametrize("where,argv", command_lines(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+@pytest.mark.unit
 def test_every_interactor_command_line_parses(where, argv):
     p = parser()
     if argv and argv[0] == "serve-model":  # the stand-in's own parser takes the rest
@@ -110,6 +110,7 @@ def test_every_flag_named_beside_a_command_exists(where, snippet):
             assert flag in flags, f"{where}: `{snippet}`: {p.prog} has no {flag}"
 
 
+@pytest.mark.unit
 def test_every_make_target_named_exists():
     makefile = (ROOT / "Makefile").read_text()
     targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
@@ -121,6 +122,7 @@ def test_every_make_target_named_exists():
     assert named and named <= targets, f"no such make target: {sorted(named - targets)}"
 
 
+@pytest.mark.unit
 def test_every_python_snippet_compiles():
     for name, _, text in blocks("python"):
         compile(text, name, "exec")

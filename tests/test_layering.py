@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
+
 ROOT = Path(__file__).resolve().parent.parent
 
 OURS = {"broker", "producer", "workers", "consumer", "envs", "interactor", "examples", "bench", "tests"}
