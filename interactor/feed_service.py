@@ -297,9 +297,13 @@ class FeedService:
             if not rows:
                 raise UnreadableGroup(f"group {group.group_id}: member {ep} has no stored steps in "
                                       f"{redact_url(str(getattr(self.store, 'url', '?')))}")
-            steps = _with_tokens([_step(row) for row in rows], self.store.episode_tokens(ep))
-            samples.append({"episode_id": ep, "reward": rewards[i] if i < len(rewards) else None,
-                            "advantage": adv[i] if i < len(adv) else None, "steps": steps})
+            token_rows = self.store.episode_tokens(ep)
+            steps = _with_tokens([_step(row) for row in rows], token_rows)
+            sample = {"episode_id": ep, "reward": rewards[i] if i < len(rewards) else None,
+                      "advantage": adv[i] if i < len(adv) else None, "steps": steps}
+            if token_rows:
+                sample["stream"] = _stream(token_rows)
+            samples.append(sample)
         item["samples"] = samples
         return item
 
@@ -436,6 +440,19 @@ def _with_tokens(steps: list[dict], token_rows: list[dict]) -> list[dict]:
         if t is not None:
             st.update({k: t.get(k) for k in TOKEN_FIELDS})
     return steps
+
+
+def _stream(token_rows: list[dict]) -> dict:
+    """The episode's token stream with its loss mask (consumer/streams.py), as a trainer takes it:
+    its segments (one while every turn's, or an agent's call's, prompt extends the stream so far;
+    each later one says why it began) and the steps that had no ids."""
+    from consumer.streams import build
+
+    stream = build(token_rows)
+    return {"single": stream.single, "steps_without_ids": stream.steps_without_ids, "segments": [
+        {"first_step": seg.first_step, "last_step": seg.last_step, "steps": seg.steps,
+         "starts_because": seg.starts_because, "drift_at": seg.drift_at, "ids": seg.ids, "mask": seg.mask,
+         "logprobs": seg.logprobs} for seg in stream.segments]}
 
 
 def _step(row: tuple) -> dict:
