@@ -85,7 +85,7 @@ def register(sub, add) -> None:
     sp.add_argument("--warmup", type=float, help="seconds between all slots busy and the window (3)")
     sp.add_argument("--ingest-records", type=int, help="step records of the consumer's ingest run (50000)")
     sp.add_argument("--enqueue-episodes", type=int, help="episodes of the enqueue run (100000)")
-    sp.add_argument("--skip", help="parts to skip: load,single,processes,pools,feed,caps,resume,waits,ingest,tokens,"
+    sp.add_argument("--skip", help="parts to skip: load,single,processes,pools,feed,caps,resume,waits,ingest,tokens,gateway,"
                                    "enqueue,original")
     sp.add_argument("--original", metavar="CHECKOUT",
                     help="a checkout of the original driver (BinHuangPJLAB/Safactory): compare against it "

@@ -347,7 +347,8 @@ def render(res: dict, png_name: str | None) -> str:
         out += resume_section(res["resume"])
     if res.get("waits"):
         out += waits_section(res["waits"])
-    out += ingest_section(res) + token_storage_section(res) + enqueue_section(res) + original_section(res)
+    out += ingest_section(res) + token_storage_section(res) + gateway_section(res) + enqueue_section(res)
+    out += original_section(res)
     if NOTES.exists():
         out.append(NOTES.read_text().rstrip() + "\n")
     return "\n".join(out)
@@ -541,6 +542,20 @@ def token_storage_section(res: dict) -> list[str]:
                 ("SQLite file growth over the same job without tokens, bytes per stored id",
                  f"{tok['file_growth_bytes'] / ids:.2f}"),
             ]) + "\n"]
+
+
+def gateway_section(res: dict) -> list[str]:
+    """What the model gateway costs per call an agent makes (bench/gateway_cost.py)."""
+    gw = res.get("gateway")
+    if not gw:
+        return []
+    extra = gw["gateway_cpu_ms_per_call"] + gw["caller_cpu_ms_per_call_proxied"] - gw["caller_cpu_ms_per_call_direct"]
+    return ["## Model gateway\n",
+            f"{gw['calls']:,} sequential calls to the model stand-in through the gateway (each recorded and packed "
+            "as a step record) and as many direct: **the gateway's CPU per proxied call "
+            f"{gw['gateway_cpu_ms_per_call']:.3f} ms**, the caller's {gw['caller_cpu_ms_per_call_proxied']:.3f} ms "
+            f"against {gw['caller_cpu_ms_per_call_direct']:.3f} ms direct: {extra:.3f} ms more CPU per call in all "
+            f"(wall {gw['wall_ms_per_call_proxied']:.2f} ms against {gw['wall_ms_per_call_direct']:.2f} ms).\n"]
 
 
 def enqueue_section(res: dict) -> list[str]:

@@ -18,6 +18,7 @@ from bench.cluster import ROOT
 from bench.enqueue_run import run_enqueue
 from bench.feature_costs import caps_cost, resume_cost, run_commit_waits, waits_cost
 from bench.feed_run import run_feed
+from bench.gateway_cost import run_gateway_cost
 from bench.ingest_run import run_fleet_ingest
 from bench.cluster import LoadSpec
 from bench.load_runs import run_load
@@ -49,6 +50,7 @@ class BenchConfig:
     ingest_records: int = 50_000
     enqueue_episodes: int = 100_000
     token_episodes: int = 200  # 5-turn full-history episodes written with and without token ids
+    gateway_calls: int = 2000  # calls through the model gateway and direct (bench/gateway_cost.py); 0: none
     # the rollout feed: a continuous job at this concurrency served to a trainer that takes a
     # batch, acknowledges it and trains for feed_train_s (bench/feed_run.py run_feed); 0: none
     feed_level: int = 1000
@@ -67,7 +69,7 @@ class BenchConfig:
     original_steps: list[int] = field(default_factory=lambda: [1, 5, 20])
     original_log_level: str = "WARNING"
     original_reset_concurrency: int = 0
-    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, feed, caps, resume, waits, ingest, tokens, enqueue, original
+    skip: list[str] = field(default_factory=list)  # load, single, processes, pools, feed, caps, resume, waits, ingest, tokens, gateway, enqueue, original
     out: str = str(ROOT / "docs" / "benchmarks.md")
     png: str = str(ROOT / "docs" / "benchmarks.png")
     work: str = str(ROOT / "runs" / "bench")
@@ -77,7 +79,7 @@ class BenchConfig:
     def quick(cls, **kw) -> "BenchConfig":
         base = dict(levels=[16], single_turn_levels=[16], pools=[], pool_level=16, process_counts=[],
                     model_latency_ms=200.0, steps=5,
-                    window_s=5.0, warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000, token_episodes=20,
+                    window_s=5.0, warmup_s=1.0, ingest_records=3000, enqueue_episodes=5000, token_episodes=20, gateway_calls=200,
                     feed_level=16, caps_level=16, wait_commits=200, original_level=16,
                     ingest_runs=[("sqlite", 1)],
                     out=str(ROOT / "runs" / "bench" / "benchmarks.md"), png=str(ROOT / "runs" / "bench" / "benchmarks.png"))
@@ -172,6 +174,8 @@ def run(cfg: BenchConfig, base: Settings | None = None) -> dict:
     if "tokens" not in cfg.skip:
         res["token_storage"] = to_json(run_token_storage(
             work, episodes=cfg.token_episodes))
+    if "gateway" not in cfg.skip and cfg.gateway_calls:
+        res["gateway"] = run_gateway_cost(cfg.gateway_calls)
     if "enqueue" not in cfg.skip:
         res["enqueue"] = to_json(run_enqueue(cfg.enqueue_episodes, work, base=base))
     if "original" not in cfg.skip:

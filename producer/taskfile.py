@@ -30,23 +30,12 @@ An entry may instead name an environment class that the worker runs in its own p
         transport: inproc                                      # "http" (default) or "inproc"
         env_class: envs.textarena_env:TextArenaEnv  # "module:Class"; implies inproc
 
-Such an entry needs no base_url (one given explicitly is an error).
-
-An entry may instead name an agent that owns its loop (an *agent episode*,
-workers/agent_episode.py): the worker runs it against the model gateway and records each of its
-model calls as a step::
-
-      - env_name: calculator
-        agent: examples.agents.openai_client:solve   # "module:function", allowed by INTERACTOR_AGENTS
-        # or: agent_command: [python3, examples/agents/subprocess_agent.py]   (INTERACTOR_AGENT_COMMANDS)
-        dataset: examples/agents/calculator.jsonl
-        env_num: 4
-
-Such an entry has no env server (base_url, transport and env_class are errors). ``env_calls_model:
-true`` (an env server that calls the model itself, given the gateway in its reset body) is
-refused as not supported yet. Only the shape
+Such an entry needs no base_url (one given explicitly is an error). Only the shape
 ``module:Class`` is checked here: workers share no files with the producer, so whether the
 class imports is for the worker to find out (``env_bad_request`` if it does not).
+
+An entry may instead name an agent that owns its loop (``agent`` or ``agent_command``: an agent
+episode, producer/agent_entries.py).
 
 The datasets are read by ``producer/datasets.py``; the validated entries are expanded into
 episode specs by ``producer/planning.py`` (``plan_job``). Nothing here touches Redis.
@@ -70,6 +59,7 @@ from broker.states import EnvProtocol
 from broker.tokens import TOKEN_MODES, TOKENS_AUTO
 from broker.urls import url_problem
 from envs.base import valid_object_path
+from producer.agent_entries import AGENT_TRANSPORT, entry_agent, entry_env_calls_model
 from producer.datasets import (
     CHECKED_READERS,
     DATASET_FORMATS,
@@ -95,7 +85,6 @@ PROTOCOLS = tuple(p.value for p in EnvProtocol if p.value)
 MAPPING_KEYS = ("observation_to_messages", "completion_to_action")
 SPLIT_TASKS_MAX_BYTES = 64 * 2**20  # an ORS server's answer to /tasks, read at submit
 SPLIT_TASKS_TIMEOUT_S = 30.0
-AGENT_TRANSPORT = "agent"  # an agent episode's: no env server, its agent runs in the worker
 # How a dataset file's rows go to the env, as the original system's reader takes them: read here
 # and sent whole (eager), or, for a .parquet file, each row as a reference to its place in the
 # file (PARQUET_ROW_REF, producer/datasets.py parquet_row_refs) for the env to read itself.
@@ -320,21 +309,12 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
     env_num = _samples(raw, env_num, fail)
     sampling = _sampling(raw, fail)
 
-    agent, agent_command = _entry_agent(raw, fail)
+    agent, agent_command = entry_agent(raw, fail)
     if agent or agent_command:
         transport, env_class, base_url = AGENT_TRANSPORT, "", ""
     else:
         transport, env_class, base_url = _entry_target(raw, default_base_url, fail)
-    env_calls_model = raw.get("env_calls_model", False)
-    if env_calls_model is None:
-        env_calls_model = False
-    if not isinstance(env_calls_model, bool):
-        raise fail("env_calls_model", f"must be true or false, got {env_calls_model!r}")
-    if env_calls_model:
-        # The key is read (and the spec has its field) so that a file written for it is refused
-        # with this reason rather than warned about as an unknown key and run without it.
-        raise fail("env_calls_model", "not supported yet: an env server that calls the model itself cannot be "
-                                      "given the gateway by this version (an agent entry can: agent: module:function)")
+    env_calls_model = entry_env_calls_model(raw, fail)
 
     seed = raw.get("seed", _ABSENT)
     if seed is _ABSENT:
@@ -445,26 +425,6 @@ def _split_rows(base_url: str, env_name: str, split: str, params: dict, fail: Fa
         if bad:
             raise fail("split", bad, row=r)
     return tasks
-
-
-def _entry_agent(raw: dict, fail: Fail) -> tuple[str, list[str]]:
-    """The entry's agent (``module:function``) or agent command (argv), or ("", [])."""
-    agent, command = raw.get("agent"), raw.get("agent_command")
-    if agent is None and command is None:
-        return "", []
-    if agent is not None and command is not None:
-        raise fail("agent_command", "an entry names one agent: agent (module:function) or agent_command, not both")
-    for key in ("base_url", "transport", "env_class"):
-        if raw.get(key) is not None:
-            raise fail(key, "not used by an agent episode (its agent calls the model itself, through the gateway); "
-                            "remove it")
-    if agent is not None:
-        if not valid_object_path(agent):
-            raise fail("agent", f"must be 'module:function' (e.g. 'mypkg.agents:solve'), got {agent!r}")
-        return agent, []
-    if not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command):
-        raise fail("agent_command", f"must be a non-empty list of non-empty strings (an argv), got {command!r}")
-    return "", list(command)
 
 
 def _samples(raw: dict, env_num: int, fail: Fail) -> int:

@@ -107,6 +107,8 @@ def test_bench_quick_produces_the_table(tmp_path):
     assert not tok["errors"] and tok["sampled_tokens"] > 0
     assert tok["token_bytes"] == 4 * (tok["stored_ids"] + tok["sampled_tokens"])  # int32 ids, float32 logprobs
     assert tok["file_growth_bytes"] > 0 and tok["json_bytes"] > tok["token_bytes"]
+    gw = res["gateway"]  # bench/gateway_cost.py: quick runs make 200 calls each way
+    assert gw["calls"] == 200 and 0 < gw["gateway_cpu_ms_per_call"] < 100 and "## Model gateway" in text
 
 
 def test_bench_refuses_caps_that_could_bind_before_running_anything(tmp_path):

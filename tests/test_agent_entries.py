@@ -1,0 +1,85 @@
+"""Task-file entries of agent episodes (producer/agent_entries.py): what is accepted, planned into
+episode specs, and refused with the file, entry and field named; the workers' allow-lists for
+agents (workers/allowlist.py)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from broker.records import EpisodeSpec, JobSpec, unpack
+from broker.settings import Settings
+from producer.planning import plan_job
+from producer.taskfile import TaskFileError
+from workers.allowlist import TrustBoundary
+
+
+def plan(tmp_path, entries: str):
+    path = tmp_path / "agents.yaml"
+    path.write_text("environments:\n" + textwrap.indent(textwrap.dedent(entries), "  "))
+    return plan_job([str(path)], job_id="j1", default_base_url="http://envs:8080")
+
+
+def test_agent_entries_become_agent_episode_specs(tmp_path):
+    planned = plan(tmp_path, """\
+        - env_name: calc
+          agent: mypkg.agents:solve
+          dataset: [{question: "What is 1 + 1?", answer: 2}]
+          env_num: 2
+        - env_name: cli
+          agent_command: [python3, -m, mypkg.cli_agent, --fast]
+          env_params: {level: 3}
+        """)
+    a, b, c = planned.episodes
+    assert (a.transport, a.agent, a.agent_command, a.base_url, a.group_size) == ("agent", "mypkg.agents:solve", [], "", 2)
+    assert a.env_params["dataset"] == {"question": "What is 1 + 1?", "answer": 2}
+    assert (c.agent, c.agent_command, c.env_params["level"]) == ("", ["python3", "-m", "mypkg.cli_agent", "--fast"], 3)
+    again = unpack(c.pack())  # through the ledger and back
+    assert again.agent_command == c.agent_command and not again.env_calls_model
+    # a spec written before agent episodes reads as an env episode
+    old = {k: v for k, v in a.to_dict().items() if k not in ("agent", "agent_command", "env_calls_model")}
+    assert EpisodeSpec.from_dict(old).agent == ""
+
+
+@pytest.mark.parametrize("entry, field, says", [
+    ("agent: a:b\n  agent_command: [x]", "agent_command", "not both"),
+    ("agent: a:b\n  base_url: http://envs:1", "base_url", "not used by an agent episode"),
+    ("agent: a:b\n  env_class: m:C", "env_class", "not used by an agent episode"),
+    ("agent: not-a-path", "agent", "module:function"),
+    ("agent: os.path:join.x", "agent", "module:function"),
+    ("agent_command: python3 agent.py", "agent_command", "list of non-empty strings"),
+    ("agent_command: []", "agent_command", "list of non-empty strings"),
+    ("agent_command: [python3, '']", "agent_command", "list of non-empty strings"),
+    ("base_url: http://envs:1\n  env_calls_model: true", "env_calls_model", "not supported yet"),
+    ("base_url: http://envs:1\n  env_calls_model: 1", "env_calls_model", "true or false"),
+])
+def test_bad_agent_entries_are_refused_naming_entry_and_field(tmp_path, entry, field, says):
+    with pytest.raises(TaskFileError) as refused:
+        plan(tmp_path, f"- env_name: calc\n  {entry}\n")
+    text = str(refused.value)
+    assert "entry 1 (calc" in text and f"field {field!r}" in text and says in text, text
+
+
+def spec(**kw) -> EpisodeSpec:
+    return EpisodeSpec(job_id="j", episode_id="j.1.1.1.1", group_id="j.1.1.1", group_size=1, env_name="calc",
+                       base_url="", env_params={}, transport="agent", **kw)
+
+
+JOB = JobSpec(job_id="j", llm_base_url="http://127.0.0.1:8000/v1", model="m")
+
+
+def test_workers_run_only_the_agents_their_lists_allow():
+    none = TrustBoundary(Settings.from_env({}))
+    assert "INTERACTOR_AGENTS" in none.refused(JOB, spec(agent="mypkg.agents:solve"))
+    assert "INTERACTOR_AGENT_COMMANDS" in none.refused(JOB, spec(agent_command=["python3", "a.py"]))
+    some = TrustBoundary(Settings.from_env({}, agents="mypkg.agents:*,other:solve",
+                                           agent_commands="python3 agents/a.py, /usr/bin/agent"))
+    assert some.refused(JOB, spec(agent="mypkg.agents:solve")) == ""
+    assert some.refused(JOB, spec(agent="other:solve")) == ""
+    assert "not on this worker's allow-list" in some.refused(JOB, spec(agent="other:main"))
+    assert some.refused(JOB, spec(agent_command=["python3", "agents/a.py", "--x"])) == ""
+    assert some.refused(JOB, spec(agent_command=["/usr/bin/agent"])) == ""
+    assert "allow-list" in some.refused(JOB, spec(agent_command=["python3", "agents/b.py"]))
+    assert "allow-list" in some.refused(JOB, spec(agent_command=["python3"]))  # a prefix of an entry is not one
+    assert "non-empty list" in some.refused(JOB, spec(agent_command=["python3", 3]))
