@@ -43,10 +43,12 @@ class EmbeddedRedis:
     """``with EmbeddedRedis(folder) as r: r.url``; ``restart()`` keeps port, data and password."""
 
     def __init__(self, folder: str | os.PathLike, *, port: int | None = None, password: str | None = None,
-                 appendonly: bool = True, replica_of: int | None = None, lockdown: bool = True):
+                 appendonly: bool = True, replica_of: int | None = None, lockdown: bool = True,
+                 preexec_fn=None):
         """``replica_of``: the port of a primary on loopback to replicate (with the same
         password). ``lockdown`` False keeps CONFIG, which Redis Sentinel needs on the servers it
-        manages (it rewrites their configuration when it promotes a replica)."""
+        manages (it rewrites their configuration when it promotes a replica). ``preexec_fn``:
+        run in the server's process before it starts (a command's own Redis stops with it)."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -54,6 +56,7 @@ class EmbeddedRedis:
         self.appendonly = appendonly
         self.replica_of = replica_of
         self.lockdown = lockdown
+        self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -86,7 +89,8 @@ class EmbeddedRedis:
         # Data files (the AOF holds every task and record) readable by this user only.
         self.folder.chmod(0o700)
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True, umask=0o077)
+                                     stderr=subprocess.DEVNULL, start_new_session=True, umask=0o077,
+                                     preexec_fn=self.preexec_fn)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         while True:

@@ -189,19 +189,22 @@ def cmd_run(args) -> int:
 
     if not args.tasks and not args.resume:
         raise SettingsError("name task files to run, or --resume JOB")
+    corrections = None
     if args.resume:
-        _resumed_with_the_runs_settings(args)
+        corrections = _resumed_with_the_runs_settings(args)
         job_id = args.resume
     else:
         job_id = args.job_id or new_job_id()
         _keep_run_settings(args, job_id)
     return run_local(settings_from_args(args), args.tasks, workers=args.workers, job_id=job_id, resume=args.resume,
-                     ui=_ui_address(args), preflight=not args.no_preflight)
+                     ui=_ui_address(args), preflight=not args.no_preflight, wait_when_paused=args.wait_when_paused,
+                     corrections=corrections)
 
 
 # What `run --resume JOB` takes again from the run that started the job: the flags of the parts
 # it starts anew (its workers: concurrency, timeouts, ...; --workers). The job's own settings
-# (model, sampling, step loop: read_by JOB alone) are stored with the job and cannot change.
+# (model, sampling, step loop: read_by JOB) are stored with the job; a flag of one given to the
+# resume corrects the stored value (interactor/job_corrections.py).
 RUN_SETTINGS_DIR = "run-settings"  # under --run-dir: JOB.json
 
 
@@ -231,9 +234,12 @@ def _keep_run_settings(args, job_id: str) -> None:
         json.dump(kept, f)
 
 
-def _resumed_with_the_runs_settings(args) -> None:
+def _resumed_with_the_runs_settings(args) -> dict:
     """``args`` as the run that started the job had them, where this command line gives no other
-    value: said in one line. A flag of the job's own settings is refused: it would be ignored."""
+    value: said in one line. Returns the job settings this command line gives, which correct the
+    job's stored ones (interactor/job_corrections.py; one a resume cannot change is refused)."""
+    from interactor.job_corrections import correction_flags
+
     job = args.resume
     if args.tasks:
         raise SettingsError(f"run --resume {job} takes no task files: the job's episodes are stored with it")
@@ -243,18 +249,12 @@ def _resumed_with_the_runs_settings(args) -> None:
             kept = json.load(f)
     except FileNotFoundError:
         kept = None
-    # A job's own settings are its copy: a flag for one is ignored, unless its workers read it
-    # too (--llm-base-url, --episode-budget, ...) and it says what the run said (or no run kept it).
-    ignored = [flag for flag, f in _job_flags().items() if getattr(args, f.name, None) is not None
-               and not (WORKER in f.metadata["read_by"] and (kept is None or kept.get(f.name) == getattr(args, f.name)))]
-    if ignored:
-        raise SettingsError(f"run --resume {job}: {', '.join(ignored)} would be ignored: a job keeps the model, "
-                            "sampling and step settings it was created with; run its task files as a new job to "
-                            "change them")
+    # Read before the run's kept worker flags fill in args: only what this command line gives.
+    corrections = correction_flags(args, _job_flags())
     if kept is None:
         print(f"resuming job {job} with this command's worker settings (no run of it in "
               f"{os.path.dirname(os.path.dirname(path)) or '.'} kept its own)")
-        return
+        return corrections
     by_field = {field: flag for flag, field in _fleet_fields().items()} | {"workers": "--workers"}
     taken, overridden = [], []
     for field, value in kept.items():
@@ -267,6 +267,7 @@ def _resumed_with_the_runs_settings(args) -> None:
             overridden.append(f"{by_field[field]} {getattr(args, field)} (the run's: {value})")
     print(f"resuming job {job} with the run's own worker settings: {', '.join(taken) or 'the defaults'}"
           + (f"; given here instead: {', '.join(overridden)}" if overridden else ""))
+    return corrections
 
 
 def cmd_demo(args) -> int:
@@ -300,7 +301,7 @@ def _add_ui_flags(p: argparse.ArgumentParser) -> None:
 def cmd_results(args) -> int:
     from consumer.storage import open_store
     from interactor.jobs import require_store
-    from interactor.report import print_groups, print_results
+    from interactor.report import print_groups, print_results, print_task_rows
 
     settings = settings_from_args(args)
     require_store(settings)  # missing: the error names the run folders that have one
@@ -310,8 +311,11 @@ def cmd_results(args) -> int:
             print(f"no job {args.job!r} in {settings.results_store_shown}", file=sys.stderr)
             return 2
         res = store.results(args.job)
+        res["scores"] = store.score_summary(args.job, args.pass_threshold)
         if args.groups:
             res["group_rows"] = store.groups(args.job)
+        if args.rows:
+            res["task_rows"] = store.task_table(args.job, args.pass_threshold)
     finally:
         store.close()
     if args.json:
@@ -320,6 +324,8 @@ def cmd_results(args) -> int:
         print_results(args.job, res, settings.results_store_shown)
         if args.groups:
             print_groups(res["group_rows"])
+        if args.rows:
+            print_task_rows(res["task_rows"])
     return 0
 
 
@@ -475,9 +481,12 @@ def build_parser(commands=()) -> argparse.ArgumentParser:
     sp = add("run", cmd_run, "run task files end to end on this machine", helps=LOCAL_HELPS)
     sp.add_argument("tasks", nargs="*", help="task files (YAML or JSON) to run as one job")
     sp.add_argument("--resume", metavar="JOB",
-                    help="finish a job already in Redis (same --run-dir), with its own model, sampling and step "
-                         "settings (their flags are refused) and the worker flags of the run that started it "
-                         "(--concurrency, --workers, ...: a flag given here replaces its value, said so)")
+                    help="finish a job already in Redis (same --run-dir), with the worker flags of the run that "
+                         "started it (--concurrency, --workers, ...) and its own model, sampling and step settings; "
+                         "a flag of either given here replaces its value (--model M corrects the job's), said so")
+    sp.add_argument("--wait-when-paused", action="store_true",
+                    help="when the job pauses itself (its episodes keep failing alike), wait for `interactor resume` "
+                         "instead of stopping with exit 3 and the command that resumes it")
     add_workers_flag(sp)
     sp.add_argument("--job-id", help="the new job's id (default: the time and a random suffix)")
     _add_preflight_flag(sp)
@@ -507,6 +516,12 @@ def build_parser(commands=()) -> argparse.ArgumentParser:
     sp.add_argument("job", help="the job's id (printed by run and submit; interactor jobs lists them)")
     sp.add_argument("--json", action="store_true", help="print them as JSON")
     sp.add_argument("--groups", action="store_true", help="one row per group: size, mean, std, complete")
+    sp.add_argument("--rows", action="store_true",
+                    help="one row per task (dataset row): samples, solved, mean reward, and whether the model solves "
+                         "it always, sometimes or never")
+    sp.add_argument("--pass-threshold", type=float, default=None, metavar="X",
+                    help="a sample solves its task when its reward is at least X, for pass@1, pass@k and --rows "
+                         "(default: 1)")
     _add_export(add("export", cmd_export, "export a job's training rows from the results store", reads=(STORE,)))
     sp = add("reconcile", cmd_reconcile, "re-enqueue episodes lost by the broker", reads=(REDIS,))
     sp.add_argument("job", help="the job's id")

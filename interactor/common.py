@@ -135,9 +135,17 @@ def redis_for(settings: Settings):
 
     found = with_local_redis(settings)
     if not found.redis_url:
-        raise SettingsError(f"no Redis: set REDIS_URL (or --redis-url), or --run-dir naming the folder of a running "
-                            f"`interactor run`, `feed serve` or `demo` (none runs in {settings.run_dir}/); the results "
-                            f"of a finished local run are in its folder's results.sqlite (interactor results, jobs)")
+        # A local run that has stopped: its Redis is started from its folder for this command
+        # (interactor/stopped_run.py), so its jobs can still be cancelled, inspected and resumed.
+        from interactor.stopped_run import folder_redis
+
+        url = folder_redis(settings)
+        if url:
+            return connect(settings.replace(redis_url=url))
+        raise SettingsError(f"no Redis: set REDIS_URL (or --redis-url), or --run-dir naming the folder of an "
+                            f"`interactor run`, `feed serve` or `demo`, running or stopped (none ran in "
+                            f"{settings.run_dir}/); the results of a local run are in its folder's results.sqlite "
+                            f"(interactor results, jobs)")
     return connect(found)
 
 

@@ -10,6 +10,17 @@ A missing store: ``make demo`` writes ``runs/demo/results.sqlite`` (``--run-dir 
 wrote, and said only that it was missing. The error now names the run folders under ``./runs``
 (and under ``--run-dir``) that do hold a results database, and the flag that picks one.
 
+Across run folders: ``--run-dir`` may be a folder of run folders (``runs/``, where every
+``interactor run --run-dir runs/NAME`` keeps its own store); the list then holds the jobs of
+every results.sqlite found up to two levels below it, each with its run folder. ``--db`` or
+``--store`` (a SQLite path or a postgresql:// URL) lists that one store's jobs.
+
+Each job has a state: ``finished`` (every episode completed or failed), ``cancelled``,
+``running`` (its run folder's Redis runs), or ``stopped``: its run ended before the job did
+(interrupted, or paused), and the job waits in the folder's Redis for ``interactor run --resume``
+or ``interactor cancel`` with that ``--run-dir`` (interactor/stopped_run.py); a store given by
+URL says ``unfinished``, not knowing where its jobs run.
+
 Registered into the CLI through ``interactor.cli.EXTRA_COMMAND_MODULES``.
 """
 
@@ -29,51 +40,101 @@ SHOWN_FOLDERS = 5  # run folders a missing-store error names at most
 
 def register(sub, add) -> None:
     sp = add("jobs", cmd_jobs, "list the jobs a results store holds, newest first: id, created, model, episodes, "
-                               "mean reward", reads=(STORE,))
+                               "mean reward, state; --run-dir may be a folder of run folders (every store below it)",
+             reads=(STORE,))
     sp.add_argument("--json", action="store_true", help="print them as JSON")
 
 
 def cmd_jobs(args) -> int:
-    from consumer.storage import open_store
     from interactor.common import settings_from_args
 
     settings = settings_from_args(args)
-    require_store(settings)
-    store = open_store(settings.results_store, readonly=True)
-    try:
-        rows = [job_row(store.job_progress(job_id)) for job_id in reversed(store.job_ids())]
-    finally:
-        store.close()
+    if settings.store_url or settings.db_path:
+        require_store(settings)
+        rows = store_jobs(settings.results_store, None)
+        where = settings.results_store_shown
+    else:
+        folders = run_folders_below(settings.run_dir)
+        if not folders:
+            require_store(settings)  # says where results are
+        rows = [row for folder in folders for row in store_jobs(str(folder / "results.sqlite"), folder)]
+        rows.sort(key=lambda r: -(r["created_at"] or 0))
+        where = f"{settings.run_dir}/ and the run folders below it"
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        print(f"no jobs in {settings.results_store_shown}")
+        print(f"no jobs in {where}")
         return 0
-    table = [("job", "created (UTC)", "model", "episodes", "completed", "failed", "other", "mean reward")]
+    many = len({r["run_dir"] for r in rows}) > 1
+    head = ("job", "created (UTC)", "model", "episodes", "completed", "failed", "cancelled", "other", "mean reward",
+            "state")
+    table = [head + (("run dir",) if many else ())]
     for r in rows:
         table.append((r["job_id"], r["created_utc"] or "-", r["model"] or "-", str(r["episodes"]),
-                      str(r["completed"]), str(r["failed"]), str(r["other"]),
-                      "-" if r["mean_reward"] is None else f"{r['mean_reward']:.3f}"))
+                      str(r["completed"]), str(r["failed"]), str(r["cancelled"]), str(r["other"]),
+                      "-" if r["mean_reward"] is None else f"{r['mean_reward']:.3f}", r["state"])
+                     + ((r["run_dir"] or "-",) if many else ()))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
-        print("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        print("  ".join(c.ljust(w) if i < 3 or i >= 9 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    stopped = [r for r in rows if r["state"] == STOPPED]
+    if stopped:
+        r = stopped[0]
+        print(f"{len(stopped)} stopped: their run ended first; finish one with  interactor run --resume {r['job_id']} "
+              f"--run-dir {r['run_dir']}  or end it with  interactor cancel {r['job_id']} --run-dir {r['run_dir']}")
     return 0
+
+
+FINISHED, CANCELLED, RUNNING, STOPPED, UNFINISHED = "finished", "cancelled", "running", "stopped", "unfinished"
+FOLDER_DEPTH = 2  # run folders this far below --run-dir are listed
+
+
+def run_folders_below(root: str) -> list[Path]:
+    """``root`` and the folders up to ``FOLDER_DEPTH`` levels below it that hold a results.sqlite."""
+    base = Path(root)
+    found = [base / "results.sqlite", *sorted(base.glob("*/results.sqlite")), *sorted(base.glob("*/*/results.sqlite"))]
+    return [db.parent for db in found if db.is_file()]
+
+
+def store_jobs(url: str, run_dir: Path | None) -> list[dict]:
+    """The jobs of one store, newest first, each with its state (``run_dir``: the run folder the
+    store is in, whose Redis says whether an unfinished job runs; None for a store by URL)."""
+    from broker.embedded import EmbeddedRedis
+    from consumer.storage import open_store
+
+    store = open_store(url, readonly=True)
+    try:
+        rows = [job_row(store.job_progress(job_id)) for job_id in reversed(store.job_ids())]
+    finally:
+        store.close()
+    running = run_dir is not None and EmbeddedRedis.running_url(run_dir / "redis") is not None
+    for r in rows:
+        r["run_dir"] = None if run_dir is None else str(run_dir)
+        if not r["other"]:
+            r["state"] = CANCELLED if r["cancelled"] else FINISHED
+        elif run_dir is None:
+            r["state"] = UNFINISHED
+        else:
+            r["state"] = RUNNING if running else STOPPED
+    return rows
 
 
 def job_row(p: dict) -> dict:
     """One job of the list from its progress (``ResultStore.job_progress``): episodes in all
-    (as submitted, or as stored when more), completed, failed and every other (not started,
-    running, retrying, cancelled: ``statuses`` has the stored ones each)."""
+    (as submitted, or as stored when more), completed, failed, cancelled, and every other (not
+    started, running, retrying: ``statuses`` has the stored ones each)."""
     statuses = p["statuses"]
     completed = statuses.get(StoredStatus.COMPLETED, 0)
     failed = statuses.get(StoredStatus.FAILED, 0)
+    cancelled = statuses.get(StoredStatus.CANCELLED, 0)
     total = max(int(p["episodes_expected"] or 0), sum(statuses.values()))
     created = p["created_at"] if p["created_at"] is not None else p["first_started"]
     return {"job_id": p["job_id"], "created_at": created,
             "created_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(created)) if created is not None else None,
-            "model": p["model"], "episodes": total, "completed": completed, "failed": failed,
-            "other": total - completed - failed, "statuses": statuses, "mean_reward": p["mean_reward"]}
+            "model": p["model"], "episodes": total, "completed": completed, "failed": failed, "cancelled": cancelled,
+            "other": total - completed - failed - cancelled, "statuses": statuses, "mean_reward": p["mean_reward"]}
 
 
 # --- a missing store ---------------------------------------------------------------------------

@@ -9,6 +9,12 @@ and a guard process stops them in the same order, the embedded Redis last.
 
 A job cancelled meanwhile (``interactor cancel``, broker/cancel.py) ends the run as a finished
 one does (exit 1: not every episode completed); ``run --resume`` of a cancelled job is refused.
+
+A job that pauses itself (broker/pause.py: its episodes kept failing alike) ends the run too,
+with exit 3 (``EXIT_PAUSED``) and the command that resumes it: a CI or batch job then fails at
+once instead of waiting for its wall-clock limit. ``--wait-when-paused`` waits instead, for an
+``interactor resume`` from another terminal. ``run --resume JOB`` may correct the job's own
+settings (``--model``, ``--max-tokens``, ...: interactor/job_corrections.py), saying what changed.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from broker.settings import Settings, redact_url
 from broker.states import LEDGER_FINAL, LedgerState, StoredStatus
 from interactor.children import Guard, exit_code, interrupt_on_signals, spawn, spawn_role, terminate
 from interactor.report import print_left, print_results, progress_line
+
+EXIT_PAUSED = 3  # `interactor run` ended because its job paused itself
 
 
 def default_workers(concurrency: int) -> int:
@@ -102,7 +110,7 @@ class LocalFleet:
 
 def run_local(settings: Settings, tasks: list[str], *, workers: int | None = None, job_id: str | None = None,
               resume: str | None = None, ui: tuple[str, int] | None = None, guard: Guard | None = None,
-              preflight: bool = True) -> int:
+              preflight: bool = True, wait_when_paused: bool = False, corrections: dict | None = None) -> int:
     """Run one job to its end on this machine. ``ui``: (host, port) of a results browser to
     serve meanwhile, and after the summary until Ctrl-C (with Redis still up, so that dead
     letters can be read; read-only, nothing is re-driven with the workers gone). ``guard``:
@@ -110,14 +118,17 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
 
     Ctrl-C, SIGTERM and SIGHUP stop the run alike; the exit code is 128 + the signal's number
     (130, 143, 129). ``preflight``: ask the model endpoint and env servers before anything is
-    enqueued (interactor/preflight.py), and refuse with exit 2 when one does not answer."""
+    enqueued (interactor/preflight.py), and refuse with exit 2 when one does not answer.
+    ``wait_when_paused``: a job that pauses itself keeps the run waiting instead of ending it
+    (exit 3). ``corrections``: job settings a resume replaces (interactor/job_corrections.py)."""
     with interrupt_on_signals():
         own_guard = guard is None
         if own_guard:
             guard = start_guard(settings, Path(settings.run_dir) / "logs")
         done = False
         try:
-            code = _run_local(settings, tasks, workers, job_id, resume, ui, guard, preflight)
+            code = _run_local(settings, tasks, workers, job_id, resume, ui, guard, preflight, wait_when_paused,
+                              corrections or {})
             done = True
             return code
         finally:
@@ -126,7 +137,8 @@ def run_local(settings: Settings, tasks: list[str], *, workers: int | None = Non
 
 
 def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id: str | None, resume: str | None,
-               ui: tuple[str, int] | None, guard: Guard, preflight: bool = True) -> int:
+               ui: tuple[str, int] | None, guard: Guard, preflight: bool = True, wait_when_paused: bool = False,
+               corrections: dict | None = None) -> int:
     from consumer.storage import open_store
     from producer.enqueue import new_job_id, plan, submit_plan
 
@@ -147,6 +159,13 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
     t0 = time.monotonic()
     try:
         if not settings.redis_url:
+            from interactor.stopped_run import held_by_command
+
+            holder = held_by_command(run_dir / "redis")
+            if holder is not None:  # two servers on one folder's files would ruin them
+                print(f"interactor: the Redis of {run_dir}/ is held by another command (pid {holder}) that started it "
+                      "to read a stopped run; run again once it ends", file=sys.stderr)
+                return 2
             embedded = EmbeddedRedis(run_dir / "redis", port=None, password=_persistent_password(run_dir))
             try:
                 embedded.start()
@@ -180,23 +199,32 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
                 print(f"interactor: {JobCancelled(job_id, 'it is not resumed')}", file=sys.stderr)
                 return 2
             total = spec.episodes
+            if corrections:
+                from interactor.job_corrections import apply_corrections
+
+                for line in apply_corrections(client, settings, spec, corrections):
+                    print(line)
             from broker.recovery import reconcile
 
             print(f"resuming job {job_id}: re-enqueued {len(reconcile(client, settings, job_id))} lost episodes")
             if JobPause(client, Keys(settings.key_prefix)).is_paused(job_id):  # it paused itself: go on
                 print(f"job {job_id} was paused; {len(resume_job(client, settings, job_id))} parked episodes sent again")
         fleet.start()
+        paused = None
         try:
-            _wait(job_id, total, ledger, store, fleet, t0)
+            paused = _wait(job_id, total, ledger, store, fleet, t0, wait_when_paused)
         except KeyboardInterrupt as exc:
             interrupted = exc
             _say(f"\n{_how(exc)}: stopping workers (up to {settings.shutdown_grace_s:.0f}s for running episodes; "
                  "Ctrl-C again to kill)")
+        if paused is not None:
+            _say(f"\njob {job_id} {paused.describe()}: stopping workers (--wait-when-paused waits instead)")
         try:
             fleet.stop(settings.shutdown_grace_s + 10)
         except KeyboardInterrupt:
             fleet.stop(0)
         results = store.results(job_id)
+        results["scores"] = store.score_summary(job_id)
         store.close()
         if interrupted is not None:
             # A closed terminal (SIGHUP) leaves nowhere to print: the stop above has been done,
@@ -206,6 +234,11 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
                 print_results(job_id, results, settings.results_store_shown)
                 print_left(ledger.counts(job_id), job_id, run_dir)
             return exit_code(interrupted)
+        if paused is not None:
+            print()
+            print_results(job_id, results, settings.results_store_shown)
+            print_paused(job_id, run_dir, ledger.counts(job_id))
+            return EXIT_PAUSED
         print()
         print_results(job_id, results, settings.results_store_shown)
         if fleet.restarts:
@@ -234,11 +267,23 @@ def _say(text: str) -> None:
         print(text, flush=True)
 
 
-def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0: float) -> None:
+def print_paused(job_id: str, run_dir: Path, counts: dict) -> None:
+    """How to go on with a job that paused itself, once its run stopped."""
+    left = ", ".join(f"{v} {k}" for k, v in counts.items() if k not in LEDGER_FINAL and v) or "nothing"
+    print(f"job {job_id} paused; left unfinished: {left}. Fix the cause, then:\n"
+          f"  interactor run --resume {job_id} --run-dir {run_dir}\n"
+          f"with the job's settings corrected there if they were the cause (--model M, --max-tokens N, "
+          f"--llm-base-url URL, ...: said what changed); a mistake in the task file is a new job: run the corrected "
+          f"file, and end this one with  interactor cancel {job_id} --run-dir {run_dir}")
+
+
+def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0: float,
+          wait_when_paused: bool = False):
+    """Until the job ends (None), or pauses itself (its ``PauseState``, unless ``wait_when_paused``)."""
     from interactor.fleet_reader import FleetReader
 
     breakers = BreakerNotes(FleetReader(ledger.r, fleet.settings))
-    pauses = PauseNotes(JobPause(ledger.r, Keys(fleet.settings.key_prefix)), job_id)
+    pauses = PauseNotes(JobPause(ledger.r, Keys(fleet.settings.key_prefix)), job_id, waits=wait_when_paused)
     failures = FailureNotes(store, job_id)
     attempts = RunningAttempts(ledger.r, fleet.settings)
     rate = StepRate()
@@ -277,7 +322,10 @@ def _wait(job_id: str, total: int, ledger: Ledger, store, fleet: LocalFleet, t0:
         if (sum(counts[s] for s in LEDGER_FINAL) >= total and stored_final >= total
                 and not res.get("short_trajectories", 0)):
             print("\r" + line if tty else line)
-            return
+            return None
+        if pauses.paused is not None and not wait_when_paused:
+            print("\r" + line if tty else line)
+            return pauses.paused
 
 
 class StepRate:
@@ -382,12 +430,15 @@ class FailureNotes:
 
 
 class PauseNotes:
-    """A job that paused itself (broker/pause.py) waits for a resume: said under the progress
-    bar when it pauses and every ``repeat_s`` after, with how to go on."""
+    """A job that paused itself (broker/pause.py): ``paused`` holds its state once read. A run
+    that waits (``waits``) says so under the progress bar when it pauses and every ``repeat_s``
+    after, with how to go on; one that does not stops and says it then (``print_paused``)."""
 
-    def __init__(self, pause, job_id: str, *, every_s: float = 2.0, repeat_s: float = 60.0):
+    def __init__(self, pause, job_id: str, *, every_s: float = 2.0, repeat_s: float = 60.0, waits: bool = True):
         self.pause, self.job_id = pause, job_id
         self.every_s, self.repeat_s = every_s, repeat_s
+        self.waits = waits
+        self.paused = None
         self._read_at = -1e9
         self._told_at: float | None = None
 
@@ -399,10 +450,11 @@ class PauseNotes:
             state = self.pause.state(self.job_id)
         except Exception:  # noqa: BLE001 - Redis away: said by the breakers' notes and the workers
             return []
+        self.paused = state
         if state is None:
             self._told_at = None
             return []
-        if self._told_at is not None and now - self._told_at < self.repeat_s:
+        if not self.waits or (self._told_at is not None and now - self._told_at < self.repeat_s):
             return []
         self._told_at = now
         return [f"job {self.job_id} {state.describe()}: no new episode starts. Fix the cause, then Ctrl-C and "

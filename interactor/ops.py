@@ -138,6 +138,11 @@ def cmd_resume(args) -> int:
         print(f"job {args.job} was not paused" + (f"; sent {len(sent)} parked episodes again" if sent else ""))
     else:
         print(f"resumed job {args.job} ({state.describe()}); sent {len(sent)} parked episodes again")
+    from interactor.stopped_run import started_for_command
+
+    if started_for_command():
+        print(f"no worker runs for it: its run in {settings.run_dir}/ has stopped; finish it with  interactor run "
+              f"--resume {args.job} --run-dir {settings.run_dir}")
     return 0
 
 
@@ -148,7 +153,9 @@ def cmd_cancel(args) -> int:
     cancels whatever was left waiting."""
     from broker.cancel import JobCancel
     from broker.ledger import Ledger
+    from broker.recovery import Sweeper
     from interactor.common import redis_for, settings_from_args
+    from interactor.stopped_run import settle_into_store, started_for_command
 
     settings = settings_from_args(args)
     client = redis_for(settings)
@@ -165,11 +172,18 @@ def cmd_cancel(args) -> int:
               f"{report.running} running told to stop (each at its next call, once its lease renewal tells it)")
     ledger = Ledger.for_settings(client, settings)
     deadline = time.monotonic() + max(0.0, args.wait)
+    stopped = started_for_command()  # a stopped local run's: no worker or consumer of its own
+    sweeper = Sweeper(client, settings) if stopped else None
     counts = ledger.counts(args.job)
     while counts[LedgerState.RUNNING] and time.monotonic() < deadline:
+        if sweeper is not None:  # its killed workers' attempts end cancelled once their leases expired
+            sweeper.tick()
         time.sleep(0.5)
         cancels.cancel_waiting(args.job)  # what an attempt left waiting in the cancel's very moment
         counts = ledger.counts(args.job)
+    if stopped:
+        settle_into_store(client, settings)
+        print(f"the results store of {settings.run_dir}/ has the cancel: interactor jobs shows the job cancelled")
     print(f"job {args.job}: " + " ".join(f"{s}={n}" for s, n in counts.items()))
     if counts[LedgerState.RUNNING]:
         print(f"{counts[LedgerState.RUNNING]} still running after {args.wait:g}s: each stops at its next call "

@@ -62,7 +62,56 @@ def print_results(job_id: str, res: dict, db_path: str) -> None:
           f"({g['failed']} with a dead-lettered episode"
           + (f", {g['cancelled']} cancelled" if g.get("cancelled") else "")
           + f"), mean reward std {_f(g['mean_std'])}")
+    if res.get("scores"):
+        for line in score_lines(res["scores"]):
+            print(line)
     print(f"results database: {Path(db_path).resolve()}")
+
+
+def _pm(x, se) -> str:
+    return _f(x) + ("" if se is None else f" ± {se:.3f}")
+
+
+def score_lines(scores: dict) -> list[str]:
+    """How sure the scores are (consumer/storage/score_stats.py): per env_name and for the job,
+    the mean reward ± its standard error, the 95% interval, pass@1, pass@k and mean@k over each
+    task's k samples."""
+    head = ("env_name", "tasks", "k", "mean ± stderr", "95% interval", "pass@1", "pass@k", "mean@k")
+    rows = [head]
+    for env, e in [*scores["by_env"].items(), ("all", scores["job"])]:
+        ci = e["ci95"]
+        rows.append((env, str(e["tasks"]), str(e["k"] if e["k"] is not None else "-"), _pm(e["mean"], e["stderr"]),
+                     "-" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]", _pm(e["pass@1"], e["pass@1_stderr"]),
+                     _pm(e["pass@k"], e["pass@k_stderr"]), _pm(e["mean@k"], e["mean@k_stderr"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = [f"scores (completed episodes; standard errors over tasks; a sample solves its task at reward >= "
+           f"{scores['threshold']:g}; docs/results.md):"]
+    for i, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0 or i == len(rows) - 2:
+            out.append("  ".join("-" * w for w in widths))
+    return out
+
+
+TASK_CHARS = 60  # of a task's question in `results --rows`
+
+
+def print_task_rows(rows: list[dict]) -> None:
+    """``interactor results JOB --rows``: one line per task, which the model always, sometimes or
+    never solves, and a count of each."""
+    table = [("group_id", "env_name", "samples", "done", "solved", "mean", "solved by", "task")]
+    for r in rows:
+        task = r["task"] if len(r["task"]) <= TASK_CHARS else r["task"][:TASK_CHARS - 3] + "..."
+        table.append((r["group_id"], r["env_name"], str(r["samples"]), str(r["completed"]), str(r["solved"]),
+                      _f(r["mean"]), r["solved_by"], task))
+    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]) - 1)]
+    for i, t in enumerate(table):
+        print("  ".join(c.ljust(w) if j in (0, 1, 6) else c.rjust(w) for j, (c, w) in enumerate(zip(t, widths)))
+              + "  " + t[-1])
+        if i == 0:
+            print("  ".join("-" * w for w in widths) + "  ----")
+    tally = {k: sum(1 for r in rows if r["solved_by"] == k) for k in ("always", "sometimes", "never")}
+    print(f"{len(rows)} tasks: solved always {tally['always']}, sometimes {tally['sometimes']}, never {tally['never']}")
 
 
 def resumes_line(r: dict) -> str:

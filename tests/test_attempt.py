@@ -314,5 +314,5 @@ def test_the_policy_layers_are_applied_innermost_first_and_pass_the_request_thro
     assert order == ["outer", "inner"]
     assert fakes.model.requests[-1]["params"]["tools"] == [{"type": "function"}]
     # the declared chain itself, as the docs name it
-    assert [type(layer).__name__ for layer in POLICY_LAYERS] == ["Endpoint", "Paced", "Versioned", "ProcessGate",
-                                                                 "FleetCaps"]
+    assert [type(layer).__name__ for layer in POLICY_LAYERS] == ["Endpoint", "EntrySampling", "Paced", "Versioned",
+                                                                 "ProcessGate", "FleetCaps"]

@@ -344,12 +344,14 @@ def test_a_local_run_ends_when_its_job_is_cancelled_and_its_results_are_found(tm
     assert proc.returncode == 1, out[-3000:]
     assert re.search(r"cancelled: \d+ episodes", out), out[-3000:]
 
-    for command in (["results", job], ["export", job], ["jobs"]):
+    for command in (["results", job], ["export", job]):
         missing = interactor(*command, cwd=tmp_path)
         assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
         assert "no results database at runs/results.sqlite" in missing.stderr
         assert os.path.join("runs", "demo") in missing.stderr and "--run-dir runs/demo" in missing.stderr
-    listed = interactor("jobs", "--run-dir", str(run_dir), cwd=tmp_path)
-    assert listed.returncode == 0, listed.stderr
-    header, row = listed.stdout.splitlines()
-    assert header.split()[:4] == ["job", "created", "(UTC)", "model"] and row.split()[0] == job
+    # jobs reads every run folder below runs/ (the default --run-dir), and the one named
+    for listed in (interactor("jobs", cwd=tmp_path), interactor("jobs", "--run-dir", str(run_dir), cwd=tmp_path)):
+        assert listed.returncode == 0, listed.stderr
+        header, row = listed.stdout.splitlines()
+        assert header.split()[:4] == ["job", "created", "(UTC)", "model"] and row.split()[0] == job
+        assert row.split()[-1] == "cancelled", row

@@ -94,6 +94,12 @@ def test_a_local_runs_redis_is_found_through_its_run_dir(tmp_path, env_server):
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=120)
         slow.shutdown()
-    # Stopped: the address is gone with its server, and the command says where the results are.
+    # Stopped: the address is gone with its server; a command starts it from the folder's data for
+    # itself (interactor/stopped_run.py), says so, and stops it again.
+    assert EmbeddedRedis.running_url(run_dir / "redis") is None
     after = interactor("status", "--run-dir", str(run_dir), cwd=tmp_path)
-    assert after.returncode == 2 and f"none runs in {run_dir}" in after.stderr and "results" in after.stderr
+    assert after.returncode == 0 and "has stopped" in after.stderr and "running=" in after.stdout, after.stderr
+    assert EmbeddedRedis.running_url(run_dir / "redis") is None
+    # A folder no run used says where results are
+    never = interactor("status", "--run-dir", str(tmp_path / "elsewhere"), cwd=tmp_path)
+    assert never.returncode == 2 and "none ran in" in never.stderr and "results" in never.stderr, never.stderr

@@ -154,3 +154,22 @@ def test_an_entry_without_base_url_is_told_what_serves_envs(tmp_path):
     assert "entry 1 (guess_number, line 2): field 'base_url': missing" in out.stderr
     assert "--env-base-url URL" in out.stderr and "interactor serve-env --port 8080" in out.stderr
     assert not (tmp_path / "runs" / "redis").exists()  # nothing started
+
+
+@pytest.mark.parametrize("message, kept", [
+    ({"content": "4", "reasoning_content": "2 and 2"}, "2 and 2"),
+    ({"content": "4", "reasoning": "2 and 2"}, "2 and 2"),  # servers that name it reasoning
+    ({"content": "4"}, ""),
+    ({"content": "4", "reasoning_content": None}, ""),
+    ({"content": "4", "reasoning_content": {"steps": [1]}}, ""),  # no string: no reasoning, the answer kept
+    ({"content": "4", "reasoning_content": ["a"], "reasoning": 7}, ""),
+])
+def test_an_answers_reasoning_is_read_beside_its_content(message, kept):
+    import json
+
+    from workers.http_transport import Reply
+    from workers.modelclient import _parse
+
+    body = json.dumps({"choices": [{"message": {"role": "assistant", **message}, "finish_reason": "stop"}]}).encode()
+    got = _parse(Reply(200, {}, body, 0.01), "model", 1)
+    assert (got.content, got.reasoning_content) == ("4", kept)

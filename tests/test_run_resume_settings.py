@@ -1,11 +1,13 @@
 """`interactor run --resume JOB` finishes a stopped job as the run that started it would have: with
 that run's worker flags (--concurrency, --workers, ...), said in one line; a flag of the job's
-own settings (model, sampling, step loop), which it would ignore, is refused. A real local run
+own settings (model, sampling, step loop) corrects the stored job, said in one line, and one a
+resume cannot apply (--env-base-url) is refused. A real local run
 (embedded Redis, worker and consumer processes) against the stand-in servers on loopback,
 stopped by Ctrl-C and resumed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -33,7 +35,7 @@ def most_at_once(spans: list[tuple[float, float]]) -> int:
     return top
 
 
-def test_resume_runs_at_the_runs_own_concurrency_and_refuses_flags_it_would_ignore(env_server, tmp_path):
+def test_resume_runs_at_the_runs_own_concurrency_and_takes_corrected_job_settings(env_server, tmp_path):
     from examples.model_standin import start_in_thread
 
     _, env_url = env_server
@@ -60,13 +62,20 @@ def test_resume_runs_at_the_runs_own_concurrency_and_refuses_flags_it_would_igno
                                    str(run_dir), *flags], env=env, cwd=str(ROOT), capture_output=True, text=True,
                                   timeout=300)
 
-        refused = resume("--max-tokens", "64", "--temperature", "0")
+        refused = resume("--env-base-url", env_url)
         assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
-        assert "--temperature, --max-tokens would be ignored" in refused.stderr and "new job" in refused.stderr
+        assert ("cannot change --env-base-url (each episode keeps the env server it was planned with)"
+                in refused.stderr and "new job" in refused.stderr), refused.stderr
+        assert "max_tokens" not in slow.stats()["request_params"]  # the run sent none
 
         resumed_at = time.time()
-        resumed = resume()
+        resumed = resume("--max-tokens", "64", "--temperature", "0")
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+        assert (f"job {job_id}'s settings corrected" in resumed.stdout and "temperature: 0.3 -> 0.0" in resumed.stdout
+                and 'llm_params: {} -> {"max_tokens": 64}' in resumed.stdout), resumed.stdout[:2000]
+        assert slow.stats()["request_params"]["max_tokens"] == ["64"]
+        spec = json.loads(db_rows(db, "SELECT spec FROM jobs WHERE job_id = ?", (job_id,))[0][0])
+        assert spec["llm_params"] == {"max_tokens": 64} and spec["temperature"] == 0.0
         assert (f"resuming job {job_id} with the run's own worker settings: " in resumed.stdout
                 and f"--concurrency {RUN_CONCURRENCY}" in resumed.stdout and "--workers 1" in resumed.stdout), \
             resumed.stdout[:2000]

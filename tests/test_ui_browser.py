@@ -279,3 +279,35 @@ def test_images_in_transcripts_are_shown_and_nothing_is_fetched_from_elsewhere(p
         assert not page.problems, page.problems
     finally:
         ui.stop()
+
+
+def test_the_job_page_says_how_sure_its_scores_are_and_an_episode_shows_its_reasoning(page, tmp_path):
+    """Issue 48: the job page's score table (mean ± stderr, 95% interval, pass@1, pass@k,
+    mean@k per env_name and for the job) and tasks solved always/sometimes/never; an answer's
+    reasoning_content above it on the episode's page, as text (markup in it stays inert)."""
+    from broker.settings import Settings
+    from tests.test_ui import JOB, fill, rec_close, rec_step
+
+    path = str(tmp_path / "results.sqlite")
+    store = open_store(path)
+    fill(store)
+    step = rec_step("ep-r", 1, [{"role": "user", "content": "What is 1 + 1?"}], "2", reward=1.0, cum=1.0, last=True,
+                    group="g3")
+    step.reasoning_content = "<b>one</b> and one make two"
+    store.write_batch([step, rec_close("ep-r", 1.0, 1, group="g3", size=1)])
+    store.close()
+    ui = ui_server(Settings.from_env({}, store_url=path))
+    try:
+        page.goto(ui.url + f"jobs/{JOB}")
+        rows = page.locator("#scores tbody tr")
+        assert rows.count() == 3  # arith, the markup-named env, all
+        assert rows.last.locator("td").first.inner_text() == "all"
+        assert "±" in rows.first.inner_text() and "[" in rows.first.inner_text()
+        assert "solved always 1, sometimes 1, never 1" in page.locator("#solved-by").inner_text()
+        page.goto(ui.url + "episodes/ep-r")
+        reasoning = page.locator("details.reasoning .text")
+        assert reasoning.inner_text() == "<b>one</b> and one make two"
+        assert page.locator("details.reasoning b").count() == 0
+        assert not page.problems, page.problems
+    finally:
+        ui.stop()

@@ -61,6 +61,7 @@ class Completion:
     completion_tokens: int | None = None  # usage.completion_tokens, likewise
     tokens: TokenAnswer | None = None  # what the server sampled, when the job asked (workers/token_answers.py)
     tool_calls: list | None = None  # choices[0].message.tool_calls, when the answer calls tools (a list of objects)
+    reasoning_content: str = ""  # choices[0].message.reasoning_content (or .reasoning): the answer's reasoning
 
 
 class ModelClient(PooledClient):
@@ -292,6 +293,12 @@ def _parse(reply: Reply, what: str, tries: int, tokens: str = "") -> Completion:
     tool_calls = message.get("tool_calls")
     if tool_calls is not None and (not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls)):
         raise bad("choices[0].message.tool_calls is not a list of objects")
+    # vLLM's reasoning parser and llama.cpp name it reasoning_content, some servers reasoning;
+    # anything but a string is no reasoning (kept, never a reason to refuse the answer).
+    reasoning = message.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = message.get("reasoning")
+    reasoning = reasoning if isinstance(reasoning, str) else ""
     metadata = obj.get("metadata")
     weight_version = _version_text(metadata.get("weight_version")) if isinstance(metadata, dict) else None
     usage = obj.get("usage")
@@ -309,6 +316,7 @@ def _parse(reply: Reply, what: str, tries: int, tokens: str = "") -> Completion:
         completion_tokens=completion_tokens,
         tokens=read_tokens(tokens, obj, None if tool_calls else content) if tokens else None,
         tool_calls=tool_calls or None,
+        reasoning_content=reasoning,
     )
 
 

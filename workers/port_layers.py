@@ -51,6 +51,15 @@ class Endpoint:
                            c.guard, p.breakers.for_model(job.llm_base_url))
 
 
+class EntrySampling:
+    """The task entry's own sampling settings (``max_tokens``, ``temperature``, ``stop``:
+    EpisodeSpec.sampling, producer/taskfile.py) over the job's, on every call of the episode."""
+
+    def wrap(self, policy: BoundPolicy, c: PortContext) -> BoundPolicy:
+        sampling = getattr(c.spec, "sampling", None)
+        return dataclasses.replace(policy, sampling=dict(sampling)) if sampling else policy
+
+
 class Paced:
     """The endpoint's fleet-wide request and token rates (workers/pacing.py). The pacer is asked
     before each try inside the endpoint's retries, so this layer sits right on the endpoint."""
@@ -90,7 +99,7 @@ class FleetCaps:
         return CappedPolicy(policy, c.parts.fleet, model_caps, c.check, c.budget)
 
 
-POLICY_LAYERS = (Endpoint(), Paced(), Versioned(), ProcessGate(), FleetCaps())
+POLICY_LAYERS = (Endpoint(), EntrySampling(), Paced(), Versioned(), ProcessGate(), FleetCaps())
 
 
 def policy_port(c: PortContext, layers=POLICY_LAYERS) -> Any:

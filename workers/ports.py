@@ -113,6 +113,8 @@ class BoundPolicy:
     guard: Guard
     breaker: Breaker
     pacer: Any = None  # the endpoint's fleet-wide rate limits (workers/pacing.py), when the job sets any
+    # the task entry's own max_tokens, temperature and stop (EpisodeSpec.sampling), over the job's
+    sampling: dict = field(default_factory=dict)
 
     def complete(self, messages: list[dict], **request: Any):
         j = self.job
@@ -120,7 +122,13 @@ class BoundPolicy:
         extra = {"tokens": j.tokens} if getattr(j, "tokens", "") else {}
         if self.pacer is not None:
             extra["pacer"] = self.pacer
+        temperature, params = j.temperature, j.llm_params
+        if self.sampling:
+            own = dict(self.sampling)
+            temperature = own.pop("temperature", temperature)
+            params = {**(params or {}), **own}
+        if request:
+            params = {**(params or {}), **request}
         return self.guard.call(self.breaker, lambda: self.client.complete(
-            self.base_url, messages, model=j.model, temperature=j.temperature,
-            params={**(j.llm_params or {}), **request} if request else j.llm_params,
+            self.base_url, messages, model=j.model, temperature=temperature, params=params,
             deadline=self.budget.deadline, api_key=self.api_key, **extra), retry_safe=True)

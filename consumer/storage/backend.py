@@ -54,6 +54,7 @@ from broker.settings import redact_url, store_identity
 from broker.states import AttemptStatus, StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import resumes as attempt_resumes_table
+from consumer.storage import step_reasoning as step_reasoning_table
 from consumer.storage import schema
 from consumer.storage import step_tokens as step_tokens_table
 from consumer.storage.browse import StoreBrowse
@@ -179,8 +180,11 @@ class ResultStore(StoreReads, StoreBrowse):
                             "store keeps the first run, the new run's episodes are stored as completed_by_other; "
                             "use a new job id", j.job_id, held[j.job_id], j.created_at)
         self.executemany(
+            # The same run's spec again (its settings corrected on resume, interactor/job_corrections.py)
+            # replaces the row; another run's (a reused id) leaves the first run's.
             f"INSERT INTO jobs ({', '.join(_JOB_COLUMNS)}) VALUES ({marks(_JOB_COLUMNS)}) "
-            "ON CONFLICT (job_id) DO NOTHING",
+            "ON CONFLICT (job_id) DO UPDATE SET model = excluded.model, llm_base_url = excluded.llm_base_url, "
+            "spec = excluded.spec WHERE jobs.created_at = excluded.created_at",
             # URLs with their passwords starred: the database is read by more people than Redis.
             [_clean((j.job_id, j.created_at, j.episodes, j.groups, j.model, redact_url(j.llm_base_url),
                      _json(j.sources), _json(j.to_dict() | {"llm_base_url": redact_url(j.llm_base_url)})))
@@ -231,6 +235,10 @@ class ResultStore(StoreReads, StoreBrowse):
             [*plan.session_steps, *(s for s, _ in plan.superseded_steps)])
         if token_rows:
             self.executemany(step_tokens_table.INSERT, token_rows)
+        # The answers' reasoning, beside their content (consumer/storage/step_reasoning.py).
+        reasoning_rows = step_reasoning_table.rows([*plan.session_steps, *(s for s, _ in plan.superseded_steps)])
+        if reasoning_rows:
+            self.executemany(step_reasoning_table.INSERT, reasoning_rows)
         if plan.closes:
             self._write_closes(plan.closes)
         stored = self._stored_steps(plan.episodes_to_count())

@@ -20,6 +20,7 @@ from broker import errors
 from broker.states import LedgerState, Phase, StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import resumes as attempt_resumes_table
+from consumer.storage import step_reasoning as step_reasoning_table
 from consumer.storage import step_tokens as step_tokens_table
 from consumer.storage.sqltext import chunks, marks
 
@@ -203,6 +204,36 @@ class StoreReads:
         return sorted(self.query_dicts("SELECT * FROM groups WHERE job_id = ?", (job_id,)),
                       key=lambda g: id_order(g["group_id"]))
 
+    def score_samples(self, job_id: str) -> list:
+        """The job's episodes as score_stats reads them (one ``Sample`` each), in task-file order."""
+        from consumer.storage.score_stats import Sample
+
+        rows = self.query("SELECT group_id, env_name, status, total_reward, episode_id FROM episodes WHERE job_id = ?",
+                          (job_id,))
+        rows.sort(key=lambda r: (id_order(r[0] or ""), id_order(r[4])))
+        return [Sample(g or e, env or "", float(reward) if status == StoredStatus.COMPLETED and reward is not None
+                       else None, status == StoredStatus.FAILED) for g, env, status, reward, e in rows]
+
+    def score_summary(self, job_id: str, threshold: float | None = None) -> dict:
+        """How sure the job's scores are (consumer/storage/score_stats.py): per env_name and per
+        job, mean, standard error, 95% interval, pass@1, pass@k, mean@k."""
+        from consumer.storage.score_stats import DEFAULT_THRESHOLD, score_summary
+
+        return score_summary(self.score_samples(job_id), DEFAULT_THRESHOLD if threshold is None else threshold)
+
+    def task_table(self, job_id: str, threshold: float | None = None) -> list[dict]:
+        """One row per task (group) of the job: samples, completed, solved, mean reward, solved
+        always, sometimes or never, and ``task``: what it asked (its dataset row, else its
+        env_params), as JSON text."""
+        from consumer.storage.score_stats import DEFAULT_THRESHOLD, task_rows
+
+        rows = task_rows(self.score_samples(job_id), DEFAULT_THRESHOLD if threshold is None else threshold)
+        asked = dict(self.query("SELECT group_id, MIN(env_params) FROM job_environments WHERE job_id = ? "
+                                "GROUP BY group_id", (job_id,)))
+        for row in rows:
+            row["task"] = _task_text(asked.get(row["group_id"]))
+        return rows
+
     def group_members(self, group_id: str) -> list[dict]:
         return self.query_dicts("SELECT * FROM episodes WHERE group_id = ? ORDER BY episode_id", (group_id,))
 
@@ -227,9 +258,18 @@ class StoreReads:
         return rows
 
     def episode_trajectory(self, episode_id: str) -> list[dict]:
-        """The episode's trajectory (its session_steps rows) in step order, JSON decoded."""
-        return [_decode_step(d) for d in self.query_dicts(
+        """The episode's trajectory (its session_steps rows) in step order, JSON decoded, each
+        with its answer's ``reasoning_content`` (None: it had none; consumer/storage/step_reasoning.py)."""
+        steps = [_decode_step(d) for d in self.query_dicts(
             "SELECT * FROM session_steps WHERE session_id = ? ORDER BY step_id", (episode_id,))]
+        reasoning = {}
+        if steps and self.has_table(step_reasoning_table.TABLE):
+            reasoning = {(a, n): text for a, n, text in self.query(
+                f"SELECT attempt_id, step_id, reasoning_content FROM {step_reasoning_table.TABLE} "
+                "WHERE session_id = ?", (episode_id,))}
+        for d in steps:
+            d["reasoning_content"] = reasoning.get((d.get("attempt_id"), d.get("step_id")))
+        return steps
 
     def superseded_steps(self, episode_id: str) -> list[dict]:
         """Rows of the episode's other attempts, with why they are not its trajectory."""
@@ -403,6 +443,18 @@ def _decode_step(d: dict) -> dict:
         if k in d and d[k] is not None:
             d[k] = bool(d[k])
     return d
+
+
+def _task_text(env_params: str | None) -> str:
+    """What a task asked, as compact JSON: its dataset row, or its env_params without one."""
+    if not env_params:
+        return ""
+    try:
+        params = orjson.loads(env_params)
+    except orjson.JSONDecodeError:
+        return str(env_params)
+    row = params.get("dataset") if isinstance(params, dict) else None
+    return orjson.dumps(row if row else params).decode()
 
 
 def id_order(dotted_id: str) -> tuple:

@@ -327,6 +327,16 @@ ATTEMPT_RESUMES = Table("attempt_resumes", (
     indexes=(Index("attempt_resumes_job", "attempt_resumes", "job_id"),))
 
 
+# consumer/storage/step_reasoning.py
+STEP_REASONING = Table("step_reasoning", (
+    _c("session_id", "text", not_null=True),
+    _c("attempt_id", "text", not_null=True),
+    _c("step_id", "int", not_null=True),
+    _c("job_id", "text"),
+    _c("reasoning_content", "text"),
+), constraints=("PRIMARY KEY (session_id, attempt_id, step_id)",))
+
+
 def schema_ddl(dialect: str) -> str:
     """The versioned tables (:data:`TABLES`) and :data:`BROWSE_INDEXES`, as one script of
     ``;``-separated statements."""

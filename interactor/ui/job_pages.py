@@ -35,6 +35,7 @@ def register(app: Flask, source: Source) -> None:
         (progress,) = source.progress([job_id])
         ttl = AGGREGATE_TTL_S[progress["active"]]
         res = source.results(job_id, ttl_s=ttl)
+        scores = source.scores(job_id, ttl_s=ttl)
         spec = source.job(job_id)
         if spec is None and not res["job"]["episodes"] and progress["counts_from"] == "store":
             abort(404, f"no job {job_id!r} in {source.store_shown}")
@@ -44,7 +45,7 @@ def register(app: Flask, source: Source) -> None:
             by_env.setdefault(env, []).append(reward)
         facets = source.episode_facets(job_id, ttl_s=ttl)
         return render_template(
-            "job.html", job_id=job_id, res=res, p=progress, spec=spec or {},
+            "job.html", job_id=job_id, res=res, scores=scores, p=progress, spec=spec or {},
             facets=facets, reasons={k: n for k, n in facets["reason"].items() if k},
             dist=plots.reward_distribution(by_env),
             trend=plots.reward_over_time(points),

@@ -138,10 +138,6 @@ class Source:
         self._cache[key] = (now, value)
         return value
 
-    def detach_redis(self) -> None:
-        """Stop reading Redis (its embedded server is stopping): pages show the store only."""
-        self.live = None
-
     # --- jobs ---------------------------------------------------------------------------
     def job_ids(self) -> list[str]:
         """Jobs in the store and in Redis, newest first."""
@@ -216,6 +212,14 @@ class Source:
 
     def results(self, job_id: str, *, ttl_s: float) -> dict:
         return self._cached(ttl_s, self.store.results, job_id)
+
+    def scores(self, job_id: str, *, ttl_s: float) -> dict:
+        """How sure the job's scores are, and its tasks solved always, sometimes, never."""
+        def read(job_id: str) -> dict:
+            rows = self.store.task_table(job_id)
+            return self.store.score_summary(job_id) | {"solved_by": {k: sum(1 for r in rows if r["solved_by"] == k)
+                                                                      for k in ("always", "sometimes", "never")}}
+        return self._cached(ttl_s, read, job_id)
 
     def reward_points(self, job_id: str, *, ttl_s: float) -> list[tuple[str, float, float | None]]:
         return self._cached(ttl_s, self.store.reward_points, job_id)
