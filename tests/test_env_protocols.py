@@ -511,3 +511,62 @@ def test_tools_in_our_own_protocol_go_to_the_model_and_back_to_step(offer):
             assert records[0].tools is None and records[0].tool_calls is None
     finally:
         server.shutdown()
+
+
+# --- task files ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("entry, field, words", [
+    ("protocol: grpc", "protocol", "must be one of openenv, ors"),
+    ("protocol: openenv\n    transport: inproc\n    env_class: envs.bundled:GuessNumber", "protocol", "base_url"),
+    ("observation_to_messages: m:f", "observation_to_messages", "only with protocol: openenv"),
+    ("protocol: openenv\n    completion_to_action: not a path", "completion_to_action", "module:function"),
+    ("protocol: openenv\n    split: train", "split", "only with protocol: ors"),
+    ("protocol: ors\n    split: train\n    dataset: [{a: 1}]", "split", "not both"),
+])
+def test_a_task_entry_of_another_protocol_is_checked(tmp_path, entry, field, words):
+    from producer.taskfile import TaskFileError, load_task_file
+
+    path = tmp_path / "t.yaml"
+    server = "" if "inproc" in entry else "    base_url: http://127.0.0.1:9\n"
+    path.write_text(f"environments:\n  - env_name: x\n{server}    {entry}\n")
+    with pytest.raises(TaskFileError) as err:
+        load_task_file(str(path))
+    assert f"field '{field}'" in str(err.value) or field in str(err.value)
+    assert words in str(err.value)
+
+
+def test_a_split_names_its_tasks_or_the_error(tmp_path, ors):
+    from producer.planning import plan_job
+    from producer.taskfile import TaskFileError
+
+    path = tmp_path / "t.yaml"
+    path.write_text(f"environments:\n  - env_name: guessing\n    protocol: ors\n    base_url: {ors.url}\n"
+                    "    split: train\n    env_num: 2\n")
+    planned = plan_job([str(path)], job_id="j")
+    assert len(planned.episodes) == 6 and {e.protocol for e in planned.episodes} == {EnvProtocol.ORS}
+    assert planned.episodes[0].env_params["dataset"] == {"target": 7, "high": 50, "max_turns": 8}
+    path.write_text(f"environments:\n  - env_name: guessing\n    protocol: ors\n    base_url: {ors.url}\n"
+                    "    split: nosuch\n")
+    with pytest.raises(TaskFileError) as err:
+        plan_job([str(path)], job_id="j2")
+    assert "split" in str(err.value) and "HTTP 400" in str(err.value) and "Invalid split" in str(err.value)
+
+
+def test_an_entry_names_its_own_mappings(template):
+    from broker.records import JobSpec
+    from workers.allowlist import TrustBoundary
+
+    mapping = {"observation_to_messages": "tests.openenv_mappings:with_rules",
+               "completion_to_action": "tests.openenv_mappings:marked"}
+    port = port_of(spec_of(template.url, EnvProtocol.OPENENV, env_name="tmpl_env", mapping=mapping))
+    out, records = drive(port, GuessPolicy(), max_steps=2)
+    assert json.loads(records[1].messages_json) == [
+        {"role": "system", "content": "Answer with one word."}, {"role": "user", "content": "Tmpl Env environment ready!"},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "mapped: hello"}]
+    assert [r.step_reward for r in records] == pytest.approx([1.3, 1.3])  # len("mapped: hello") * 0.1
+    # a worker imports them only from its allow-list, as env classes
+    job = JobSpec(job_id="j", llm_base_url="http://127.0.0.1:8000/v1", model="m")
+    spec = spec_of(template.url, EnvProtocol.OPENENV, mapping=mapping)
+    refused = TrustBoundary(fast_settings(env_classes="envs.*")).refused(job, spec)
+    assert "completion_to_action 'tests.openenv_mappings:marked' is not on this worker's allow-list" in refused
+    assert TrustBoundary(fast_settings(env_classes="tests.*")).refused(job, spec) == ""

@@ -151,7 +151,6 @@ class OpenEnvPort:
 
     # --- the port ----------------------------------------------------------------------
     def reset(self) -> dict:
-        self.action_schema = self.schemas.action_schema(self.client, self.spec.base_url, deadline=self.budget.deadline)
         return self.guard.call(self.breaker, self._reset, retry_safe=True)
 
     def get_task_prompt(self) -> list:
@@ -188,6 +187,8 @@ class OpenEnvPort:
     def _reset(self) -> dict:
         what = f"openenv reset {self.spec.env_name}"
         s = self.settings
+        # asked once per server and process, under the breaker as the reset is (a server down waits)
+        self.action_schema = self.schemas.action_schema(self.client, self.spec.base_url, deadline=self.budget.deadline)
         waited_since: float | None = None
         delay = _CAPACITY_BACKOFF_S[0]
         while True:
