@@ -570,3 +570,40 @@ def test_an_entry_names_its_own_mappings(template):
     refused = TrustBoundary(fast_settings(env_classes="envs.*")).refused(job, spec)
     assert "completion_to_action 'tests.openenv_mappings:marked' is not on this worker's allow-list" in refused
     assert TrustBoundary(fast_settings(env_classes="tests.*")).refused(job, spec) == ""
+
+
+def test_open_ors_sessions_are_kept_alive_while_the_model_thinks(ors):
+    from workers.ors_port import KeepAlive
+
+    keeper = KeepAlive(every_s=0.4)
+    port = port_of(spec_of(ors.url, EnvProtocol.ORS, env_name="guessing", episode="j.f.0.0.9"))
+    port.keepalive = keeper
+    port.reset()
+    wait_pinged = time.monotonic() + 20
+    while keeper.pings < 2 and time.monotonic() < wait_pinged:
+        time.sleep(0.1)
+    assert keeper.pings >= 2  # an idle session was pinged, again and again
+    port.close()
+    pinged = keeper.pings
+    time.sleep(1.5)
+    assert keeper.pings == pinged  # a closed session is not
+
+
+def test_an_ors_orphan_is_deleted_the_ors_way(ors, settings, redis_client):
+    from broker import closing
+    from broker.keys import Keys
+    from workers.orphans import OrphanCloser
+
+    spec = spec_of(ors.url, EnvProtocol.ORS, env_name="guessing", episode="j.f.0.0.7")
+    port = port_of(spec)
+    port.reset()  # a session, then its worker "dies" without closing it
+    sid = port.sid
+    assert requests.post(f"{ors.url}/ping", headers={"X-Session-ID": sid}, timeout=5).status_code == 200
+    keys = Keys(settings.key_prefix)
+    redis_client.rpush(keys.orphans, *closing.orphans(spec, [(1, "a1")]))
+    closer = OrphanCloser(redis_client, keys, EnvClient(fast_settings()))
+    closer.tick()
+    assert closer.closed == 1
+    assert requests.post(f"{ors.url}/ping", headers={"X-Session-ID": sid}, timeout=5).status_code == 404
+    # an OpenEnv session needs no orphan entry: it ended with its worker's socket
+    assert closing.orphans(spec_of(ors.url, EnvProtocol.OPENENV), [(1, "a1")]) == []
