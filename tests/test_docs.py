@@ -249,6 +249,9 @@ def test_the_readmes_trainer_loop_runs_against_a_feed(settings, redis_client, tm
     snippet = snippet.replace("http://127.0.0.1:8700", f"http://127.0.0.1:{server.server_address[1]}")
     assert "while True:" in snippet
     snippet = snippet.replace("while True:", "for _round in range(1):")
+    # a take waits up to its timeout for the 8 groups it asks for; three are ready here
+    assert "timeout=60" in snippet
+    snippet = snippet.replace("timeout=60", "timeout=1")
     trained: list = []
     scope = {"train_on": trained.append, "push_weights_to_model_server": lambda: None}
     try:
