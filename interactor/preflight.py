@@ -28,7 +28,8 @@ What is asked, and why it is enough:
   ``/list_environments``, a server of the original protocol neither).
 * each inproc ``env_class``, and each ``observation_to_messages`` / ``completion_to_action``:
   on the workers' allow-list (``env_classes``), or every episode of it would be dead-lettered as
-  ``bad_task``.
+  ``bad_task``; likewise each agent episode's ``agent`` and ``agent_command`` (``agents``,
+  ``agent_commands``).
 
 The API key goes only where the workers would send it (``Settings.trusted_model_origins``).
 When every server answered, :func:`gate` says in one line what was asked and how it answered.
@@ -62,12 +63,12 @@ DEFAULT_MODEL = next(f.default for f in dataclasses.fields(Settings) if f.name =
 class Problem:
     """One server a job cannot use, in one line."""
 
-    kind: str  # "model", "env" (a server) or "env_class" (an inproc class)
+    kind: str  # "model", "env" (a server), "env_class" (an inproc class) or "agent" (an agent episode's)
     url: str  # redacted; the class's module:Class for an env_class
     what: str
 
     def __str__(self) -> str:
-        return f"{self.kind if self.kind == 'env_class' else self.kind + ' server'} {self.url}: {self.what}"
+        return f"{self.kind if self.kind in ('env_class', 'agent') else self.kind + ' server'} {self.url}: {self.what}"
 
 
 def _reason(exc: requests.RequestException) -> str:
@@ -255,6 +256,23 @@ def env_classes(settings: Settings, episodes) -> list[Problem]:
                               "(comma-separated patterns, e.g. mymodule:*)") for c in refused]
 
 
+def agents(settings: Settings, episodes) -> list[Problem]:
+    """Agent episodes whose agent function or command the workers would refuse to run: their
+    allow-lists (``agents``, ``agent_commands``) as set here, which a local run's workers share."""
+    from workers.allowlist import CommandAllowlist, PathAllowlist
+
+    functions, commands = PathAllowlist(settings.agents), CommandAllowlist(settings.agent_commands)
+    named = sorted({e.agent for e in episodes if getattr(e, "agent", "")})
+    argvs = sorted({tuple(e.agent_command) for e in episodes if getattr(e, "agent_command", None)})
+    why = "every episode would fail as bad_task; allow it with"
+    return ([Problem("agent", a, f"not on the workers' allow-list (INTERACTOR_AGENTS: {functions}): {why} "
+                                 f"INTERACTOR_AGENTS={a} (comma-separated patterns, e.g. mypkg.agents:*)")
+             for a in named if not functions.allows(a)]
+            + [Problem("agent", " ".join(c), f"not on the workers' allow-list (INTERACTOR_AGENT_COMMANDS: {commands}): "
+                                             f"{why} INTERACTOR_AGENT_COMMANDS='{' '.join(c)}' (comma-separated argv "
+                                             "prefixes)") for c in argvs if not commands.allows(list(c))])
+
+
 def ask(settings: Settings, episodes, *, timeout_s: float = PROBE_TIMEOUT_S) -> Outcome:
     """Ask the model endpoint and the env servers these episodes use (``EpisodeSpec`` s;
     inproc episodes call no env server)."""
@@ -265,7 +283,7 @@ def ask(settings: Settings, episodes, *, timeout_s: float = PROBE_TIMEOUT_S) -> 
     probe = Preflight(settings, timeout_s=timeout_s)
     out = Outcome(model_url=redact_url(settings.llm_base_url.rstrip("/")))
     try:
-        out.problems = env_classes(settings, episodes) + probe.model()
+        out.problems = env_classes(settings, episodes) + agents(settings, episodes) + probe.model()
         out.model_answer = probe.model_answer
         for (url, protocol), names in sorted(by_server.items()):
             found = probe.protocol_env(url, protocol, names) if protocol else probe.env(url, names)

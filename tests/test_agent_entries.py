@@ -83,3 +83,17 @@ def test_workers_run_only_the_agents_their_lists_allow():
     assert "allow-list" in some.refused(JOB, spec(agent_command=["python3", "agents/b.py"]))
     assert "allow-list" in some.refused(JOB, spec(agent_command=["python3"]))  # a prefix of an entry is not one
     assert "non-empty list" in some.refused(JOB, spec(agent_command=["python3", 3]))
+
+
+def test_preflight_refuses_agents_the_workers_would_not_run_naming_the_setting():
+    from interactor.preflight import agents
+
+    episodes = [spec(agent="mypkg.agents:solve"), spec(agent="mypkg.agents:solve"),
+                spec(agent_command=["python3", "agents/a.py", "--x"])]
+    problems = [str(p) for p in agents(Settings.from_env({}), episodes)]
+    assert len(problems) == 2
+    assert problems[0].startswith("agent mypkg.agents:solve: not on the workers' allow-list (INTERACTOR_AGENTS")
+    assert "INTERACTOR_AGENTS=mypkg.agents:solve" in problems[0]
+    assert "INTERACTOR_AGENT_COMMANDS='python3 agents/a.py --x'" in problems[1]
+    allowed = Settings.from_env({}, agents="mypkg.agents:*", agent_commands="python3 agents/a.py")
+    assert agents(allowed, episodes) == []

@@ -73,9 +73,13 @@ def agent_settings(settings, model_server, tmp_path):
                             **AGENT_SETTINGS)
 
 
-def test_agents_of_three_libraries_and_a_process_are_recorded_call_by_call(agent_settings, procs, model_server,
+@pytest.mark.parametrize("pool", ["gevent", "threads"])
+def test_agents_of_three_libraries_and_a_process_are_recorded_call_by_call(pool, agent_settings, procs, model_server,
                                                                            redis_client, tmp_path):
+    """Under either worker pool: under gevent (the default) an agent function runs on a real OS
+    thread of its own, under threads on a thread of the pool's kind."""
     model, _ = model_server
+    agent_settings = agent_settings.replace(pool=pool)
     procs.settings = agent_settings
     tasks = write_tasks(tmp_path, """\
         - env_name: calc.openai
