@@ -114,6 +114,11 @@ def env_port(c: PortContext, instance: tuple[int, str]) -> Any:
     """The env of a trajectory: ``instance`` is (number, attempt_id) of the attempt that reset
     it. Uncapped: what closes an instance goes through here too."""
     spec, p = c.spec, c.parts
+    if spec.protocol:  # an OpenEnv or ORS server (workers/env_protocols.py)
+        from workers.env_protocols import protocol_env_port
+
+        return protocol_env_port(spec, instance, settings=p.settings, client=p.env, budget=c.budget, guard=c.guard,
+                                 breakers=p.breakers, check=c.check)
     if spec.transport == "inproc":
         from workers.inproc import InprocEnv  # the env class runs inside this worker process
 
@@ -123,11 +128,6 @@ def env_port(c: PortContext, instance: tuple[int, str]) -> Any:
 
 
 def capped_env(c: PortContext, env: Any) -> Any:
-    if spec.protocol:  # an OpenEnv or ORS server (workers/env_protocols.py)
-        from workers.env_protocols import protocol_env_port
-
-        return protocol_env_port(spec, instance, settings=p.settings, client=p.env, budget=c.budget, guard=c.guard,
-                                 breakers=p.breakers, check=c.check)
     """``env`` under the job's fleet-wide caps on calls to its server and on live instances."""
     caps = c.caps()
     if caps is None or c.spec.transport == "inproc":
