@@ -114,6 +114,9 @@ class Keys:
     def orphans(self) -> str:  # list of msgpack [base_url, env_name, instance id]: env instances to close
         return f"{self.prefix}:orphans"
 
+    def gateway_route(self, session_id: str) -> str:  # string: the URL of the worker gateway serving the agent session
+        return f"{self.prefix}:gateway:{session_id}"
+
     @property
     def breakers(self) -> str:  # hash "<kind> <server> <worker>" -> msgpack BreakerState: open circuit breakers
         return f"{self.prefix}:breakers"

@@ -274,6 +274,14 @@ class Settings:
                                      flag="--agent-timeout", read_by=(WORKER,))
     gateway_max_body_bytes: int = setting(16 << 20, "largest request body the model gateway takes from an agent "
                                                     "(larger: 413)", "trust")
+    gateway_host: str = setting("127.0.0.1", "address a worker's model gateway listens on (agent episodes): "
+                                             "loopback for the agents it runs itself; 0.0.0.0 when `interactor "
+                                             "gateway` routes agents that run elsewhere to it", "fleet")
+    gateway_advertise_host: str = setting("", "the host `interactor gateway` reaches a worker's gateway at (unset: "
+                                              "--gateway-host, or the machine's address when that is 0.0.0.0)",
+                                          "fleet")
+    gateway_url: str = setting("", "the URL of `interactor gateway` that agents are given instead of the worker's own "
+                                   "gateway (unset: the worker's): for agents that run elsewhere", "fleet")
 
     # --- fleet-wide limits (broker/caps.py, broker/pause.py, broker/ratelimit.py) ----------------
     no_resume: bool = setting(False, "a new attempt never continues its predecessor's env instance (not the "

@@ -16,6 +16,7 @@
   interactor metrics             the fleet's Prometheus metrics
   interactor autoscale           local worker processes, as many as the queue needs
   interactor feed serve          hand each complete group to RL trainers over HTTP
+  interactor gateway             route agents that run elsewhere to the workers' model gateways
   interactor ui                  browse results in a web page (jobs, groups, episodes, dead letters)
   interactor serve-env           environment adapters (reasoning-gym, textarena, ...) over HTTP
   interactor serve-model         the bundled model stand-in
@@ -465,7 +466,7 @@ def cmd_serve(module: str, prog: str):
 
 # --- parser -------------------------------------------------------------------------------
 EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.jobs", "interactor.benchcli", "interactor.envcli",
-                         "interactor.ui.command", "interactor.feedcmd"]
+                         "interactor.ui.command", "interactor.feedcmd", "interactor.gatewaycmd"]
 
 
 def build_parser(commands=()) -> argparse.ArgumentParser:

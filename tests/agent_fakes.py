@@ -110,3 +110,11 @@ def chats_twice(task, base_url, api_key, model):
         if question:
             messages.append({"role": "user", "content": question})
     return 1.0
+
+
+def says_where(task, base_url, api_key, model):
+    """Writes the base URL it was given, then calls it once."""
+    with open(os.path.join(task["marks"], "base-url-" + base_url.rsplit("/sessions/", 1)[1].split("/")[0]), "w") as f:
+        f.write(base_url)
+    _ask(base_url, api_key, model, "What is 5 + 5?")
+    return 1.0

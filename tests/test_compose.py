@@ -428,9 +428,11 @@ def test_k8s_settings_commands_and_ports(k8s):
         ann = d["spec"]["template"]["metadata"].get("annotations", {})
         if "prometheus.io/port" in ann:
             assert int(ann["prometheus.io/port"]) in ports
-    assert n == 3  # worker, consumer, metrics
+    assert n == 4  # worker, consumer, metrics, gateway
     svc = k8s[("Service", "interactor-metrics")]["spec"]["ports"][0]
     assert svc["targetPort"] == 9400 and svc["port"] == 9400
+    svc = k8s[("Service", "interactor-gateway")]["spec"]["ports"][0]
+    assert svc["targetPort"] == 8600 and svc["port"] == 8600
     redis_url = urlsplit(secret["redis-url"])
     assert redis_url.hostname == "redis" and redis_url.password == secret["redis-password"]
     assert redis_url.port == k8s[("Service", "redis")]["spec"]["ports"][0]["port"]

@@ -52,7 +52,7 @@ from broker import errors
 from broker.records import AttemptRecord, EpisodeSpec, JobSpec, StepRecord
 from broker.states import AttemptStatus, EndedBy, LedgerState, ResumeNote
 from envs.base import import_object
-from workers.gateway import AgentSession, Gateway, local_gateway
+from workers.gateway import AgentSession, Gateway, advertised_url, local_gateway
 from workers.loop import LoopConfig
 from workers.port_layers import policy_port
 from workers.token_answers import step_token_fields
@@ -139,12 +139,16 @@ class CallRecorder:
 
 def run_agent_episode(gateway: Gateway, *, job: JobSpec, spec: EpisodeSpec, cfg: LoopConfig, policy: Any,
                       publish: Callable[[StepRecord], None], check: Callable[[], None],
-                      redact: Callable[[str], str], timeout_s: float) -> AgentOutcome:
-    """Run the episode's agent against a session of ``gateway`` and record its calls."""
+                      redact: Callable[[str], str], timeout_s: float,
+                      route: Callable[[str, bool], None] = lambda session_id, open_: None) -> AgentOutcome:
+    """Run the episode's agent against a session of ``gateway`` and record its calls. ``route``
+    (session id, open or not) tells `interactor gateway` where the session is served, when
+    agents are given its URL."""
     recorder = CallRecorder(cfg, publish)
     session = gateway.table.open(AgentSession(spec.episode_id, job.model, policy, recorder.record, check, redact))
     base_url = gateway.session_url(session)
     try:
+        route(session.session_id, True)
         if getattr(spec, "agent", ""):
             result = _run_function(spec.agent, task_row(spec), base_url, session, job.model, check, timeout_s)
         else:
@@ -152,6 +156,7 @@ def run_agent_episode(gateway: Gateway, *, job: JobSpec, spec: EpisodeSpec, cfg:
                                   timeout_s)
     finally:
         gateway.table.end(session)
+        route(session.session_id, False)
     if session.error is not None:
         raise session.error  # a model call failed for good: the attempt ends for the model's reason
     reward, info = _reward(result)
@@ -174,10 +179,11 @@ def run_agent_attempt(attempt: Any) -> str:
                      attempt_id=lease.attempt_id)
     try:
         parts.jitter.wait(attempt.check)
-        gateway = local_gateway(parts.settings.gateway_max_body_bytes)
+        s = parts.settings
+        gateway = local_gateway(s.gateway_max_body_bytes, s.gateway_host, s.gateway_url)
         outcome = run_agent_episode(gateway, job=job, spec=spec, cfg=cfg, policy=policy_port(attempt.ports),
                                     publish=attempt.publish, check=attempt.check, redact=parts.redact,
-                                    timeout_s=parts.settings.agent_timeout_s)
+                                    timeout_s=s.agent_timeout_s, route=_router(attempt, gateway))
     except errors.EpisodeError as exc:
         return attempt.close_error(exc, "", outage_seen=attempt.guard.outage_seen)
     except redis.RedisError as exc:
@@ -199,6 +205,30 @@ def run_agent_attempt(attempt: Any) -> str:
     log.info("episode %s attempt %d (agent) completed: reward=%.3f calls=%d", spec.episode_id, lease.attempt,
              outcome.reward, outcome.steps)
     return AttemptStatus.COMPLETED
+
+
+def _router(attempt: Any, gateway: Gateway) -> Callable[[str, bool], None]:
+    """Where `interactor gateway` (workers/gateway_router.py) finds a session this worker serves:
+    ``<prefix>:gateway:<session>`` holds this gateway's URL while the agent runs (no key without
+    ``gateway_url``: agents then call the worker's gateway directly)."""
+    parts = attempt.parts
+    if not parts.settings.gateway_url:
+        return lambda session_id, open_: None
+    url = advertised_url(gateway, parts.settings.gateway_advertise_host)
+    ttl = int(attempt.job.episode_budget_s) + 60
+    client = parts.ledger.r
+
+    def route(session_id: str, open_: bool) -> None:
+        key = parts.keys.gateway_route(session_id)
+        def write() -> None:
+            if open_:
+                client.set(key, url, ex=ttl)
+            elif client.get(key) == url.encode():  # not a later attempt's, served by another worker
+                client.delete(key)
+
+        attempt._through_outage("routing its agent's session", write)
+
+    return route
 
 
 def _run_function(path: str, row: Any, base_url: str, session: AgentSession, model: str,

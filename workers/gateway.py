@@ -140,15 +140,28 @@ _local: Gateway | None = None
 _local_lock = threading.Lock()
 
 
-def local_gateway(max_body_bytes: int) -> Gateway:
-    """This process's loopback gateway, started on first use (agents the worker runs itself)."""
+def local_gateway(max_body_bytes: int, host: str = "127.0.0.1", public_url: str = "") -> Gateway:
+    """This process's gateway, started on first use: on loopback for the agents the worker runs
+    itself; on ``host`` with agents given ``public_url`` (``interactor gateway``, which routes each
+    session's calls here: workers/gateway_router.py) for agents that run elsewhere."""
     global _local
     with _local_lock:
         if _local is None:
-            gateway = Gateway("127.0.0.1", 0, max_body_bytes=max_body_bytes)
+            gateway = Gateway(host or "127.0.0.1", 0, max_body_bytes=max_body_bytes, public_url=public_url)
             gateway.serve_in_thread("agent-gateway")
             _local = gateway
         return _local
+
+
+def advertised_url(gateway: Gateway, advertise_host: str = "") -> str:
+    """Where another host reaches ``gateway``: ``advertise_host``, else the address it listens on,
+    else (listening on every interface) this machine's address as its name resolves here."""
+    host, port = gateway.server_address[:2]
+    if not advertise_host and host in ("0.0.0.0", "::", ""):
+        import socket
+
+        advertise_host = socket.gethostbyname(socket.gethostname())
+    return f"http://{advertise_host or host}:{port}"
 
 
 def _error(message: str, etype: str, code: str = "") -> dict:
