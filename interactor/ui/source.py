@@ -215,10 +215,13 @@ class Source:
 
     def scores(self, job_id: str, *, ttl_s: float) -> dict:
         """How sure the job's scores are, and its tasks solved always, sometimes, never."""
+        from consumer.storage.score_stats import score_summary, task_rows
+
         def read(job_id: str) -> dict:
-            rows = self.store.task_table(job_id)
-            return self.store.score_summary(job_id) | {"solved_by": {k: sum(1 for r in rows if r["solved_by"] == k)
-                                                                      for k in ("always", "sometimes", "never")}}
+            samples = self.store.score_samples(job_id)  # one read of the job's episodes for both
+            rows = task_rows(samples)
+            return score_summary(samples) | {"solved_by": {k: sum(1 for r in rows if r["solved_by"] == k)
+                                                           for k in ("always", "sometimes", "never")}}
         return self._cached(ttl_s, read, job_id)
 
     def reward_points(self, job_id: str, *, ttl_s: float) -> list[tuple[str, float, float | None]]:
