@@ -50,7 +50,15 @@ def folder_redis(settings: Settings) -> str | None:
         return None
     password = (folder / "password").read_text().strip()
     server = EmbeddedRedis(folder, password=password, preexec_fn=_with_parent(os.getpid()))
-    server.start()
+    try:
+        server.start()
+    except RuntimeError as exc:  # its data unreadable, say: one line, not a traceback
+        from broker.settings import SettingsError
+
+        server.stop(kill=True)
+        said = " ".join(str(exc).split())
+        raise SettingsError(f"the stopped run's Redis in {folder} did not start from its data (its log ends: "
+                            f"...{said[-300:]})") from None
     (folder / COMMAND_MARK).write_text(str(os.getpid()))
     _started = server
     atexit.register(_stop)

@@ -129,3 +129,18 @@ def test_wait_when_paused_keeps_the_run_until_the_job_is_cancelled(tmp_path, env
             proc.wait()
     assert proc.returncode == 1, "".join(lines)[-3000:]
     assert "interactor run --resume waits" in "".join(lines)
+
+
+def test_a_stopped_runs_redis_that_cannot_start_is_one_line(tmp_path):
+    """A run folder whose Redis data is unreadable (a truncated disk, a hand-edited file):
+    `status` says so in one line, exit 2, and leaves no server running."""
+    from broker.embedded import EmbeddedRedis
+
+    folder = tmp_path / "runs" / "redis"
+    folder.mkdir(parents=True)
+    (folder / "password").write_text("pw")
+    (folder / "appendonly.aof").write_text("not an append-only file\n")
+    out = interactor("status", "--run-dir", str(tmp_path / "runs"), timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "the stopped run's Redis in" in out.stderr and "did not start from its data" in out.stderr
+    assert "Traceback" not in out.stderr and EmbeddedRedis.running_url(folder) is None
