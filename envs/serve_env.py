@@ -15,7 +15,8 @@ instance holds up only its own episode.
 ``GET    /stats``                      counters
 =====================================  =====================================================
 
-A ``ValueError`` (``EnvError``) from an instance is answered 400, any other exception 500, an
+A step body's ``tool_calls`` (the model's, when the prompt offered tools: docs/protocol.md#tools)
+go to the class's ``step(action, tool_calls=...)``. A ``ValueError`` (``EnvError``) from an instance is answered 400, any other exception 500, an
 unknown instance 404.
 """
 
@@ -108,8 +109,11 @@ class _AdapterHandler(EnvProtocolHandler):
         action = payload.get("action")
         if not isinstance(action, str):
             return self.fail(400, "body field 'action' (a string) is required")
+        tool_calls = payload.get("tool_calls")  # the model's, when the prompt offered tools (docs/protocol.md#tools)
+        if tool_calls is not None and (not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls)):
+            return self.fail(400, "body field 'tool_calls' must be a list of objects")
         with inst.lock:
-            answer = normalize_answer(inst.env.step(action))
+            answer = normalize_answer(inst.env.step(action, tool_calls=tool_calls) if tool_calls else inst.env.step(action))
         with srv.lock:
             srv.counters["steps"] += 1
             if isinstance(answer, dict):

@@ -43,7 +43,8 @@ class Uvicorn:
     def tests_dir() -> Path:
         return TESTS
 
-    def start(self, timeout: float = 60.0) -> "Uvicorn":
+    def start(self, timeout: float = 240.0) -> "Uvicorn":
+        # openenv and openreward take ~10 s to import on an idle machine, minutes on a loaded one
         import os
 
         env = {**os.environ, **self.env, "PYTHONPATH": f"{self.app_dir}:{ROOT}"}

@@ -7,6 +7,7 @@ mid-run and servers restarted mid-run; preflight naming a server that speaks ano
 from __future__ import annotations
 
 import json
+import sqlite3
 import textwrap
 
 import pytest
@@ -82,7 +83,10 @@ def steps_stored(db: str, job_id: str) -> int:
 
     if not os.path.exists(db):  # the consumer has not made it yet
         return 0
-    return db_rows(db, "SELECT COUNT(*) FROM session_steps WHERE job_id = ?", (job_id,))[0][0]
+    try:
+        return db_rows(db, "SELECT COUNT(*) FROM session_steps WHERE job_id = ?", (job_id,))[0][0]
+    except sqlite3.OperationalError:  # made, its tables not yet
+        return 0
 
 
 def test_openenv_and_ors_environments_run_as_jobs_without_adapter_code(settings, procs, redis_client, game, template,

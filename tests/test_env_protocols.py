@@ -69,8 +69,9 @@ def ors(tmp_path_factory):
 
 
 def fast_settings(**kw) -> Settings:
-    return Settings.from_env({}, env_backoff_initial_s=0.05, env_backoff_max_s=0.2, env_read_timeout_s=5,
-                             env_connect_timeout_s=2, outage_budget_s=5, **kw)
+    # timeouts long enough for a loaded machine: no test here waits on one
+    return Settings.from_env({}, env_backoff_initial_s=0.05, env_backoff_max_s=0.2, env_read_timeout_s=60,
+                             env_connect_timeout_s=20, outage_budget_s=5, **kw)
 
 
 def spec_of(url: str, protocol: str, env_name: str = "guess", params: dict | None = None, seed: int | None = 1,
@@ -180,10 +181,12 @@ def test_a_full_openenv_server_is_waited_for_not_failed(template):
         second = port_of(spec_of(template.url, EnvProtocol.OPENENV, env_name="tmpl_env"))
         done = threading.Event()
         threading.Thread(target=lambda: (second.reset(), done.set()), daemon=True).start()
-        time.sleep(1.0)
+        waiting_until = time.monotonic() + 120
+        while second.budget.paused_s < 0.5 and time.monotonic() < waiting_until:
+            time.sleep(0.05)
         assert not done.is_set() and second.capacity_waits == 1  # waiting: the one session is taken
         first.close()
-        assert done.wait(20), "the second reset never got the freed session"
+        assert done.wait(120), "the second reset never got the freed session"
         assert second.observation["echoed_message"] == "Tmpl Env environment ready!"
         assert second.budget.paused_s > 0.5  # the wait was not the episode's doing
         second.close()
@@ -584,8 +587,9 @@ def test_open_ors_sessions_are_kept_alive_while_the_model_thinks(ors):
         time.sleep(0.1)
     assert keeper.pings >= 2  # an idle session was pinged, again and again
     port.close()
+    time.sleep(1.0)  # a ping already on its way may land
     pinged = keeper.pings
-    time.sleep(1.5)
+    time.sleep(2.0)
     assert keeper.pings == pinged  # a closed session is not
 
 
@@ -607,3 +611,28 @@ def test_an_ors_orphan_is_deleted_the_ors_way(ors, settings, redis_client):
     assert requests.post(f"{ors.url}/ping", headers={"X-Session-ID": sid}, timeout=5).status_code == 404
     # an OpenEnv session needs no orphan entry: it ended with its worker's socket
     assert closing.orphans(spec_of(ors.url, EnvProtocol.OPENENV), [(1, "a1")]) == []
+
+
+def test_an_env_class_offering_tools_plays_through_serve_env_and_inproc():
+    from envs.serve_env import start_in_thread
+    from workers.inproc import InprocEnv
+    from workers.ports import BoundEnv
+
+    server, url = start_in_thread(registry={"toolguess": "tests.tool_env:ToolGuess"})
+    try:
+        settings = fast_settings(env_classes="tests.*")
+        budget = Budget(30)
+        spec = spec_of(url, "", env_name="toolguess", params={})
+        http = BoundEnv(EnvClient(settings), spec, "e~1-a", budget, Guard(budget, lambda: None, 2),
+                        BreakerBoard(None, None).for_env(url))
+        out, records = drive(http, GuessPolicy())
+        assert out.ended_by == EndedBy.TERMINATED and out.total_reward == 1.0 and server.counters["steps"] == 3
+        assert [r.tool_calls[0]["function"]["name"] for r in records] == ["guess"] * 3
+    finally:
+        server.shutdown()
+    inproc_spec = EpisodeSpec(job_id="j", episode_id="e2", group_id="g", group_size=1, env_name="toolguess",
+                              base_url="", env_params={"dataset": {"target": 2}}, transport="inproc",
+                              env_class="tests.tool_env:ToolGuess")
+    inproc = InprocEnv(inproc_spec, Budget(30), fast_settings(env_classes="tests.*"))
+    out, records = drive(inproc, GuessPolicy())
+    assert out.ended_by == EndedBy.TERMINATED and out.total_reward == 1.0 and len(records) == 2

@@ -218,6 +218,9 @@ class KeepAlive:
             with self._lock:
                 due = [(k, c) for k, (c, t) in self._sessions.items() if now - t >= self.every_s]
             for (base_url, sid), client in due:
+                with self._lock:
+                    if (base_url, sid) not in self._sessions:
+                        continue  # closed meanwhile
                 try:
                     client._call("POST", f"{base_url}/ping", what=f"ors ping {sid}", deadline=time.monotonic() + 10,
                                  idempotent=True, raise_4xx=False, headers={SESSION_HEADER: sid})
