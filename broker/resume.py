@@ -16,7 +16,7 @@ successor continues from there, on the same instance, when it is safe:
   outcome is unknown: ``get_task_prompt`` and ``step`` are not idempotent on real servers, so it
   cannot be sent again;
 * the instance still exists: found out at the successor's first env call (a 404 there means an
-  env server that restarted meanwhile; the runner then starts afresh within the attempt);
+  env server that restarted meanwhile; the attempt then starts afresh, within itself);
 * a ``prompted`` snapshot is the last word: the ``stepping`` write before a ``step`` waits for a
   replica where replica waits are on (workers/publisher.py), and a snapshot written before an
   outage or a failover the sweep clock recorded is not trusted to be (``outage_since``), since

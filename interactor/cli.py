@@ -539,11 +539,7 @@ def build_parser(commands=()) -> argparse.ArgumentParser:
     for register in commands:
         register(sub, add)
     for module in EXTRA_COMMAND_MODULES:
-        try:
-            importlib.import_module(module).register(sub, add)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+        importlib.import_module(module).register(sub, add)
 
     for name, module in (("serve-model", "examples.model_standin"),):
         # prefix_chars: every flag goes to the stand-in's own parser (REMAINDER alone drops them).
