@@ -5,8 +5,11 @@ and its workers read them from there. A job that paused because of one of them (
 ``--model``, a ``--max-tokens`` too small for its answers) is resumed with the setting
 corrected: the flag given to ``run --resume`` replaces the stored value, in Redis (what the
 workers read from then on) and in the results store (the job's row, through the results stream,
-as its creation was), and each change is said in one line. Steps already taken keep what they
-were taken with (each step row names its own model).
+as its creation was), and each change is said in one line. A corrected model or endpoint is
+asked first, as preflight asks a new job's (``model_problems``): one that is still wrong leaves
+the job as it was. Steps already taken keep what they were taken with (each step row names its
+own model). Workers started before the correction (a fleet this run did not start) keep the
+spec they read until they restart (workers/runner.py caches a job's spec per process).
 
 What a resume cannot change is refused, with why: the env server of the job's episodes
 (``--env-base-url``: each episode keeps its own ``base_url``) and the fleet-wide caps (resolved
@@ -23,7 +26,7 @@ from broker.keys import Keys
 from broker.records import JobSpec
 from broker.settings import Settings, SettingsError, redact_url
 
-__all__ = ["CORRECTABLE", "REFUSED", "correction_flags", "apply_corrections"]
+__all__ = ["CORRECTABLE", "REFUSED", "correction_flags", "corrected", "model_problems", "apply_corrections"]
 
 
 def _param(name: str) -> Callable[[JobSpec, Any], None]:
@@ -121,13 +124,31 @@ def _shown(field: str, spec: JobSpec) -> str:
     return redact_url(value) if field == "llm_base_url" else repr(value)
 
 
+def corrected(spec: JobSpec, corrections: dict[str, Any]) -> JobSpec:
+    """A copy of ``spec`` with ``corrections`` laid over it."""
+    new = JobSpec.from_dict(spec.to_dict())
+    for field, value in corrections.items():
+        CORRECTABLE[field](new, value)
+    return new
+
+
+def model_problems(settings: Settings, spec: JobSpec, corrections: dict[str, Any]) -> list[str]:
+    """When the corrections change the job's model or endpoint: what preflight finds wrong with
+    the corrected pair (interactor/preflight.py; a model the server does not list, a server that
+    does not answer), before anything is written."""
+    new = corrected(spec, corrections)
+    if (new.model, new.llm_base_url) == (spec.model, spec.llm_base_url):
+        return []
+    from interactor.preflight import ask
+
+    return [str(p) for p in ask(settings.replace(model=new.model, llm_base_url=new.llm_base_url), []).problems]
+
+
 def apply_corrections(client, settings: Settings, spec: JobSpec, corrections: dict[str, Any]) -> list[str]:
     """Lay ``corrections`` over the job's stored spec: written to Redis (what its workers read)
     and to the results stream (the store's job row); returns one line per change, or one saying
     that nothing changed."""
-    new = JobSpec.from_dict(spec.to_dict())
-    for field, value in corrections.items():
-        CORRECTABLE[field](new, value)
+    new = corrected(spec, corrections)
     changes = []
     for field in corrections:
         before, after = _shown(field, spec), _shown(field, new)

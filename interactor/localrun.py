@@ -200,8 +200,13 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
                 return 2
             total = spec.episodes
             if corrections:
-                from interactor.job_corrections import apply_corrections
+                from interactor.job_corrections import apply_corrections, model_problems
 
+                problems = model_problems(settings, spec, corrections) if preflight else []
+                if problems:  # a corrected model that is still wrong: the job is left as it was
+                    print(f"interactor: run --resume {job_id}: the job's settings were left as they were: "
+                          + "; ".join(problems) + " (--no-preflight skips this check)", file=sys.stderr)
+                    return 2
                 for line in apply_corrections(client, settings, spec, corrections):
                     print(line)
             from broker.recovery import reconcile

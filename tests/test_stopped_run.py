@@ -92,6 +92,11 @@ def test_a_paused_run_exits_and_its_stopped_job_is_inspected_cancelled_and_resum
     # The same mistake again, then resumed with the setting corrected: the rest completes
     second = interactor(*paused_run(tasks, model_url, run_dir, "typo-2"))
     assert second.returncode == 3, (second.stdout + second.stderr)[-3000:]
+    # a correction that is still wrong is refused by preflight, and changes nothing
+    still = interactor("run", "--resume", "typo-2", "--run-dir", str(run_dir), "--model", "smollm3")
+    assert still.returncode == 2, (still.stdout + still.stderr)[-3000:]
+    assert "the job's settings were left as they were" in still.stderr and "smollm2" in still.stderr, still.stderr
+    assert "corrected" not in still.stdout
     resumed = interactor("run", "--resume", "typo-2", "--run-dir", str(run_dir), "--model", "smollm2")
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 1, out[-3000:]  # 1: the episodes that failed before stay failed
