@@ -159,20 +159,9 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
     t0 = time.monotonic()
     try:
         if not settings.redis_url:
-            from interactor.stopped_run import held_by_command
-
-            holder = held_by_command(run_dir / "redis")
-            if holder is not None:  # two servers on one folder's files would ruin them
-                print(f"interactor: the Redis of {run_dir}/ is held by another command (pid {holder}) that started it "
-                      "to read a stopped run; run again once it ends", file=sys.stderr)
+            embedded = _start_embedded_redis(run_dir, guard)
+            if embedded is None:
                 return 2
-            embedded = EmbeddedRedis(run_dir / "redis", port=None, password=_persistent_password(run_dir))
-            try:
-                embedded.start()
-                guard.add(embedded.proc, STAGE_LAST)
-            except BaseException:  # not started, or interrupted while starting: not left running
-                embedded.stop(kill=True)
-                raise
             settings = settings.replace(redis_url=embedded.url)
             print(f"embedded Redis on 127.0.0.1:{embedded.port} (data in {run_dir / 'redis'})")
         else:
@@ -191,29 +180,9 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
                   f"in {sub.enqueue_s:.2f}s")
             total = sub.job.episodes
         else:
-            spec = ledger.job_spec(job_id)
-            if spec is None:
-                print(f"no job {job_id!r} in this Redis", file=sys.stderr)
+            total = _resume_job(client, settings, ledger, job_id, corrections, preflight)
+            if total is None:
                 return 2
-            if JobCancel(client, settings).is_cancelled(job_id):
-                print(f"interactor: {JobCancelled(job_id, 'it is not resumed')}", file=sys.stderr)
-                return 2
-            total = spec.episodes
-            if corrections:
-                from interactor.job_corrections import apply_corrections, model_problems
-
-                problems = model_problems(settings, spec, corrections) if preflight else []
-                if problems:  # a corrected model that is still wrong: the job is left as it was
-                    print(f"interactor: run --resume {job_id}: the job's settings were left as they were: "
-                          + "; ".join(problems) + " (--no-preflight skips this check)", file=sys.stderr)
-                    return 2
-                for line in apply_corrections(client, settings, spec, corrections):
-                    print(line)
-            from broker.recovery import reconcile
-
-            print(f"resuming job {job_id}: re-enqueued {len(reconcile(client, settings, job_id))} lost episodes")
-            if JobPause(client, Keys(settings.key_prefix)).is_paused(job_id):  # it paused itself: go on
-                print(f"job {job_id} was paused; {len(resume_job(client, settings, job_id))} parked episodes sent again")
         fleet.start()
         paused = None
         try:
@@ -260,6 +229,55 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
             browser.stop()
         if embedded:
             embedded.stop()
+
+
+def _start_embedded_redis(run_dir: Path, guard: Guard) -> EmbeddedRedis | None:
+    """The run folder's own Redis, started (None, said why: another command holds it)."""
+    from interactor.stopped_run import held_by_command
+
+    holder = held_by_command(run_dir / "redis")
+    if holder is not None:  # two servers on one folder's files would ruin them
+        print(f"interactor: the Redis of {run_dir}/ is held by another command (pid {holder}) that started it "
+              "to read a stopped run; run again once it ends", file=sys.stderr)
+        return None
+    embedded = EmbeddedRedis(run_dir / "redis", port=None, password=_persistent_password(run_dir))
+    try:
+        embedded.start()
+        guard.add(embedded.proc, STAGE_LAST)
+    except BaseException:  # not started, or interrupted while starting: not left running
+        embedded.stop(kill=True)
+        raise
+    return embedded
+
+
+def _resume_job(client, settings: Settings, ledger: Ledger, job_id: str, corrections: dict | None,
+                preflight: bool) -> int | None:
+    """``run --resume JOB``: the job's corrections applied, its lost episodes sent again and, if
+    it paused itself, its parked ones; returns how many episodes it has (None, said why: no such
+    job, a cancelled one, or a corrected model that is still wrong)."""
+    spec = ledger.job_spec(job_id)
+    if spec is None:
+        print(f"no job {job_id!r} in this Redis", file=sys.stderr)
+        return None
+    if JobCancel(client, settings).is_cancelled(job_id):
+        print(f"interactor: {JobCancelled(job_id, 'it is not resumed')}", file=sys.stderr)
+        return None
+    if corrections:
+        from interactor.job_corrections import apply_corrections, model_problems
+
+        problems = model_problems(settings, spec, corrections) if preflight else []
+        if problems:  # a corrected model that is still wrong: the job is left as it was
+            print(f"interactor: run --resume {job_id}: the job's settings were left as they were: "
+                  + "; ".join(problems) + " (--no-preflight skips this check)", file=sys.stderr)
+            return None
+        for line in apply_corrections(client, settings, spec, corrections):
+            print(line)
+    from broker.recovery import reconcile
+
+    print(f"resuming job {job_id}: re-enqueued {len(reconcile(client, settings, job_id))} lost episodes")
+    if JobPause(client, Keys(settings.key_prefix)).is_paused(job_id):  # it paused itself: go on
+        print(f"job {job_id} was paused; {len(resume_job(client, settings, job_id))} parked episodes sent again")
+    return spec.episodes
 
 
 def _how(exc: KeyboardInterrupt) -> str:

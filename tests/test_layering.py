@@ -232,3 +232,29 @@ def test_docs_architecture_names_every_module_of_a_package(package):
     unnamed = [path.name for path in sorted((ROOT / package).glob("*.py"))
                if path.name != "__init__.py" and f"`{path.name}`" not in row]
     assert unnamed == [], f"docs/architecture.md's {package}/ row does not name: {unnamed}"
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 100
+
+
+def test_modules_and_functions_stay_readable():
+    """No module of the product, bench/ or examples/ over 600 lines, no function over 100 (one
+    screen of a loop, as docs/architecture.md asks), and no two modules sharing a file name
+    (one name, one thing): a newcomer reads each in one sitting and greps a name to one file."""
+    too_long, names = [], {}
+    for package in sorted(ALLOWED):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            text = path.read_text()
+            if text.count("\n") > MAX_MODULE_LINES:
+                too_long.append(f"{rel}: {text.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(text, str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        too_long.append(f"{rel}:{node.lineno} {node.name}(): {lines} lines")
+            if path.name != "__init__.py":
+                names.setdefault(path.name, []).append(str(rel))
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert too_long == [] and shared == {}, f"too long: {too_long}; file names shared: {shared}"
