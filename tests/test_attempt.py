@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
 
 from broker import errors
 from broker.keys import Keys, env_instance_id
@@ -23,6 +24,8 @@ from workers.breakers import BreakerBoard
 from workers.envport import check_prompt_answer, check_reset_answer, check_step_answer
 from workers.modelclient import Completion
 from workers.port_layers import POLICY_LAYERS, policy_port
+
+pytestmark = pytest.mark.unit  # needs no server: make check runs it
 
 JOB = "j1"
 EP = "j1.e1"
