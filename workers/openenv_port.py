@@ -43,6 +43,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
+import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import connect
 
@@ -61,6 +62,11 @@ from workers.budget import Budget
 from workers.env_mappings import Mapping
 from workers.envport import StepResult, check_step_answer
 from workers.retries import Retryable, run_with_retries
+
+# websockets 17 asks connect(..., legacy=True) of a connection used outside a `with` block (else a
+# deprecation warning); 16, the version openai-agents (the agents' test extra) allows, has no such
+# flag and returns the connection directly: both do the same with what each accepts.
+_DIRECT = {"legacy": True} if int(websockets.__version__.split(".")[0]) >= 17 else {}
 
 log = logging.getLogger("interactor.openenv")
 
@@ -227,7 +233,7 @@ class OpenEnvPort:
         try:
             self.ws = connect(self.url, open_timeout=min(s.env_connect_timeout_s, left),
                               max_size=s.max_response_bytes, close_timeout=2, compression=None,
-                              legacy=True)  # one socket for the episode's life, not a `with` block
+                              **_DIRECT)  # one socket for the episode's life, not a `with` block
         except InvalidStatus as exc:
             status = exc.response.status_code
             error = EpisodeError(ENV_SERVER_ERROR if status >= 500 else ENV_BAD_REQUEST,
