@@ -302,7 +302,9 @@ def test_the_job_page_says_how_sure_its_scores_are_and_an_episode_shows_its_reas
         rows = page.locator("#scores tbody tr")
         assert rows.count() == 3  # arith, the markup-named env, all
         assert rows.last.locator("td").first.inner_text() == "all"
-        assert "±" in rows.first.inner_text() and "[" in rows.first.inner_text()
+        # the job's row: its three tasks give a standard error and an interval (the markup-named
+        # env, sorted first, has one task: no spread to show)
+        assert "±" in rows.last.inner_text() and "[" in rows.last.inner_text()
         assert "solved always 1, sometimes 1, never 1" in page.locator("#solved-by").inner_text()
         page.goto(ui.url + "episodes/ep-r")
         reasoning = page.locator("details.reasoning .text")
