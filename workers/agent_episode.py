@@ -239,7 +239,8 @@ def _run_function(path: str, row: Any, base_url: str, session: AgentSession, mod
     def call() -> None:
         try:
             try:
-                fn = import_object(path)
+                with _IMPORTS:
+                    fn = import_object(path)
             except Exception as exc:  # noqa: BLE001 - an agent that does not import is the task's error
                 outcome["bad"] = f"agent {path!r} could not be imported: {type(exc).__name__}: {exc}"
                 return
@@ -307,6 +308,25 @@ def _run_command(argv: list[str], row: Any, base_url: str, session: AgentSession
     except ValueError:
         raise errors.EpisodeError(errors.AGENT_ERROR, f"agent command {shown!r}: its last stdout line is not "
                                                       f"JSON: {lines[-1][:200]!r}") from None
+
+
+def _os_lock():
+    """A lock of the OS, also under gevent's patching (whose locks, waited on in a thread other than
+    the hub's, are not reliably woken by a release in another)."""
+    try:
+        from gevent import monkey
+    except ImportError:
+        return threading.Lock()
+    if monkey.is_module_patched("threading"):
+        return monkey.get_original("_thread", "allocate_lock")()
+    return threading.Lock()
+
+
+# Agent threads import their agents one at a time. Under the gevent pool, importlib's per-module
+# locks are gevent's; two agent threads importing one module at once (two episodes of the same
+# agent starting together) could leave the second waiting on a lock whose release never woke it,
+# until the episode's budget ran out (seen under load: a raising agent ended as episode_timeout).
+_IMPORTS = _os_lock()
 
 
 def _start_thread(fn: Callable[[], None], name: str) -> None:
