@@ -82,7 +82,11 @@ def test_agents_given_the_services_url_are_served_and_recorded_through_it(routed
     assert sorted(len(s) for s in steps.values()) == [1, 1, 1, 1, 2, 2]
     tool_calls = [json.loads(s[4])["tool_calls"] for ep in steps.values() for s in ep if s[4] and "tool_calls" in s[4]]
     assert len(tool_calls) == 2  # the calculator call of the tool agent and of the process
-    assert sorted(p.read_text() for p in marks.glob("other-*")) == ["401", "401"]
+    # refused either way: 401 while the mate's session is open, 410 once the mate has ended (the
+    # two episodes run at once, so which one a call meets is a matter of timing); the model's
+    # request count below shows neither reached it
+    other = sorted(p.read_text() for p in marks.glob("other-*"))
+    assert len(other) == 2 and set(other) <= {"401", "410"}, other
     wait_for(lambda: (marks / "late-status").exists(), 30, what="the late call's answer")
     assert (marks / "late-status").read_text() == "410"
     assert model.stats()["requests"] == 1 + 2 + 2 + 2 + 1  # nothing refused reached the model
