@@ -12,9 +12,22 @@ its model calls as a step (workers/agent_episode.py)::
 
 Such an entry has no env server: ``base_url``, ``transport`` and ``env_class`` are errors. Only
 the shapes are checked here; whether the agent imports or runs is for the worker to find out.
-``env_calls_model: true`` (an env server that calls the model itself, given the gateway in its
-reset body) is refused as not supported yet: read, so that a file written for it is refused with
-that reason rather than warned about as an unknown key and run without it.
+
+An entry may instead keep its env server and let the env own the loop: ``env_calls_model: true``
+(an env-driven episode, workers/env_driven.py; docs/protocol.md#env-driven-episodes). The worker
+then hands the env the gateway in its reset body (``"llm": {"base_url", "api_key", "model"}``),
+sends empty actions until the env ends the episode, and records each model call the env made
+through the gateway as a step::
+
+      - env_name: verifiers.math
+        base_url: http://envs:8080
+        env_calls_model: true
+        dataset: math.jsonl
+
+Only an env server of the original protocol over http can be handed the gateway: with
+``agent``/``agent_command`` (the agent calls the model, not an env), ``transport: inproc`` /
+``env_class`` (no reset body crosses a wire) or ``protocol: openenv|ors`` (their resets have no
+place for it) it is refused, naming ``env_calls_model`` and the key it conflicts with.
 """
 
 from __future__ import annotations
@@ -48,11 +61,23 @@ def entry_agent(raw: dict, fail: Callable[..., Exception]) -> tuple[str, list[st
 
 
 def entry_env_calls_model(raw: dict, fail: Callable[..., Exception]) -> bool:
-    """``env_calls_model``: false, or refused (see the module docstring)."""
+    """``env_calls_model``: true for an env-driven episode's entry, checked against the keys it
+    cannot go with (see the module docstring)."""
     value = raw.get("env_calls_model")
     if value is None or value is False:
         return False
     if not isinstance(value, bool):
         raise fail("env_calls_model", f"must be true or false, got {value!r}")
-    raise fail("env_calls_model", "not supported yet: an env server that calls the model itself cannot be given "
-                                  "the gateway by this version (an agent entry can: agent: module:function)")
+    for key in ("agent", "agent_command"):
+        if raw.get(key) is not None:
+            raise fail("env_calls_model", f"cannot go with {key}: an agent calls the model itself, through the "
+                                          "gateway; env_calls_model hands the gateway to an env server (base_url) "
+                                          f"that owns the loop. Keep one: {key} or env_calls_model")
+    if raw.get("transport") == "inproc" or raw.get("env_class") is not None:
+        raise fail("env_calls_model", "cannot go with transport: inproc (env_class): the gateway is handed to an "
+                                      "env server in its reset body over http; give the entry a base_url")
+    protocol = raw.get("protocol")
+    if protocol not in (None, ""):
+        raise fail("env_calls_model", f"cannot go with protocol: {protocol}: only an env server of the original "
+                                      "protocol (reset/step over http) is handed the gateway in its reset body")
+    return True

@@ -35,7 +35,8 @@ Such an entry needs no base_url (one given explicitly is an error). Only the sha
 class imports is for the worker to find out (``env_bad_request`` if it does not).
 
 An entry may instead name an agent that owns its loop (``agent`` or ``agent_command``: an agent
-episode, producer/agent_entries.py).
+episode), or hand its env server the model gateway (``env_calls_model: true``: an env-driven
+episode): producer/agent_entries.py.
 
 The datasets are read by ``producer/datasets.py``; the validated entries are expanded into
 episode specs by ``producer/planning.py`` (``plan_job``). Nothing here touches Redis.
@@ -309,12 +310,12 @@ def _load_entry(path: str, base_dir: str, e: int, raw: Any, line: int | None,
     env_num = _samples(raw, env_num, fail)
     sampling = _sampling(raw, fail)
 
+    env_calls_model = entry_env_calls_model(raw, fail)  # first: it names what it cannot go with
     agent, agent_command = entry_agent(raw, fail)
     if agent or agent_command:
         transport, env_class, base_url = AGENT_TRANSPORT, "", ""
     else:
         transport, env_class, base_url = _entry_target(raw, default_base_url, fail)
-    env_calls_model = entry_env_calls_model(raw, fail)
 
     seed = raw.get("seed", _ABSENT)
     if seed is _ABSENT:

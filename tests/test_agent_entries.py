@@ -1,6 +1,6 @@
 """Task-file entries of agent episodes (producer/agent_entries.py): what is accepted, planned into
 episode specs, and refused with the file, entry and field named; the workers' allow-lists for
-agents (workers/allowlist.py)."""
+agents (workers/allowlist.py); entries of env-driven episodes (``env_calls_model: true``) and what they cannot go with."""
 
 from __future__ import annotations
 
@@ -51,14 +51,54 @@ def test_agent_entries_become_agent_episode_specs(tmp_path):
     ("agent_command: python3 agent.py", "agent_command", "list of non-empty strings"),
     ("agent_command: []", "agent_command", "list of non-empty strings"),
     ("agent_command: [python3, '']", "agent_command", "list of non-empty strings"),
-    ("base_url: http://envs:1\n  env_calls_model: true", "env_calls_model", "not supported yet"),
     ("base_url: http://envs:1\n  env_calls_model: 1", "env_calls_model", "true or false"),
+    ("agent: a:b\n  env_calls_model: true", "env_calls_model", "cannot go with agent"),
+    ("agent_command: [python3, a.py]\n  env_calls_model: true", "env_calls_model", "cannot go with agent_command"),
+    ("transport: inproc\n  env_class: m:C\n  env_calls_model: true", "env_calls_model", "transport: inproc"),
+    ("env_class: m:C\n  env_calls_model: true", "env_calls_model", "transport: inproc"),
+    ("base_url: http://envs:1\n  protocol: openenv\n  env_calls_model: true", "env_calls_model",
+     "protocol: openenv"),
+    ("base_url: http://envs:1\n  protocol: ors\n  env_calls_model: true", "env_calls_model", "protocol: ors"),
 ])
 def test_bad_agent_entries_are_refused_naming_entry_and_field(tmp_path, entry, field, says):
     with pytest.raises(TaskFileError) as refused:
         plan(tmp_path, f"- env_name: calc\n  {entry}\n")
     text = str(refused.value)
     assert "entry 1 (calc" in text and f"field {field!r}" in text and says in text, text
+
+
+def test_env_calls_model_entries_become_env_driven_specs_with_their_env_server(tmp_path):
+    planned = plan(tmp_path, """\
+        - env_name: verifiers.math
+          base_url: http://envs:9000
+          env_calls_model: true
+          dataset: [{question: "What is 1 + 1?"}]
+          env_num: 2
+        - env_name: default.server
+          env_calls_model: true
+        - env_name: plain
+          env_calls_model: false
+        """)
+    a, b, c, d = planned.episodes
+    assert (a.transport, a.base_url, a.env_calls_model, a.agent, a.agent_command, a.protocol) == (
+        "http", "http://envs:9000", True, "", [], "")
+    assert (c.base_url, c.env_calls_model) == ("http://envs:8080", True)  # --env-base-url's, as any entry's
+    assert not d.env_calls_model
+    again = unpack(a.pack())  # through the ledger and back
+    assert again.env_calls_model and again.env_params["dataset"] == {"question": "What is 1 + 1?"}
+    # nothing of the gateway is in the task: the worker adds it to the reset body, at reset time
+    assert b"llm" not in a.pack() and b"api_key" not in a.pack()
+
+
+def test_a_worker_refuses_an_env_driven_spec_the_submit_would_have_refused():
+    from workers.env_driven import unsupported
+
+    base = dict(job_id="j", episode_id="j.1.1.1.1", group_id="j.1.1.1", group_size=1, env_name="calc",
+                env_params={}, env_calls_model=True)
+    assert unsupported(EpisodeSpec(base_url="http://envs:1", **base)) == ""
+    assert "agent" in unsupported(EpisodeSpec(base_url="", transport="agent", agent="m:f", **base))
+    assert "protocol 'openenv'" in unsupported(EpisodeSpec(base_url="http://envs:1", protocol="openenv", **base))
+    assert "over http" in unsupported(EpisodeSpec(base_url="", transport="inproc", env_class="m:C", **base))
 
 
 def spec(**kw) -> EpisodeSpec:

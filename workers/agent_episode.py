@@ -74,6 +74,7 @@ class AgentOutcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     model_s: float = 0.0
+    ended_by: str = EndedBy.TERMINATED
 
 
 def is_agent(spec: EpisodeSpec) -> bool:
@@ -125,15 +126,18 @@ class CallRecorder:
             self.publish(held)
         return step_id
 
-    def finish(self, reward: float) -> None:
-        """The episode's end: its last call's record, with the reward, published."""
+    def finish(self, reward: float, *, ended_by: str = EndedBy.TERMINATED, terminated: bool = True,
+               truncated: bool = False, nothing: str = "") -> None:
+        """The episode's end: its last call's record, with the reward (and how it ended: an
+        env-driven episode's env may truncate it), published; ``nothing``: the failure's text
+        when no call was made."""
         last, self._held = self._held, None
         if last is None:
-            raise errors.EpisodeError(errors.AGENT_ERROR, "the agent returned without calling the model: an "
-                                                          "agent episode needs at least one call to record")
+            raise errors.EpisodeError(errors.AGENT_ERROR, nothing or "the agent returned without calling the model: "
+                                                                     "an agent episode needs at least one call to record")
         last.step_reward = last.cumulative_reward = reward
-        last.terminated = last.episode_finished = True
-        last.ended_by = EndedBy.TERMINATED
+        last.terminated, last.truncated, last.episode_finished = terminated, truncated, True
+        last.ended_by = ended_by
         self.publish(last)
 
 
@@ -165,10 +169,12 @@ def run_agent_episode(gateway: Gateway, *, job: JobSpec, spec: EpisodeSpec, cfg:
                         recorder.model_s)
 
 
-def run_agent_attempt(attempt: Any) -> str:
+def run_agent_attempt(attempt: Any, episode: Callable[..., AgentOutcome] | None = None) -> str:
     """An attempt (workers/attempt.py ``Attempt``) of an agent episode, from its ports to its
     close: the agent runs on this process's loopback gateway instead of the step loop. An
-    attempt before it is never continued (an agent's state is its own): the agent runs afresh."""
+    attempt before it is never continued (an agent's state is its own): the agent runs afresh.
+    ``episode(attempt, gateway, cfg, route)``: what runs instead of the agent (an env-driven
+    episode, workers/env_driven.py, whose env server calls the model through the gateway)."""
     parts, lease, spec, job, base = attempt.parts, attempt.lease, attempt.spec, attempt.job, attempt.base
     if lease.attempt == 1:
         base["queue_wait_s"] = max(0.0, attempt.t_start - job.created_at)
@@ -181,9 +187,12 @@ def run_agent_attempt(attempt: Any) -> str:
         parts.jitter.wait(attempt.check)
         s = parts.settings
         gateway = local_gateway(s.gateway_max_body_bytes, s.gateway_host, s.gateway_url)
-        outcome = run_agent_episode(gateway, job=job, spec=spec, cfg=cfg, policy=policy_port(attempt.ports),
-                                    publish=attempt.publish, check=attempt.check, redact=parts.redact,
-                                    timeout_s=s.agent_timeout_s, route=_router(attempt, gateway))
+        if episode is not None:
+            outcome = episode(attempt, gateway, cfg, _router(attempt, gateway))
+        else:
+            outcome = run_agent_episode(gateway, job=job, spec=spec, cfg=cfg, policy=policy_port(attempt.ports),
+                                        publish=attempt.publish, check=attempt.check, redact=parts.redact,
+                                        timeout_s=s.agent_timeout_s, route=_router(attempt, gateway))
     except errors.EpisodeError as exc:
         return attempt.close_error(exc, "", outage_seen=attempt.guard.outage_seen)
     except redis.RedisError as exc:
@@ -195,15 +204,15 @@ def run_agent_attempt(attempt: Any) -> str:
         return attempt.close_error(err, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__,
                                                                            limit=-6))[-4000:])
     record = AttemptRecord(**base, status=AttemptStatus.COMPLETED, total_reward=outcome.reward, steps=outcome.steps,
-                           last_info=outcome.info, ended_by=EndedBy.TERMINATED, prompt_tokens=outcome.prompt_tokens,
+                           last_info=outcome.info, ended_by=outcome.ended_by, prompt_tokens=outcome.prompt_tokens,
                            completion_tokens=outcome.completion_tokens, model_s=outcome.model_s)
     if not attempt.finish(record, LedgerState.DONE):
         log.warning("episode %s attempt %d: lease lost before completion was recorded", spec.episode_id,
                     lease.attempt)
         return errors.LEASE_LOST
     parts.pause_watch.succeeded(job)
-    log.info("episode %s attempt %d (agent) completed: reward=%.3f calls=%d", spec.episode_id, lease.attempt,
-             outcome.reward, outcome.steps)
+    log.info("episode %s attempt %d (%s) completed: reward=%.3f calls=%d", spec.episode_id, lease.attempt,
+             "agent" if episode is None else "env-driven", outcome.reward, outcome.steps)
     return AttemptStatus.COMPLETED
 
 

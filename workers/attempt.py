@@ -46,6 +46,7 @@ from broker.states import AttemptStatus, CloseAction, LedgerState, ResumeNote
 from workers.agent_episode import is_agent, run_agent_attempt
 from workers.attempt_parts import AttemptParts
 from workers.budget import Budget
+from workers.env_driven import is_env_driven, run_env_episode
 from workers.hooks import load_hook
 from workers.loop import EpisodeOutcome, PhaseTimings, run_episode
 from workers.port_layers import PortContext, capped_env, env_port, policy_port
@@ -96,6 +97,8 @@ class Attempt:
             parts.pause_watch.failed(job, lease.episode_id, err.reason, refused)
             self.orphan_earlier()  # this worker calls none of the job's servers; an orphan closer checks its own lists
             return self.close_failed(err, "")
+        if is_env_driven(spec):
+            return run_agent_attempt(self, run_env_episode)  # its env server calls the model: workers/env_driven.py
         if is_agent(spec):
             return run_agent_attempt(self)  # an agent owns the loop: workers/agent_episode.py
 

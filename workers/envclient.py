@@ -17,6 +17,9 @@ Retry rule (a contract; the step loop relies on it)
   ``NewConnectionError``/``NameResolutionError``). After a 5xx, a read timeout or a connection
   dropped mid-request they raise at once (a transient ``EpisodeError``); the episode is then
   restarted from a fresh ``reset`` in a new attempt instead of replaying an action.
+* A ``reset`` that hands the env the model gateway (``llm``: an env-driven episode,
+  workers/env_driven.py) is not idempotent either: the env may have called the model before it
+  failed, so it is retried as ``step`` is, only when the request never reached the server.
 * Retries: at most ``1 + settings.env_retries`` attempts, capped exponential back-off with full
   jitter (``wait_random_exponential(env_backoff_initial_s, env_backoff_max_s)``).
 * ``close`` is best effort: its own short budget (``CLOSE_BUDGET_S``), then a logged warning;
@@ -92,13 +95,23 @@ class EnvClient(PooledClient):
     # ---- the protocol calls ------------------------------------------------------------
 
     def reset(
-        self, base_url: str, env_name: str, env_id: str, env_params: Any, seed: int | None, *, deadline: float
+        self, base_url: str, env_name: str, env_id: str, env_params: Any, seed: int | None, *, deadline: float,
+        llm: dict | None = None, read_timeout_s: float | None = None,
     ) -> dict:
+        """``llm`` (an env-driven episode's, workers/env_driven.py): the gateway's
+        ``{"base_url", "api_key", "model"}``, sent in the body beside ``env_param`` and ``seed``.
+        Such a reset is not repeated once it may have reached the server (the env may have
+        called the model before it failed: a second reset would record a second rollout in the
+        attempt), and its key is starred out of any error text the server echoes it in."""
         what = f"reset {env_name}/{env_id}"
-        body = self._encode({"env_param": env_params, "seed": seed}, what)
+        payload = {"env_param": env_params, "seed": seed}
+        if llm is not None:
+            payload["llm"] = llm
+        body = self._encode(payload, what)
         reply = self._call(
             "POST", self._url(base_url, env_name, env_id, "reset"), what=what, deadline=deadline,
-            body=body, idempotent=True, not_found=ENV_BAD_REQUEST,
+            body=body, idempotent=llm is None, not_found=ENV_BAD_REQUEST, read_timeout_s=read_timeout_s,
+            scrub=(llm or {}).get("api_key", ""),
         )
         return check_reset_answer(self._json(reply, what), what)
 
@@ -111,13 +124,15 @@ class EnvClient(PooledClient):
         return check_prompt_answer(self._json(reply, what), what)
 
     def step(self, base_url: str, env_name: str, env_id: str, action: str, *, deadline: float,
-             tool_calls: list | None = None) -> StepResult:
+             tool_calls: list | None = None, read_timeout_s: float | None = None, scrub: str = "") -> StepResult:
+        """``read_timeout_s`` (None: ``env_read_timeout_s``) and ``scrub`` (a secret starred out
+        of error texts): an env-driven episode's, whose env may run its rollout in a step."""
         what = f"step {env_name}/{env_id}"
         # the model's tool calls beside the text, when the prompt offered tools and it made some
         body = self._encode({"action": action, "tool_calls": tool_calls} if tool_calls else {"action": action}, what)
         reply = self._call(
             "POST", self._url(base_url, env_name, env_id, "step"), what=what, deadline=deadline,
-            body=body, idempotent=False, not_found=ENV_INSTANCE_LOST,
+            body=body, idempotent=False, not_found=ENV_INSTANCE_LOST, read_timeout_s=read_timeout_s, scrub=scrub,
         )
         return check_step_answer(self._json(reply, what), what)
 
@@ -200,13 +215,16 @@ class EnvClient(PooledClient):
         not_found: str = ENV_BAD_REQUEST,
         raise_4xx: bool = True,
         headers: dict[str, str] | None = None,
+        read_timeout_s: float | None = None,
+        scrub: str = "",
     ) -> Reply:
         s = self.settings
+        read_s = s.env_read_timeout_s if read_timeout_s is None else read_timeout_s
         shown = redact_url(url)
         app_errors: list[str] = []  # signatures of the 5xx answers that came from the env itself
 
         def attempt() -> Reply:
-            timeout = timeouts(deadline, s.env_connect_timeout_s, s.env_read_timeout_s, what=what)
+            timeout = timeouts(deadline, s.env_connect_timeout_s, read_s, what=what)
             try:
                 reply = send(
                     self.http, method, url, deadline=deadline, timeout=timeout,
@@ -233,13 +251,14 @@ class EnvClient(PooledClient):
             if status in _UNAVAILABLE:
                 # The server (or a proxy in front of it) says it is not serving now: an outage,
                 # and 429/503 mean the request was not processed.
-                error = EpisodeError(ENV_SERVER_ERROR, f"{what}: HTTP {status}: {error_text(reply)}", status=status,
+                error = EpisodeError(ENV_SERVER_ERROR, f"{what}: HTTP {status}: {error_text(reply, scrub=scrub)}",
+                                     status=status,
                                      maybe_applied=status not in _NOT_PROCESSED, outage=True)
                 if idempotent or status in _NOT_PROCESSED:
                     raise Retryable(error)
                 raise error
             if status >= 500:
-                full = full_error_text(reply)
+                full = full_error_text(reply, scrub=scrub)
                 text = shorten(full) or "<empty body>"
                 # Compared with what differs between tries masked (process ids, actor ids,
                 # addresses, times): a server that builds each instance in a new process, as the
@@ -259,7 +278,7 @@ class EnvClient(PooledClient):
             if not raise_4xx:
                 return reply
             reason = not_found if status == 404 else ENV_BAD_REQUEST
-            raise EpisodeError(reason, f"{what}: HTTP {status}: {error_text(reply)}", status=status)
+            raise EpisodeError(reason, f"{what}: HTTP {status}: {error_text(reply, scrub=scrub)}", status=status)
 
         return run_with_retries(
             attempt,
