@@ -29,7 +29,7 @@ def cmd_bench(args) -> int:
     kw = {}
     for name in ("pool_level", "feed_level", "caps_level", "caps_factor", "workers", "model_latency_ms", "env_latency_ms", "steps", "ingest_records",
                  "enqueue_episodes", "out", "png", "work", "src", "original", "original_level", "original_log_level",
-                 "original_reset_concurrency"):
+                 "original_reset_concurrency", "original_python", "original_setup"):
         v = getattr(args, name)
         if v is not None:
             kw[name] = v
@@ -92,8 +92,14 @@ def register(sub, add) -> None:
                          "(bench/original_driver.py); without it that part is skipped")
     sp.add_argument("--original-level", type=int, help="concurrency of the comparison with the original driver (1000)")
     sp.add_argument("--original-steps", help="episode lengths of that comparison (1,5,20)")
-    sp.add_argument("--original-log-level", help="the original's log level in that comparison (WARNING; its "
-                                                 "launcher's own defaults are INFO on the console, DEBUG to a file)")
+    sp.add_argument("--original-log-level", help="the original's logging in that comparison (none: Python's default, "
+                                                 "as the reference driver; a level: its launcher's logging setup at it; "
+                                                 "the launcher's own defaults are INFO on the console, DEBUG to a file)")
+    sp.add_argument("--original-python", metavar="PYTHON",
+                    help="the interpreter that runs the original (a venv with its dependencies; default: this one)")
+    sp.add_argument("--original-setup", choices=["interactor", "launcher"],
+                    help="how the original is run (bench/original_runner.py): its Interactor driven directly, as the "
+                         "reference driver (interactor, the default), or its whole launcher.py (launcher)")
     sp.add_argument("--original-reset-concurrency", type=int,
                     help="the original's cluster.http.startup_concurrency (0: C, never binding; 16 in its shipped config)")
     sp.add_argument("--process-counts", help="worker process counts compared at --pool-level, e.g. 2,4 ('' for none)")

@@ -67,8 +67,12 @@ class BenchConfig:
     original: str | None = None
     original_level: int = 1000
     original_steps: list[int] = field(default_factory=lambda: [1, 5, 20])
-    original_log_level: str = "WARNING"
+    original_log_level: str = "none"  # none: the reference's (Python's default logging); a level: the launcher's setup
     original_reset_concurrency: int = 0
+    # the interpreter that runs it (a venv with its dependencies; None: this one) and how
+    # (bench/original_runner.py: "interactor", its Interactor as the reference driver runs it; "launcher")
+    original_python: str | None = None
+    original_setup: str = "interactor"
     skip: list[str] = field(default_factory=list)  # load, single, processes, pools, feed, caps, resume, waits, ingest, tokens, gateway, enqueue, original
     out: str = str(ROOT / "docs" / "benchmarks.md")
     png: str = str(ROOT / "docs" / "benchmarks.png")
