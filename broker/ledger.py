@@ -11,14 +11,13 @@ text in ``broker/lua/``), so that it is atomic with the fencing check beside it:
   with its predecessor, and counts nothing.
 * ``renew``   - extends the attempt's lease, and tells the attempt when its job was cancelled.
 * ``publish_many`` - XADDs records (and writes progress snapshots) only while their attempts
-  hold their episodes: an abandoned attempt never writes after another took over.
-* ``finish``  - XADD the attempt record, move the state (done / failed / retrying / queued /
-  cancelled), park a dead letter, schedule a retry, drop the lease: all or nothing.
-* ``reclaim`` - for the sweeper: running with no live lease -> queued or failed.
-* ``move``    - guarded transitions for re-drive and reconcile.
+  hold their episodes: an abandoned attempt never writes after another took over; ``mark``
+  one snapshot that is waited for (``stepping``), fenced the same way.
+* ``finish``  - XADD the attempt record, move the state, park a dead letter, schedule a retry,
+  drop the lease: all or nothing. ``reclaim`` - for the sweeper: running with no live lease ->
+  queued or failed. ``move`` - guarded transitions for re-drive and reconcile.
 
-A cancelled job (broker/cancel.py) starts nothing: ``start`` refuses its episodes, and its
-waiting episodes move to ``cancelled`` in cancel.py's own script.
+A cancelled job (broker/cancel.py) starts nothing: ``start`` refuses its episodes.
 
 **Who holds an episode** (renew, publish and finish alike, ``lua/ledger_holds_fn.lua``): the
 attempt whose token the lease key carries; or, when the key is gone, the attempt the episode is still
@@ -74,6 +73,8 @@ _CLAIM = lua_file("ledger_claim")
 _EXPIRED = _NOW + lua_file("ledger_expired")
 _RESERVE = _NOW + lua_file("ledger_reserve")
 _PUBLISH_MANY = _NOW + _HOLDS_FN + _PROGRESS_FN + lua_file("ledger_publish_many")
+# ``now`` declared, not read: MARK asks Redis' time only on the rare path that needs it
+_MARK = "local now = 0\n" + _HOLDS_FN + lua_file("ledger_mark")
 _FINISH = _NOW + COUNTS_FN + _HOLDS_FN + lua_file("ledger_finish")
 _SWEEP_CLOCK = _NOW + OUTAGE_FN + lua_file("ledger_sweep_clock")
 _RECLAIM = _NOW + COUNTS_FN + OUTAGE_FN + lua_file("ledger_reclaim")
@@ -122,6 +123,7 @@ class Ledger:
         self._start = client.register_script(_START)
         self._renew = client.register_script(_RENEW)
         self._publish_many = client.register_script(_PUBLISH_MANY)
+        self._mark = client.register_script(_MARK)
         self._finish = client.register_script(_FINISH)
         self._reclaim = client.register_script(_RECLAIM)
         self._move = client.register_script(_MOVE)
@@ -370,14 +372,13 @@ class Ledger:
         publishers' backpressure reads it)."""
         return int(self.r.xlen(self.k.results))
 
-    def publish_many(self, items: Sequence[tuple[Lease, bytes] | tuple[Lease, bytes, Progress | None]],
-                     wait_for_replica: bool = False) -> tuple[list[bool], int]:
+    def publish_many(self, items: Sequence[tuple[Lease, bytes] | tuple[Lease, bytes, Progress | None]]
+                     ) -> tuple[list[bool], int]:
         """XADD several records and write progress snapshots, each under its own lease, in one
         round trip (fenced: a lapsed lease is taken back, as by :meth:`renew`): an item is (lease,
         record or b"") or (lease, record or b"", snapshot or None). Returns which were written (a
-        refused one's lease is flagged lost) and the stream length after. ``wait_for_replica``:
-        a commit point (a ``stepping`` snapshot among the items), followed by a WAIT when replica
-        waits are on."""
+        refused one's lease is flagged lost) and the stream length after (-1 when no record was
+        added: snapshots alone do not read it)."""
         if not items:
             return [], 0
         k = self.k
@@ -390,15 +391,24 @@ class Ledger:
                      k.job_progress(lease.job_id), k.job_progress_seq(lease.job_id)]
             args += [lease.token, payload, lease.member, lease.episode_id, lease.attempt_value,
                      *((snapshot.pack(), f"{snapshot.trajectory} {snapshot.seq}") if snapshot is not None else ("", ""))]
-        if wait_for_replica:
-            out = self._commit(self._publish_many, keys, args)
-        else:
-            out = self._publish_many(keys=keys, args=args)
+        out = self._publish_many(keys=keys, args=args)
         added = [bool(x) for x in out[:-1]]
         for item, ok in zip(items, added):
             if not ok:
                 item[0].lost.set()
         return added, int(out[-1])
+
+    def mark(self, lease: Lease, snapshot: Progress) -> bool:
+        """One snapshot written now, fenced by ``lease`` (lua/ledger_mark.lua), a commit point; False
+        (the lease flagged lost): the attempt no longer holds its episode."""
+        k = self.k
+        ok = self._commit(self._mark, [k.lease(lease.episode_id), k.running, k.job_state(lease.job_id),
+                                       k.job_attempt_ids(lease.job_id), k.job_progress(lease.job_id)],
+                          [lease.token, self.lease_ttl_ms, lease.member, lease.episode_id, lease.attempt_value,
+                           snapshot.pack()])
+        if not ok:
+            lease.lost.set()
+        return bool(ok)
 
     def progress(self, job_id: str, episode_id: str) -> Progress | None:
         """The episode's progress snapshot (None: none kept, or unreadable)."""

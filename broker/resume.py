@@ -93,24 +93,23 @@ TURN_POINTS: tuple[str, ...] = (
     "after_model",          # the model answered; the stepping snapshot not written
     "after_stepping_mark",  # the stepping snapshot in Redis; step not sent
     "after_step",           # step answered (applied by the env); its record not queued
-    "after_publish",        # the step's record and the next prompting snapshot queued
+    "after_publish",        # the step's record queued (alone: no snapshot goes with it)
 )
 
-# What is true at each point: (get_task_prompt k sent, step k sent, the last write issued, whether
+# What is true at each point: (get_task_prompt k sent, step k sent, the last snapshot write issued, whether
 # that write is waited for). A background write issued may or may not have landed when a worker
 # dies; the one before it has (writes land in order, and a waited one is in Redis before the loop
 # goes on).
 _POINT_FACTS: dict[str, tuple[bool, bool, tuple[ProgressPhase, int] | None, bool]] = {
-    "before_prompt": (False, False, (ProgressPhase.PROMPTING, 0), False),
+    "before_prompt": (False, False, (ProgressPhase.STEPPING, -1), True),
     "after_prompt": (True, False, (ProgressPhase.PROMPTED, 0), False),
     "after_model": (True, False, (ProgressPhase.PROMPTED, 0), False),
     "after_stepping_mark": (True, False, (ProgressPhase.STEPPING, 0), True),
     "after_step": (True, True, (ProgressPhase.STEPPING, 0), True),
-    "after_publish": (True, True, (ProgressPhase.PROMPTING, 1), False),
+    "after_publish": (True, True, (ProgressPhase.STEPPING, 0), True),
 }
-# the write before each of those (what the ledger holds when the last one has not landed)
-_BEFORE = {ProgressPhase.PROMPTING: (ProgressPhase.STEPPING, -1), ProgressPhase.PROMPTED: (ProgressPhase.PROMPTING, 0),
-           ProgressPhase.STEPPING: (ProgressPhase.PROMPTED, 0)}
+# the snapshot write before each of those (what the ledger holds when the last one has not landed)
+_BEFORE = {ProgressPhase.PROMPTED: (ProgressPhase.STEPPING, -1), ProgressPhase.STEPPING: (ProgressPhase.PROMPTED, 0)}
 
 #: How a worker stops: killed (nothing more runs), stopped at shutdown (it hands the episode back
 #: at its next check, with the exact point it stands at: ``ProgressTrack.at_rest``), or killed

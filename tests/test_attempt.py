@@ -81,6 +81,7 @@ class FakeLedger:
         self.finished: list[tuple[AttemptRecord, str, dict]] = []
         self.snapshot = snapshot
         self.extra_granted = 0
+        self.marks: list[Progress] = []  # the snapshots written at once (stepping)
 
     def finish(self, lease, record, new_state, **kw):
         self.finished.append((record, new_state, kw))
@@ -98,6 +99,10 @@ class FakeLedger:
     def progress(self, job_id, episode_id):
         return self.snapshot
 
+    def mark(self, lease, snapshot):
+        self.marks.append(snapshot)
+        return not lease.lost.is_set()
+
 
 class FakePublisher:
     def __init__(self):
@@ -108,7 +113,7 @@ class FakePublisher:
         check()
         self.records.append(unpack(packed))
 
-    def mark(self, lease, snapshot, *, urgent):
+    def mark(self, lease, snapshot):
         self.marks.append(snapshot)
 
     def flush(self, lease, timeout=None):
@@ -210,6 +215,9 @@ def test_a_completed_attempt_records_every_step_in_order_then_finishes_done():
     [(record, state, _)] = fakes.ledger.finished
     assert (state, record.status, record.total_reward, record.steps) == (LedgerState.DONE, AttemptStatus.COMPLETED, 3.0, 3)
     assert record.worker == "w1"
+    # from the second step: prompted queued with the records, stepping written at once by the attempt
+    assert [(m.phase, m.step) for m in fakes.publisher.marks] == [("prompted", 2), ("prompted", 3)]
+    assert [(m.phase, m.step) for m in fakes.ledger.marks] == [("stepping", 2), ("stepping", 3)]
     assert fakes.env.closed == [env_instance_id(EP, 1, "a1")]  # the loop closed the instance it reset
     assert fakes.pause_watch.successes >= 1
     # the job's key went to its endpoint (the trust fake allows it), never into a record

@@ -65,9 +65,9 @@ def test_an_attempt_stopped_between_calls_leaves_the_exact_point():
     with track.call(ProgressPhase.STEPPING, 2):
         pass
     assert track.at_rest() is None  # answered, its record not made yet
-    after = track.stepped(2, total_reward=1.0, prev_tokens=[5, 6])
-    assert (after.phase, after.step, after.total_reward) == (ProgressPhase.PROMPTING, 3, 1.0)
-    assert track.at_rest().phase == ProgressPhase.READY and track.at_rest().step == 3
+    track.stepped(2, total_reward=1.0, prev_tokens=[5, 6])  # the record queued: nothing written for it
+    rest = track.at_rest()
+    assert (rest.phase, rest.step, rest.total_reward) == (ProgressPhase.READY, 3, 1.0)
     assert marks == [(ProgressPhase.PROMPTED, 2, False), (ProgressPhase.STEPPING, 2, True)]
 
 
@@ -98,14 +98,36 @@ def test_a_snapshot_is_never_overwritten_by_an_older_one_and_only_its_holder_wri
     ledger, st = started
     lease = st.lease
     mine = f"{lease.attempt}:{lease.attempt_id}"
-    ledger.publish_many([(lease, b"", snap(ProgressPhase.STEPPING, 4, mine))])
+    _, length = ledger.publish_many([(lease, b"", snap(ProgressPhase.STEPPING, 4, mine))])
+    assert length == -1  # snapshots alone: the stream's length is not read
     ledger.publish_many([(lease, b"", snap(ProgressPhase.PROMPTED, 4, mine))])  # older, late
     assert ledger.progress("rj", "rj.1").phase == ProgressPhase.STEPPING
     ledger.publish_many([(lease, b"", snap(ProgressPhase.READY, 1, "9:fresh"))])  # another trajectory
     assert ledger.progress("rj", "rj.1").trajectory == "9:fresh"
     ledger.r.set(ledger.k.lease("rj.1"), "someone-else:2")
-    ok, _ = ledger.publish_many([(lease, b"", snap(ProgressPhase.PROMPTED, 2, "9:fresh"))])
-    assert ok == [False] and lease.lost.is_set() and ledger.progress("rj", "rj.1").step == 1
+    ok, length = ledger.publish_many([(lease, b"r", None), (lease, b"", snap(ProgressPhase.PROMPTED, 2, "9:fresh"))])
+    assert ok == [False, False] and length == -1 and lease.lost.is_set()  # fenced once for both, both refused
+    assert ledger.progress("rj", "rj.1").step == 1
+
+
+@pytest.mark.integration
+def test_a_waited_mark_is_fenced_and_takes_back_a_lapsed_lease(started):
+    """``Ledger.mark`` (the ``stepping`` write before a step) is fenced like the publisher's
+    writes: a lease gone in an outage is taken back; one another attempt holds is refused, and
+    the attempt learns it lost its episode before it sends the step."""
+    ledger, st = started
+    lease = st.lease
+    mine = f"{lease.attempt}:{lease.attempt_id}"
+    ledger.publish_many([(lease, b"", snap(ProgressPhase.PROMPTED, 4, mine))])
+    assert ledger.mark(lease, snap(ProgressPhase.STEPPING, 4, mine))
+    assert ledger.progress("rj", "rj.1").phase == ProgressPhase.STEPPING
+    ledger.r.delete(ledger.k.lease("rj.1"))  # lapsed while Redis was away; nobody took the episode
+    assert ledger.mark(lease, snap(ProgressPhase.STEPPING, 5, mine)) and not lease.lost.is_set()
+    assert ledger.r.get(ledger.k.lease("rj.1")) == lease.token.encode()  # taken back
+    assert ledger.r.zscore(ledger.k.running, lease.member) is not None
+    ledger.r.set(ledger.k.lease("rj.1"), "someone-else:2")
+    assert not ledger.mark(lease, snap(ProgressPhase.STEPPING, 6, mine)) and lease.lost.is_set()
+    assert ledger.progress("rj", "rj.1").step == 5
 
 
 @pytest.mark.integration
@@ -192,7 +214,7 @@ def test_a_step_the_dead_worker_published_last_is_kept_when_it_arrives_late(stor
 def test_the_loop_keeps_snapshots_from_its_second_step_and_continues_where_told():
     """A single-turn episode writes no snapshot (continuing one at its first step would save a
     reset and a prompt only, and single-turn RL is most of the load); from the second step on,
-    each turn leaves prompted, stepping, and prompting with the step's record. A resumed loop
+    each turn leaves prompted and stepping, and a step's record goes alone. A resumed loop
     starts at the snapshot's step with its prompt, without reset or prompt call."""
     from tests.test_loop import FakeEnv, FakePolicy, RecHook, Result, conv
     from workers.loop import LoopConfig, run_episode
@@ -212,8 +234,7 @@ def test_the_loop_keeps_snapshots_from_its_second_step_and_continues_where_told(
                 track=track)
     assert marks == [(ProgressPhase.PROMPTED, 2), (ProgressPhase.STEPPING, 2),
                      (ProgressPhase.PROMPTED, 3), (ProgressPhase.STEPPING, 3)]
-    assert [(p.phase, p.step) if p else None for p in published] == [
-        (ProgressPhase.PROMPTING, 2), (ProgressPhase.PROMPTING, 3), None]
+    assert published == [None, None, None]
 
     prompt = conv(3)
     prev = snap(ProgressPhase.PROMPTED, step=2, total_reward=0.5, prompt_json=orjson.dumps(prompt))

@@ -272,13 +272,18 @@ class Attempt:
 
     def mark(self, snapshot: Progress, urgent: bool) -> None:
         """A progress snapshot for the ledger; an urgent one is in Redis before this returns
-        (or the attempt stops: a lapsed lease refused it)."""
+        (or the attempt stops: a lapsed lease refused it). An urgent one goes straight to Redis
+        once what this attempt queued before it has landed: a ``prompted`` snapshot still in the
+        publisher's queue must never land after the ``stepping`` one that follows it."""
         publisher = self.parts.publisher
-        publisher.mark(self.lease, snapshot, urgent=urgent)
-        if urgent:
-            while not publisher.flush(self.lease, timeout=_FENCE_SLICE_S * 20):
-                self.check()
+        if not urgent:
+            publisher.mark(self.lease, snapshot)
+            return
+        while not publisher.flush(self.lease, timeout=_FENCE_SLICE_S * 20):
             self.check()
+        self.check()
+        self._through_outage("marking where it stands", lambda: self.parts.ledger.mark(self.lease, snapshot))
+        self.check()  # refused: the lease is flagged lost, and this stops the attempt before its call
 
     def publish(self, record: StepRecord, progress: Progress | None = None) -> None:
         # Queued for the process's publisher (workers/publisher.py), which fences each record

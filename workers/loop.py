@@ -205,10 +205,9 @@ def run_episode(
 
             out.steps = step_id
             record = _step_record(answer, tokens, end, out.total_reward)
-            if track is not None and not end.finished:  # the record and where the next turn starts, together
-                publish(record, track.stepped(step_id, **run.totals()))
-            else:
-                publish(record)
+            if track is not None and not end.finished:
+                track.stepped(step_id, **run.totals())  # no write: the stepping snapshot already says "not resumable"
+            publish(record)
             fault("after_publish", step_id)
             if end.finished:
                 out.ended_by = end.ended_by

@@ -9,7 +9,8 @@ The step loop (workers/loop.py) calls a :class:`ProgressTrack` at each point of 
 * before ``step``: ``stepping``, sent at once and waited for: a ``step`` is never sent before
   the ledger knows it may be in flight (and a lapsed lease refuses the write, so a worker that
   lost its episode never steps it);
-* with a step's record: ``prompting`` for the next step, in the same write as the record.
+* with a step's record: nothing (the ``stepping`` snapshot before it already says that a call
+  may be in flight, which is all ``prompting`` would say).
 
 It also knows whether an env call is in flight right now: an attempt handed back at a call
 boundary (the worker shutting down) leaves an exact snapshot (``ready`` or ``prompted``) with
@@ -95,12 +96,16 @@ class ProgressTrack:
         self.phase, self.step = ProgressPhase.STEPPING, step
         self._mark(self._snapshot(**totals), True)
 
-    def stepped(self, step: int, **totals) -> Progress:
-        """The snapshot that goes with step ``step``'s record: the next prompt may be in flight."""
+    def stepped(self, step: int, **totals) -> None:
+        """Step ``step``'s record is queued: the next prompt may be in flight from here. Nothing is
+        written: the ledger's ``stepping`` snapshot already tells a successor what ``prompting``
+        would (a call in flight: start afresh), so a record travels alone and resuming costs two
+        snapshot writes a turn, not three; a hand-back at rest (:meth:`at_rest`) still leaves
+        ``ready`` with these totals."""
         self.phase, self.step, self._prompt_json = ProgressPhase.PROMPTING, step + 1, None
         self.answered = False
         self._rest_totals = totals
-        return self._snapshot(**totals)
+        self._totals = totals
 
     # --- the attempt's side ---------------------------------------------------------
     def supersede(self) -> None:

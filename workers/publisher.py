@@ -21,11 +21,10 @@ and it fences itself by its own clock (workers/attempt.py).
 Backpressure: when the stream holds more than ``backlog_max`` records (the consumer is behind),
 :meth:`publish` waits until it drains instead of Redis memory growing.
 
-Progress snapshots (broker/resume.py) travel the same way: a step's record with the snapshot
-after it (one item, written together), a snapshot alone (:meth:`mark`). A snapshot that must be
-in Redis before the attempt goes on - ``stepping``, before a ``step`` call - is sent at once
-(``urgent``: no linger, and with replica waits on, in the same round trip as a WAIT for a
-replica, as the ledger's commit points are), and the attempt waits for it (:meth:`flush`).
+Progress snapshots (broker/resume.py) that need not be waited for (``prompted``) travel the
+same way (:meth:`mark`). One that must be in Redis before the attempt goes on - ``stepping``,
+before a ``step`` call - does not: the attempt flushes what it queued here, then writes it
+itself (``Ledger.mark``, a commit point), one small script instead of a turn of this thread.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ class StepPublisher:
         self.backlog_max = backlog_max
         self.linger_s = linger_s
         self.max_batch = max_batch
-        self._items: deque[tuple[Lease, bytes, Progress | None, bool]] = deque()  # ..., urgent
-        self._urgent = 0  # items queued that must not wait for the linger
+        self._items: deque[tuple[Lease, bytes, Progress | None]] = deque()
         self._unconfirmed: dict[str, int] = {}  # lease token -> records queued, not sent yet
         self._cv = threading.Condition()
         self._stop = False
@@ -86,19 +84,16 @@ class StepPublisher:
             # record must reach the stream before the attempt's close (which flushes), or a
             # successor would continue past a step nobody recorded. One record over the bound
             # is no harm; the bound is for the episodes that keep running.
-            self._queue(lease, payload, progress, urgent=False)
+            self._queue(lease, payload, progress)
 
-    def mark(self, lease: Lease, progress: Progress, *, urgent: bool = False) -> None:
-        """Queue a progress snapshot of ``lease``'s attempt alone; ``urgent``: sent without the
-        linger (the caller flushes and waits for it)."""
-        self._queue(lease, b"", progress, urgent=urgent)
+    def mark(self, lease: Lease, progress: Progress) -> None:
+        """Queue a progress snapshot of ``lease``'s attempt alone."""
+        self._queue(lease, b"", progress)
 
-    def _queue(self, lease: Lease, payload: bytes, progress: Progress | None, *, urgent: bool) -> None:
+    def _queue(self, lease: Lease, payload: bytes, progress: Progress | None) -> None:
         with self._cv:
-            self._items.append((lease, payload, progress, urgent))
+            self._items.append((lease, payload, progress))
             self._unconfirmed[lease.token] = self._unconfirmed.get(lease.token, 0) + 1
-            if urgent:
-                self._urgent += 1
             self._cv.notify_all()
 
     def flush(self, lease: Lease, timeout: float | None = None) -> bool:
@@ -132,37 +127,33 @@ class StepPublisher:
                     self._cv.wait()
                 if self._stop and not self._items:
                     return
-            if self._items and not self._urgent:
+            if self._items:
                 self._linger()  # let more records join this round trip
             with self._cv:
                 n = min(len(self._items), self.max_batch)
                 batch = [self._items.popleft() for _ in range(n)]
-                self._urgent = 0
             if batch:
                 self._send(batch)
             else:
                 self._refresh_backlog()
 
     def _linger(self) -> None:
-        """Wait ``linger_s`` for more items, less if an urgent one comes meanwhile."""
+        """Wait ``linger_s`` for more items."""
         end = time.monotonic() + self.linger_s
         with self._cv:
-            while not self._urgent and not self._stop:
+            while not self._stop:
                 left = end - time.monotonic()
                 if left <= 0:
                     return
                 self._cv.wait(left)
 
-    def _send(self, batch: list[tuple[Lease, bytes, Progress | None, bool]]) -> None:
+    def _send(self, batch: list[tuple[Lease, bytes, Progress | None]]) -> None:
         delay = 0.05
-        items = [(lease, payload, progress) for lease, payload, progress, _ in batch]
-        # An urgent snapshot (``stepping``) is the fleet's only word that a step may be in flight:
-        # with replica waits on, it waits for a replica as START and FINISH do, so that a failover
-        # cannot lose it and have a successor send the step again (broker/resume.py).
-        urgent = any(item[3] for item in batch)
         while True:
             try:
-                added, self.backlog = self.ledger.publish_many(items, wait_for_replica=urgent)
+                added, length = self.ledger.publish_many(batch)
+                if length >= 0:  # -1: snapshots alone, the stream not read
+                    self.backlog = length
                 break
             except redis.RedisError as exc:
                 self.stats["send_errors"] += 1
