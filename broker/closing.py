@@ -34,13 +34,18 @@ class Close:
     action: str
     uncounted: bool = False
     limit: int = 0
+    # the job's --retry-on (JobSpec.retry_on) left this failure out: "" when it did not
+    not_retried: str = ""
 
     def message(self, exc: errors.EpisodeError, message: str, attempt: int) -> str:
-        """The error message recorded for the attempt: said in it, that it was not counted, and
-        after how many attempts a transient error failed the episode for good."""
+        """The error message recorded for the attempt: said in it, that it was not counted, after
+        how many attempts a transient error failed the episode for good, or that the job's
+        --retry-on did not name its class."""
         if self.uncounted and self.action in (CloseAction.RETRY, CloseAction.FAIL):
             message += OUTAGE_NOTE
-        if self.action == CloseAction.FAIL and exc.transient:
+        if self.action == CloseAction.FAIL and self.not_retried:
+            message = f"{message} ({self.not_retried})"
+        elif self.action == CloseAction.FAIL and exc.transient:
             message = f"{message} (after {attempt} attempts)"
         return message
 
@@ -51,7 +56,8 @@ def limit_matters(exc: errors.EpisodeError) -> bool:
     return exc.reason not in (errors.LEASE_LOST, errors.WORKER_SHUTDOWN, errors.CANCELLED)
 
 
-def decide(exc: errors.EpisodeError, attempt: int, limit: int, outage_seen: bool, *, max_attempts: int) -> Close:
+def decide(exc: errors.EpisodeError, attempt: int, limit: int, outage_seen: bool, *, max_attempts: int,
+           retry_on: list[str] | tuple[str, ...] = ()) -> Close:
     """How to close attempt ``attempt`` that ended with ``exc``.
 
     ``limit``: the last attempt number the ledger allows (``Ledger.attempt_limit``, before this
@@ -60,7 +66,10 @@ def decide(exc: errors.EpisodeError, attempt: int, limit: int, outage_seen: bool
     and is never counted against the episode either; an outage is not counted up to
     ``OUTAGE_EXTRA_ATTEMPTS`` beyond ``max_attempts``. A transient error retries while attempts
     are left; a permanent one, or a transient one past the limit, fails the episode. An attempt
-    stopped because its job was cancelled ends the episode cancelled.
+    stopped because its job was cancelled ends the episode cancelled. ``retry_on``: the job's
+    --retry-on classes (broker/errors.py RETRY_CLASSES); when given, they alone say what is
+    retried, and a failure of any other class fails the episode on its first attempt, the
+    message saying so.
     """
     if exc.reason == errors.LEASE_LOST:
         return Close(CloseAction.ABANDON, limit=limit)
@@ -69,12 +78,17 @@ def decide(exc: errors.EpisodeError, attempt: int, limit: int, outage_seen: bool
     if exc.reason == errors.CANCELLED:  # its job was cancelled (broker/cancel.py): not the episode's failure
         return Close(CloseAction.CANCEL, limit=limit)
     outage_seen = outage_seen or exc.reason == errors.BROKER_OUTAGE
-    uncounted = bool(exc.transient and outage_seen and attempt < max_attempts + OUTAGE_EXTRA_ATTEMPTS)
+    transient = errors.retryable(exc.reason, exc.transient, retry_on)
+    not_retried = ""
+    if retry_on and not transient and exc.reason not in errors.NOT_FAILURES:
+        not_retried = (f"not retried: --retry-on {','.join(retry_on)} does not name its class "
+                       f"{errors.retry_class(exc.reason) or '(none)'}")
+    uncounted = bool(transient and outage_seen and attempt < max_attempts + OUTAGE_EXTRA_ATTEMPTS)
     if uncounted:
         limit += 1
-    if exc.transient and attempt < limit:
+    if transient and attempt < limit:
         return Close(CloseAction.RETRY, uncounted=uncounted, limit=limit)
-    return Close(CloseAction.FAIL, uncounted=uncounted, limit=limit)
+    return Close(CloseAction.FAIL, uncounted=uncounted, limit=limit, not_retried=not_retried)
 
 
 def dead_letter(record: AttemptRecord, spec: EpisodeSpec | None, *, traceback: str = "") -> DeadLetter:

@@ -44,6 +44,56 @@ TRANSIENT_REASONS = frozenset(
 )
 
 
+# What `--retry-on` names (a job's JobSpec.retry_on): classes of the reasons above. A job that
+# names classes retries only the failures of those classes (up to max_attempts) and dead-letters
+# any other failure on its first attempt; a job that names none retries the transient reasons
+# (TRANSIENT_REASONS), as before the option. docs/protocol.md#failures-and-attempts has the table.
+RETRY_CLASSES: dict[str, frozenset[str]] = {
+    "env_outage": frozenset({ENV_UNREACHABLE, ENV_SERVER_ERROR, ENV_INSTANCE_LOST}),
+    "model_timeout": frozenset({MODEL_UNAVAILABLE}),
+    "worker_lost": frozenset({WORKER_LOST, STEPS_LOST}),
+    "agent_failure": frozenset({AGENT_ERROR, AGENT_TIMEOUT}),
+    "malformed_answer": frozenset({MODEL_MALFORMED, ENV_MALFORMED}),
+}
+# A shorthand: the failures of the infrastructure, none of the model's or the agent's answers.
+RETRY_ALIASES: dict[str, tuple[str, ...]] = {"infra": ("env_outage", "model_timeout", "worker_lost")}
+# Never the episode's failure, so never subject to --retry-on: a hand-back, a lost lease, a
+# cancel, Redis away (the close policy handles them as before).
+NOT_FAILURES = frozenset({WORKER_SHUTDOWN, LEASE_LOST, CANCELLED, BROKER_OUTAGE})
+
+
+def retry_class(reason: str) -> str:
+    """The --retry-on class of a reason code ("": none)."""
+    return next((name for name, reasons in RETRY_CLASSES.items() if reason in reasons), "")
+
+
+def parse_retry_on(text: str | list[str] | tuple[str, ...]) -> list[str]:
+    """``--retry-on env_outage,model_timeout`` (or ``infra``) as the sorted list of class names
+    a JobSpec keeps; "" is []: every transient reason, as without the option. Raises
+    ValueError naming the classes there are."""
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    out: set[str] = set()
+    for part in (p.strip() for p in parts):
+        if not part:
+            continue
+        if part in RETRY_ALIASES:
+            out.update(RETRY_ALIASES[part])
+        elif part in RETRY_CLASSES:
+            out.add(part)
+        else:
+            raise ValueError(f"unknown --retry-on class {part!r}: one of "
+                             + ", ".join([*RETRY_CLASSES, *RETRY_ALIASES]))
+    return sorted(out)
+
+
+def retryable(reason: str, transient: bool, retry_on: list[str] | tuple[str, ...] = ()) -> bool:
+    """Whether a failure with ``reason`` may be retried under a job's ``retry_on`` (its classes;
+    empty: ``transient`` decides, as before the option)."""
+    if not retry_on or reason in NOT_FAILURES:
+        return transient
+    return any(reason in RETRY_CLASSES.get(name, ()) for name in retry_on)
+
+
 class EpisodeError(Exception):
     """An attempt cannot go on. ``reason`` is one of the codes above.
 

@@ -218,6 +218,8 @@ class JobSpec(_Record):
     pause_after_failures: int = 20  # broker/pause.py; 0 = never pause
     limits: dict[str, Any] = field(default_factory=dict)  # broker/caps.py Limits.to_dict(); {} = no caps
     resume: bool = True  # a new attempt may continue its predecessor's env instance (broker/resume.py)
+    # --retry-on: the failure classes retried (broker/errors.py RETRY_CLASSES); []: every transient reason
+    retry_on: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -181,7 +181,8 @@ class Sweeper:
             in_outage = self.ledger.lapsed_in_outage(m)
             what = "worker lost (lease expired" + (" while Redis was unreachable)" if in_outage else ")")
             lost = errors.EpisodeError(errors.WORKER_LOST, what, transient=True)
-            close = closing.decide(lost, attempt, limit, in_outage, max_attempts=job.max_attempts)
+            close = closing.decide(lost, attempt, limit, in_outage, max_attempts=job.max_attempts,
+                                   retry_on=job.retry_on)
             # Its trajectory may be continued by the next attempt (broker/resume.py): the close
             # names it, so that the store keeps its steps for that attempt to add to.
             progress = self.ledger.progress(job_id, episode_id)

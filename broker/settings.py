@@ -222,6 +222,11 @@ class Settings:
     max_attempts: int = setting(3, "attempts of an episode before it is dead-lettered; a re-drive gives as many "
                                    "more", "delivery",
                                 flag="--max-attempts", read_by=(JOB, REDRIVE))
+    retry_on: str = setting("", "failure classes an episode is retried for, comma-separated: env_outage, "
+                                "model_timeout, worker_lost, agent_failure, malformed_answer, or infra (the first "
+                                "three); a failure of any other class is dead-lettered on its first attempt, the "
+                                "message saying so (unset: every transient failure is retried; docs/protocol.md"
+                                "#failures-and-attempts)", "delivery", flag="--retry-on", read_by=(JOB,))
     retry_backoff_initial_s: float = setting(2.0, "seconds before an episode's second attempt (doubling after)",
                                              "delivery")
     retry_backoff_max_s: float = setting(60.0, "longest wait before an episode's next attempt, seconds", "delivery")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import redis
 
+from broker import errors
 from broker.caps import MAX_CONCURRENCY, MAX_INSTANCES, FleetSlots, Limits, server_name
 from broker.keys import Keys
 from broker.ledger import Ledger
@@ -39,6 +40,10 @@ def check_job_settings(settings: Settings) -> None:
         # Workers refuse it too; saying so here spares a job whose every episode is dead-lettered.
         raise SettingsError(f"episode_hook must be 'module:attribute' (no dotted attribute path), "
                             f"got {settings.episode_hook!r}")
+    try:
+        errors.parse_retry_on(settings.retry_on)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
@@ -66,6 +71,7 @@ def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
         limits=job_limits(settings, plan).to_dict(),
         # off when either says so: the command line (--no-resume) or the task files (resume: false)
         resume=not settings.no_resume and plan.resume is not False,
+        retry_on=errors.parse_retry_on(settings.retry_on),
     )
 
 

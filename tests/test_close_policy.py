@@ -89,3 +89,37 @@ def test_the_dead_letter_is_the_failed_attempt_with_its_spec():
         errors.ENV_BAD_REQUEST, "EpisodeError", "bad", "tb")
     assert (letter.attempts, letter.first_attempt_at, letter.spec) == (2, 12.5, spec.shown())
     assert dead_letter(record, None).spec == {}
+
+
+# --- --retry-on (JobSpec.retry_on, broker/errors.py RETRY_CLASSES) ------------------------------
+def test_retry_on_retries_the_named_classes_only():
+    infra = errors.parse_retry_on("infra")
+    assert infra == ["env_outage", "model_timeout", "worker_lost"]
+    close = decide(err(errors.ENV_SERVER_ERROR), 1, 3, False, max_attempts=3, retry_on=infra)
+    assert (close.action, close.not_retried) == (CloseAction.RETRY, "")
+    # an agent's failure is transient, but not infrastructure: dead-lettered on its first attempt
+    exc = err(errors.AGENT_ERROR)
+    close = decide(exc, 1, 3, False, max_attempts=3, retry_on=infra)
+    assert close.action == CloseAction.FAIL
+    assert close.message(exc, "boom", 1) == ("boom (not retried: --retry-on env_outage,model_timeout,worker_lost "
+                                             "does not name its class agent_failure)")
+
+
+def test_retry_on_can_retry_a_malformed_answer_and_leaves_hand_backs_alone():
+    exc = err(errors.MODEL_MALFORMED)
+    assert decide(exc, 1, 3, False, max_attempts=3).action == CloseAction.FAIL  # as before the option
+    assert decide(exc, 1, 3, False, max_attempts=3, retry_on=["malformed_answer"]).action == CloseAction.RETRY
+    assert decide(exc, 3, 3, False, max_attempts=3, retry_on=["malformed_answer"]).action == CloseAction.FAIL
+    shutdown = decide(err(errors.WORKER_SHUTDOWN, transient=True), 1, 3, False, max_attempts=3, retry_on=["env_outage"])
+    assert (shutdown.action, shutdown.uncounted) == (CloseAction.HAND_BACK, True)
+    broker_away = decide(err(errors.BROKER_OUTAGE, transient=True), 1, 3, True, max_attempts=3, retry_on=["env_outage"])
+    assert (broker_away.action, broker_away.uncounted) == (CloseAction.RETRY, True)
+
+
+def test_retry_on_names_its_classes():
+    assert errors.parse_retry_on("") == [] and errors.parse_retry_on(" model_timeout, env_outage ") == [
+        "env_outage", "model_timeout"]
+    with pytest.raises(ValueError, match="unknown --retry-on class 'env'"):
+        errors.parse_retry_on("env")
+    every = {r for reasons in errors.RETRY_CLASSES.values() for r in reasons}
+    assert errors.TRANSIENT_REASONS - errors.NOT_FAILURES <= every  # every transient failure has a class

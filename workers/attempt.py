@@ -345,7 +345,8 @@ class Attempt:
         if closing.limit_matters(exc):
             limit = self._through_outage("reading its attempt limit", lambda: parts.ledger.attempt_limit(
                 lease.job_id, lease.episode_id, job.max_attempts))
-        close = closing.decide(exc, lease.attempt, limit, outage_seen, max_attempts=job.max_attempts)
+        close = closing.decide(exc, lease.attempt, limit, outage_seen, max_attempts=job.max_attempts,
+                               retry_on=job.retry_on)
         if close.action == CloseAction.ABANDON:
             log.warning("episode %s attempt %d abandoned: %s", lease.episode_id, lease.attempt, message)
             return errors.LEASE_LOST
