@@ -36,6 +36,11 @@ TARGETS = {
     # commands added bound the round trips added
     "caps_redis_per_step": 0.5,
     "caps_cpu_ratio": 1.10,
+    # issue 49: resuming costs nothing a user would notice (20 steps, C=256, on / off), and the
+    # Redis ceiling: Redis' own CPU per step with resume on (one primary, 20,000 steps/s)
+    "resume_cpu_ratio": 1.10,
+    "resume_redis_per_step": 7.0,
+    "redis_us_per_step": 50.0,
 }
 CPU_TARGET_LEVELS = (256, 1000)
 
@@ -72,6 +77,13 @@ def ms_per_episode(r: dict) -> float:
     if not r.get("episodes"):
         return float("nan")
     return 1000 * (c.get("workers", 0) + c.get("consumer", 0) + c.get("redis", 0)) / r["episodes"]
+
+
+def redis_us(r: dict, per: str = "steps") -> float:
+    """Redis' own CPU (the server process's user + system time in the window) per step or per
+    episode, in microseconds: what sets how many steps a second one primary carries."""
+    n = r.get(per) or 0
+    return 1e6 * (r.get("cpu_s") or {}).get("redis", 0.0) / n if n else float("nan")
 
 
 def redis_calls_per_episode(r: dict) -> float:
@@ -166,6 +178,17 @@ def target_rows(res: dict) -> list[tuple]:
                 TARGETS["caps_redis_per_step"], False, 2)
         row(f"Orchestration CPU per step with caps / without, concurrency {cp['level']}", "<= 1.10",
             cp["cpu_ratio"], TARGETS["caps_cpu_ratio"], False, 2)
+    rs = res.get("resume")
+    if rs:
+        row(f"Orchestration CPU per step, resume on / off, concurrency {rs['level']}", "<= 1.10", rs["cpu_ratio"],
+            TARGETS["resume_cpu_ratio"], False, 2)
+        row(f"Redis commands per step with resume on, concurrency {rs['level']}", "<= 7", rs["redis_per_step_on"],
+            TARGETS["resume_redis_per_step"], False, 2)
+        row(f"Redis CPU per step with resume on, concurrency {rs['level']}", "<= 50 us", redis_us(rs["on"]),
+            TARGETS["redis_us_per_step"], False, 0, " us")
+    for r in res.get("single_turn", []):
+        rows.append((f"Redis CPU per single-turn episode, concurrency {r['spec']['concurrency']}", "(none)",
+                     _f(redis_us(r, "episodes"), 0) + " us", "", ""))
     for r in load:
         c = r["spec"]["concurrency"]
         lat = r.get("latency_ms") or {}
@@ -303,10 +326,14 @@ def resume_section(rs: dict) -> list[str]:
     return ["## Cost of resumable episodes\n",
             f"The load at concurrency {rs['level']} run with `resume: false` against the same load with resume on "
             "(the default): what the workers' progress snapshots cost (broker/resume.py: from an episode's second "
-            "step, one after each prompt and one with each step's record, through the step publisher, and one "
-            "sent and waited for before each `step` call).\n",
+            "step, one after each prompt, through the step publisher with the records, and one written and waited "
+            "for before each `step` call, `Ledger.mark`).\n",
             cost_rows(rs["level"], [("resume=off", rs["off"]), ("resume=on", rs["on"])], rs, names),
-            cost_line("Resume's", rs, names)]
+            cost_line("Resume's", rs, names),
+            f"**Redis' own CPU per step** (the server process, user + system, in the window): "
+            f"{_f(redis_us(rs['off']), 0)} us with resume off, {_f(redis_us(rs['on']), 0)} us on; one primary's "
+            f"core then carries about {_f(1e6 / redis_us(rs['on']), 0)} steps/s of such episodes "
+            "(docs/deployment.md, *One Redis and past it*).\n"]
 
 
 def waits_section(wt: dict) -> list[str]:

@@ -48,8 +48,8 @@ def caps_cost(uncapped: dict, capped: dict) -> dict[str, float]:
 
 def resume_cost(off: dict, on: dict) -> dict[str, float]:
     """What keeping progress snapshots for a successor costs per step (broker/resume.py: a
-    snapshot after each prompt, one sent and waited for before each step, one with each step's
-    record), from two load runs of the same shape with resume off and on."""
+    snapshot after each prompt, one written and waited for before each step), from two load runs
+    of the same shape with resume off and on."""
     return added_cost(off, on, ("off", "on"))
 
 

@@ -59,6 +59,7 @@ class LoadResult:
     backlog_end: int = 0
     episodes: int = 0  # episodes closed in the window (the env stand-in's close counter)
     redis_calls: dict[str, int] = field(default_factory=dict)  # command -> calls in the window (commandstats)
+    redis_usec: dict[str, int] = field(default_factory=dict)  # command -> Redis' microseconds in it, the same way
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -224,13 +225,13 @@ def _measure_window(res: LoadResult, cluster: Cluster, client: redis.Redis) -> t
     snap0 = {r: cpu_snapshot(p) for r, p in cluster.roles().items()}
     mach0 = psutil.cpu_times()
     env0 = http_json(cluster.env_url + "/stats")
-    redis0 = command_calls(client)
+    redis0, usec0 = command_calls(client), command_calls(client, "usec")
     t0w, t0 = time.time(), time.monotonic()
     time.sleep(spec.window_s / 2)
     res.worker_pss_load_mb = pss_mb(cluster.roles()["workers"])
     time.sleep(max(0.0, spec.window_s / 2 - (time.monotonic() - t0 - spec.window_s / 2)))
     env1 = http_json(cluster.env_url + "/stats")
-    redis1 = command_calls(client)
+    redis1, usec1 = command_calls(client), command_calls(client, "usec")
     t1w, t1 = time.time(), time.monotonic()
     snap1 = {r: cpu_snapshot(p) for r, p in cluster.roles().items()}
     mach1 = psutil.cpu_times()
@@ -239,6 +240,7 @@ def _measure_window(res: LoadResult, cluster: Cluster, client: redis.Redis) -> t
     res.episodes = env1.get("closes", 0) - env0.get("closes", 0)
     res.redis_calls = {cmd: n - redis0.get(cmd, 0) for cmd, n in redis1.items() if n > redis0.get(cmd, 0)}
     res.redis_calls.pop("info", None)  # this harness's own two reads
+    res.redis_usec = {cmd: n - usec0.get(cmd, 0) for cmd, n in usec1.items() if n > usec0.get(cmd, 0) and cmd != "info"}
     res.window_s = t1 - t0
     res.rate = res.steps / res.window_s
     res.efficiency = res.rate / spec.ideal_rate

@@ -56,13 +56,14 @@ def pss_mb(processes: list[psutil.Process]) -> float:
     return total / 2**20
 
 
-def command_calls(client: redis.Redis) -> dict[str, int]:
-    """Calls per command since the server started (``INFO commandstats``). Commands a Lua script
-    runs count under their own names, and the script itself under ``evalsha``."""
+def command_calls(client: redis.Redis, field: str = "calls") -> dict[str, int]:
+    """Calls per command since the server started (``INFO commandstats``); ``field="usec"``: the
+    server's microseconds in each. Commands a Lua script runs count under their own names, and
+    the script itself under ``evalsha`` (its microseconds include theirs)."""
     out = {}
     for key, stats in client.info("commandstats").items():
         name = key.removeprefix("cmdstat_")
-        out[name] = int(stats.get("calls", 0)) if isinstance(stats, dict) else 0
+        out[name] = int(stats.get(field, 0)) if isinstance(stats, dict) else 0
     return out
 
 
