@@ -20,6 +20,7 @@ from broker import errors
 from broker.states import LedgerState, Phase, StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import resumes as attempt_resumes_table
+from consumer.storage import step_cached as step_cached_table
 from consumer.storage import step_reasoning as step_reasoning_table
 from consumer.storage import step_tokens as step_tokens_table
 from consumer.storage.sqltext import chunks, marks
@@ -259,7 +260,8 @@ class StoreReads:
 
     def episode_trajectory(self, episode_id: str) -> list[dict]:
         """The episode's trajectory (its session_steps rows) in step order, JSON decoded, each
-        with its answer's ``reasoning_content`` (None: it had none; consumer/storage/step_reasoning.py)."""
+        with its answer's ``reasoning_content`` (None: it had none; consumer/storage/step_reasoning.py)
+        and ``cached``: whether the response cache answered it (consumer/storage/step_cached.py)."""
         steps = [_decode_step(d) for d in self.query_dicts(
             "SELECT * FROM session_steps WHERE session_id = ? ORDER BY step_id", (episode_id,))]
         reasoning = {}
@@ -267,8 +269,13 @@ class StoreReads:
             reasoning = {(a, n): text for a, n, text in self.query(
                 f"SELECT attempt_id, step_id, reasoning_content FROM {step_reasoning_table.TABLE} "
                 "WHERE session_id = ?", (episode_id,))}
+        cached = set()
+        if steps and self.has_table(step_cached_table.TABLE):
+            cached = set(self.query(f"SELECT attempt_id, step_id FROM {step_cached_table.TABLE} WHERE session_id = ?",
+                                    (episode_id,)))
         for d in steps:
             d["reasoning_content"] = reasoning.get((d.get("attempt_id"), d.get("step_id")))
+            d["cached"] = (d.get("attempt_id"), d.get("step_id")) in cached
         return steps
 
     def superseded_steps(self, episode_id: str) -> list[dict]:
