@@ -7,6 +7,7 @@
   interactor consumer            the results consumer (and recovery sweeper)
   interactor jobs                the jobs a results store holds, newest first (--json for scripts)
   interactor results JOB         per env, group and job aggregates (--json for scripts)
+  interactor compare A B         two jobs side by side: per-env reward, difference, noise, rows
   interactor export JOB          training rows as JSONL or Parquet
   interactor dlq ...             list, show, redrive, purge dead-lettered episodes
   interactor reconcile JOB       re-enqueue episodes that nothing will run again
@@ -389,7 +390,8 @@ def cmd_serve(module: str, prog: str):
 
 # --- parser -------------------------------------------------------------------------------
 EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.dlqcli", "interactor.jobs", "interactor.benchcli", "interactor.envcli",
-                         "interactor.ui.command", "interactor.feedcmd", "interactor.gatewaycmd"]
+                         "interactor.ui.command", "interactor.feedcmd", "interactor.gatewaycmd",
+                         "interactor.comparecli"]
 
 
 def build_parser(commands=()) -> argparse.ArgumentParser:

@@ -52,6 +52,8 @@ def print_results(job_id: str, res: dict, db_path: str) -> None:
     print(phases_line(res.get("phases")))
     if res.get("resumes"):
         print(resumes_line(res["resumes"]))
+    for line in retry_lines(res.get("retries")):
+        print(line)
     for line in failure_lines(res.get("failures") or []):
         print(line)
     if job.get(StoredStatus.CANCELLED):
@@ -112,6 +114,31 @@ def print_task_rows(rows: list[dict]) -> None:
             print("  ".join("-" * w for w in widths) + "  ----")
     tally = {k: sum(1 for r in rows if r["solved_by"] == k) for k in ("always", "sometimes", "never")}
     print(f"{len(rows)} tasks: solved always {tally['always']}, sometimes {tally['sometimes']}, never {tally['never']}")
+
+
+def retry_lines(r: dict | None) -> list[str]:
+    """Retry honesty (consumer/storage/retry_split.py): per env_name, the episodes that completed on
+    their first try and their mean reward, apart from those that needed retries; one line when
+    none needed one and none failed."""
+    if not r or not (r["job"]["first_try"]["completed"] or r["job"]["failed"]):
+        return []
+    if not r["job"]["retried"]["completed"] and not r["job"]["failed"]:
+        return [f"retries: none (all {r['job']['first_try']['completed']} completed episodes completed on their "
+                "first try)"]
+    head = ("env_name", "first try", "mean", "retried", "mean", "failed")
+    rows = [head]
+    for env, e in [*r["by_env"].items(), ("all", r["job"])]:
+        f, a = e["first_try"], e["retried"]
+        rows.append((env, str(f["completed"]), _pm(f["mean"], f["stderr"]), str(a["completed"]),
+                     _pm(a["mean"], a["stderr"]), str(e["failed"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    out = ["retries (completed on the first try apart from after a counted failed attempt; a reward earned by "
+           "retrying is rosier than a first-try run's; docs/results.md):"]
+    for i, row in enumerate(rows):
+        out.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0 or i == len(rows) - 2:
+            out.append("  ".join("-" * w for w in widths))
+    return out
 
 
 def resumes_line(r: dict) -> str:

@@ -131,6 +131,8 @@ class StoreReads:
             "phases": self.phase_summary(job_id),
             # attempts that continued their predecessor's env instance, or why not: None when none had one
             "resumes": self.resume_summary(job_id),
+            # completed on the first try apart from after retries, per env_name (consumer/storage/retry_split.py)
+            "retries": self.retry_split(job_id),
             "groups": {
                 "total": int(total),
                 "complete": int(complete),
@@ -229,11 +231,24 @@ class StoreReads:
         from consumer.storage.score_stats import DEFAULT_THRESHOLD, task_rows
 
         rows = task_rows(self.score_samples(job_id), DEFAULT_THRESHOLD if threshold is None else threshold)
-        asked = dict(self.query("SELECT group_id, MIN(env_params) FROM job_environments WHERE job_id = ? "
-                                "GROUP BY group_id", (job_id,)))
+        asked = self.tasks_asked(job_id)
         for row in rows:
-            row["task"] = _task_text(asked.get(row["group_id"]))
+            row["task"] = asked.get(row["group_id"], "")
         return rows
+
+    def tasks_asked(self, job_id: str) -> dict[str, str]:
+        """Per group (task) of the job, what it asked: its dataset row, else its env_params (JSON text)."""
+        return {g: _task_text(p) for g, p in self.query(
+            "SELECT group_id, MIN(env_params) FROM job_environments WHERE job_id = ? GROUP BY group_id", (job_id,))}
+
+    def compare_jobs(self, job_a: str, job_b: str, threshold: float | None = None) -> dict:
+        """Two jobs side by side (consumer/storage/compare.py): per env_name the mean rewards with
+        their standard errors, the difference and whether it is more than noise, and the task rows
+        one solves and the other does not."""
+        from consumer.storage.compare import compare
+
+        return compare(job_a, self.score_samples(job_a), self.tasks_asked(job_a),
+                       job_b, self.score_samples(job_b), self.tasks_asked(job_b), threshold)
 
     def group_members(self, group_id: str) -> list[dict]:
         return self.query_dicts("SELECT * FROM episodes WHERE group_id = ? ORDER BY episode_id", (group_id,))
@@ -378,6 +393,14 @@ class StoreReads:
             if not r and note:
                 fallbacks[note] = fallbacks.get(note, 0) + 1
         return {"resumed": len(resumed), "steps_saved": sum(r - 1 for r in resumed), "fallbacks": fallbacks}
+
+    def retry_split(self, job_id: str) -> dict:
+        """The job's completed episodes that completed on their first try apart from those that
+        needed retries, per env_name, and its failed ones (consumer/storage/retry_split.py)."""
+        from consumer.storage import retry_split
+
+        failed = dict(self.query(retry_split.FAILED_SQL, (job_id,)))
+        return retry_split.split(self.query(retry_split.SQL, retry_split.args(job_id)), failed)
 
     def failure_reasons(self, job_id: str) -> list[dict]:
         """The reasons the job's failed episodes failed for, most frequent first: each with its

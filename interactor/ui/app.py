@@ -3,8 +3,8 @@ JSON route the jobs pages poll, and one action (re-drive dead letters) that is o
 for. The routes are in one module per kind of page: the jobs (``job_pages.py``), a job's
 episode and group listings (``listings.py``), one group or episode (``episode_pages.py``), one
 step's prompt and tokens (``step_pages.py``), the dead letters and their re-drive
-(``dead_letter_pages.py``); the guards in ``safety.py``, the template's formatting in
-``formatting.py``.
+(``dead_letter_pages.py``), two jobs side by side (``compare_pages.py``); the guards in
+``safety.py``, the template's formatting in ``formatting.py``.
 
 Why Flask: the codebase is synchronous (threads, gevent in workers, no asyncio), and the
 browser is a handful of read-mostly pages over the store's reader methods. Flask is small,
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from flask import Flask, render_template, request
 
-from interactor.ui import dead_letter_pages, episode_pages, job_pages, listings, safety, step_pages
+from interactor.ui import compare_pages, dead_letter_pages, episode_pages, job_pages, listings, safety, step_pages
 from interactor.ui.formatting import advantage, fmt, fmt_dur, fmt_int, fmt_time
 from interactor.ui.listings import PAGE_SIZES, sort_link, url_with
 from interactor.ui.source import Source
@@ -65,6 +65,7 @@ def create_app(source: Source, *, allow_actions: bool = False, token: str = "",
     episode_pages.register(app, source)
     step_pages.register(app, source)
     dead_letter_pages.register(app, source)
+    compare_pages.register(app, source)
     return app
 
 

@@ -224,6 +224,10 @@ class Source:
                                                            for k in ("always", "sometimes", "never")}}
         return self._cached(ttl_s, read, job_id)
 
+    def compare(self, job_a: str, job_b: str, threshold: float | None, *, ttl_s: float) -> dict:
+        """Two jobs side by side (consumer/storage/compare.py)."""
+        return self._cached(ttl_s, self.store.compare_jobs, job_a, job_b, threshold)
+
     def reward_points(self, job_id: str, *, ttl_s: float) -> list[tuple[str, float, float | None]]:
         return self._cached(ttl_s, self.store.reward_points, job_id)
 
