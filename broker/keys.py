@@ -59,13 +59,17 @@ class Keys:
     def job_store(self, job_id: str) -> str:  # the results store its consumer writes (ResultStore.identity)
         return f"{self.prefix}:job:{job_id}:store"
 
+    def job_cache(self, job_id: str) -> str:  # hash hits, misses: the job's response-cache look-ups (broker/cache.py)
+        return f"{self.prefix}:job:{job_id}:cache"
+
     def job_keys(self, job_id: str) -> list[str]:
         """Every per-job key (what retention expires once the job is finished)."""
         return [self.job_spec(job_id), self.job_episodes(job_id), self.job_state(job_id), self.job_attempts(job_id),
                 self.job_attempt_limit(job_id), self.job_attempt_ids(job_id), self.job_attempt_previous(job_id),
                 self.job_queues(job_id), self.job_counts(job_id), self.job_store(job_id),
                 self.job_progress(job_id), self.job_progress_seq(job_id), self.job_suspects(job_id),
-                self.job_pause(job_id), self.job_streak(job_id), self.job_parked(job_id), self.job_cancel(job_id)]
+                self.job_pause(job_id), self.job_streak(job_id), self.job_parked(job_id), self.job_cancel(job_id),
+                self.job_cache(job_id)]
 
     # --- leases and scheduling --------------------------------------------------------
     def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt_id>:<attempt>", with a TTL
@@ -231,6 +235,19 @@ class Keys:
 
     def rate_hold(self, server: str) -> str:  # Redis time (ms) before which nobody calls the endpoint (429s)
         return f"{self.prefix}:rate-hold:{server}"
+
+    # --- the response cache (broker/cache.py): written by workers' cache layer and `cache clear`
+    @property
+    def cache_answers(self) -> str:  # hash request key (sha256 hex) -> JSON answer
+        return f"{self.prefix}:cache:answers"
+
+    @property
+    def cache_order(self) -> str:  # zset request key -> when stored (ms): the oldest go first beyond the cap
+        return f"{self.prefix}:cache:order"
+
+    @property
+    def cache_stats(self) -> str:  # hash bytes, hits, misses, evicted: the fleet's cache as a whole
+        return f"{self.prefix}:cache:stats"
 
     @property
     def rates(self) -> str:  # hash server -> "<rpm> <tpm>": every rate limit a job set, for status and metrics

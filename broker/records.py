@@ -78,6 +78,10 @@ them reads as); ``EpisodeSpec.env_calls_model``: the env server is given the gat
 body. ``StepRecord.tool_calls``, the answer's ``tool_calls`` (a list of objects), and
 ``StepRecord.tools``, the request's ``tools``: packed only when there are any, read as None.
 
+Also within version 5, optional: ``JobSpec.cache``, the job's response-cache mode
+(broker/cache.py; "" off, what a record without it reads as), and ``StepRecord.cached``: the
+step's answer came from that cache (packed only when true, read as False).
+
 Added within version 3, optional (a reader that does not know them ignores them, and a record
 without them reads as the defaults, so no version bump was needed):
 
@@ -218,6 +222,7 @@ class JobSpec(_Record):
     pause_after_failures: int = 20  # broker/pause.py; 0 = never pause
     limits: dict[str, Any] = field(default_factory=dict)  # broker/caps.py Limits.to_dict(); {} = no caps
     resume: bool = True  # a new attempt may continue its predecessor's env instance (broker/resume.py)
+    cache: str = ""  # broker/cache.py CACHE_MODES: "" off, "on" (greedy requests), "sampled"
     # --retry-on: the failure classes retried (broker/errors.py RETRY_CLASSES); []: every transient reason
     retry_on: list[str] = field(default_factory=list)
 
@@ -296,6 +301,7 @@ class StepRecord(_Record):
     reasoning_content: str = ""  # the answer's reasoning (vLLM's reasoning parser, llama.cpp), beside response
     tool_calls: list[dict] | None = None  # the answer's tool_calls (agent episodes; None: it called no tool)
     tools: list[dict] | None = None  # the tools the request offered (agent episodes; None: none)
+    cached: bool = False  # the answer came from the response cache (broker/cache.py), not the model
 
     _TOKEN_FIELDS: ClassVar[tuple[str, ...]] = (
         "token_source", "token_status", "token_error", "prompt_ids", "completion_ids", "completion_logprobs",
@@ -314,6 +320,8 @@ class StepRecord(_Record):
             del d["tool_calls"]
         if self.tools is None:
             del d["tools"]
+        if not self.cached:  # only jobs run with --cache have cached steps: not packed, read as False
+            del d["cached"]
         return d
 
     @property

@@ -1,8 +1,10 @@
 """What must not be shown: a secret value (:class:`Secret`), and a URL's credentials
-(:func:`redact_url`). URLs are logged and stored; secrets are not."""
+(:func:`redact_url`). URLs are logged and stored; secrets are not. Also which results store a
+target names, free of its secrets (:func:`store_identity`)."""
 
 from __future__ import annotations
 
+import os
 import re
 from urllib.parse import urlsplit, urlunsplit
 
@@ -69,3 +71,17 @@ def _hide_secret_options(text: str) -> str:
     of it may start."""
     head, *options = re.split(r"([?#])", text)
     return head + "".join(_SECRET_QUERY_RE.sub(r"\1***", part) for part in options)
+
+
+def store_identity(target: str) -> str:
+    """Which results store a target names, comparable across processes and free of secrets:
+    ``sqlite:<real path>`` for a file, the URL without password or query for PostgreSQL. A feed
+    server compares its own with the one its job's consumer writes (``Keys.job_store``)."""
+    target = str(target)
+    if target.startswith(("postgresql://", "postgres://")):
+        return redact_url(target).split("?", 1)[0]
+    if target.startswith("sqlite://"):
+        target = target[len("sqlite://"):]
+        if target.startswith("//"):
+            target = target[1:]
+    return "sqlite:" + os.path.realpath(target)

@@ -16,26 +16,12 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from broker.redact import Secret, redact_url
+from broker.redact import Secret, redact_url, store_identity  # noqa: F401 - store_identity: read from here
 from broker.redisurl import redis_url_problem
 from broker.tokens import TOKEN_MODES, TOKEN_SERVERS, TOKENS_AUTO
 from broker.urls import origin_of, url_problem
 
 ENV_PREFIX = "INTERACTOR_"
-
-
-def store_identity(target: str) -> str:
-    """Which results store a target names, comparable across processes and free of secrets:
-    ``sqlite:<real path>`` for a file, the URL without password or query for PostgreSQL. A feed
-    server compares its own with the one its job's consumer writes (``Keys.job_store``)."""
-    target = str(target)
-    if target.startswith(("postgresql://", "postgres://")):
-        return redact_url(target).split("?", 1)[0]
-    if target.startswith("sqlite://"):
-        target = target[len("sqlite://"):]
-        if target.startswith("//"):
-            target = target[1:]
-    return "sqlite:" + os.path.realpath(target)
 
 
 class SettingsError(ValueError):
@@ -95,6 +81,7 @@ FEED_STALE_POLICIES = ("requeue", "drop")  # broker/feed.py STALE_REQUEUE, STALE
 FEED_FAILED_POLICIES = ("report", "refill")  # broker/feed.py FAILED_REPORT, FAILED_REFILL
 POOLS = ("gevent", "threads", "prefork", "solo")
 REDIS_WAITS = ("auto", "on", "off")  # broker/replicas.py
+_CACHE_WORDS = {**{w: "on" for w in ("1", "true", "yes", "on")}, **{w: "" for w in ("", "0", "false", "no", "off")}}
 
 
 @dataclass(frozen=True)
@@ -179,6 +166,13 @@ class Settings:
         "", "store the token ids and logprobs the model sampled: bare, in the way the answers show, or "
             "--tokens=" + "|".join(TOKEN_SERVERS) + ", the server's way (unset: off, or a task file's `tokens:`)",
         "model", flag="--tokens", read_by=(JOB,), bare=TOKENS_AUTO)
+
+    # broker/cache.py: "" off, "on" (greedy requests only), "sampled" (any temperature, asked for)
+    cache: str = setting("", "answer each model request made identically before (by any job) from the response "
+                             "cache, its step marked cached: bare, for a greedy job only (temperature 0; a sampled job "
+                             "is refused); --cache=sampled for sampled requests too (unset: off)", "model",
+                         flag="--cache", read_by=(JOB,), bare="on", choices=("on", "sampled"))
+    cache_max_entries: int = setting(100_000, "answers the response cache keeps, fleet-wide; the oldest go first", "model")
 
     # --- env -------------------------------------------------------------------------------
     env_base_url: str = setting("", "the env server of task-file entries that name no base_url", "env",
@@ -381,6 +375,7 @@ class Settings:
                                        "may name (unset: the feed server's working directory)", "feed server")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cache", _CACHE_WORDS.get(str(self.cache).strip().lower(), self.cache))
         if str(self.tokens).lower() in ("1", "true", "yes", "on"):  # --tokens with no server named
             object.__setattr__(self, "tokens", TOKENS_AUTO)
         elif str(self.tokens).lower() in ("0", "false", "no", "off"):
@@ -465,6 +460,8 @@ class Settings:
                 problems.append(f"llm_params must be a JSON object, got {self.llm_params!r}")
         if self.tokens not in TOKEN_MODES:
             problems.append(f"tokens must be one of {', '.join(repr(m) for m in TOKEN_MODES)}, not {self.tokens!r}")
+        if self.cache not in ("", "on", "sampled") or self.cache_max_entries < 1:
+            problems.append(f"cache must be on (bare --cache) or sampled, not {self.cache!r}; cache_max_entries >= 1")
         if self.llm_max_tokens < 0:
             problems.append("llm_max_tokens must be >= 0 (0 = not sent)")
         if not 0 <= self.llm_top_p <= 1:

@@ -14,6 +14,7 @@
   interactor resume JOB          continue a job that paused itself (its attempts kept failing alike)
   interactor cancel JOB          stop a job: queued episodes cancelled, running ones stopped, completed kept
   interactor status [JOB]        queue, ledger and stream at a glance
+  interactor cache stats|clear   the response cache of jobs run with --cache
   interactor metrics             the fleet's Prometheus metrics
   interactor autoscale           local worker processes, as many as the queue needs
   interactor feed serve          hand each complete group to RL trainers over HTTP
@@ -391,7 +392,7 @@ def cmd_serve(module: str, prog: str):
 # --- parser -------------------------------------------------------------------------------
 EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.dlqcli", "interactor.jobs", "interactor.benchcli", "interactor.envcli",
                          "interactor.ui.command", "interactor.feedcmd", "interactor.gatewaycmd",
-                         "interactor.comparecli"]
+                         "interactor.cachecli", "interactor.comparecli"]
 
 
 def build_parser(commands=()) -> argparse.ArgumentParser:

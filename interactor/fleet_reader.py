@@ -281,6 +281,11 @@ class FleetReader:
                          "active": j in active,
                          "paused": dataclasses.asdict(paused[j]) if j in paused else None,
                          "cancelled": j in cancelled})
+            if spec is not None and getattr(spec, "cache", ""):  # run with --cache: its look-ups (broker/cache.py)
+                raw = self.r.hgetall(k.job_cache(j))
+                looked = {_s(f): int(v) for f, v in raw.items()}
+                jobs[-1]["cache"] = {"mode": spec.cache, "hits": looked.get("hits", 0),
+                                     "misses": looked.get("misses", 0)}
         if jobs:  # jobs with an online-RL feed show it (broker/feed.py)
             from broker import feed
 

@@ -125,6 +125,10 @@ def render_status(snap: dict) -> str:
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
         for j in snap["jobs"]:
+            cache = j.get("cache")
+            if cache:
+                lines.append(f"cache      {j['job_id']}: {cache['hits']} model calls answered from the response "
+                             f"cache, {cache['misses']} asked of the model (--cache={cache['mode']})")
             f = j.get("feed")
             if f:
                 lines.append(f"feed       {j['job_id']}: version={f['version']} ready={f['ready']} taken={f['taken']} "

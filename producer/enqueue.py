@@ -72,7 +72,33 @@ def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
         # off when either says so: the command line (--no-resume) or the task files (resume: false)
         resume=not settings.no_resume and plan.resume is not False,
         retry_on=errors.parse_retry_on(settings.retry_on),
+        cache=job_cache(settings, plan),
     )
+
+
+def job_cache(settings: Settings, plan: PlannedJob) -> str:
+    """The job's response-cache mode (broker/cache.py). Plain ``--cache`` on a job whose
+    requests sample (a temperature above 0, the job's or an entry's own) is refused: a cached
+    answer would be one sample handed out again for every later one, which is not sampling
+    (an RL rollout, a pass@k). ``--cache=sampled`` says that is meant."""
+    mode = settings.cache
+    if mode != "on":
+        return mode
+    params = json.loads(settings.llm_params) if settings.llm_params else {}
+    job_temp = params.get("temperature", settings.temperature)
+    sampled = {}
+    for e in plan.episodes:
+        temp = (e.sampling or {}).get("temperature", job_temp)
+        if not isinstance(temp, (int, float)) or temp > 0:
+            sampled.setdefault(e.env_name, temp)
+    if sampled:
+        where = ", ".join(f"{name} at temperature {temp}" for name, temp in sorted(sampled.items())[:5])
+        raise SettingsError(
+            f"--cache refused: this job samples ({where}); a cached answer would hand one sample out again for every "
+            "identical request, which is not sampling (RL rollouts, pass@k). Set --temperature 0 (and no entry's own "
+            "temperature above 0) for a greedy evaluation, or --cache=sampled to reuse sampled answers on purpose "
+            "(a re-run after a fix)")
+    return mode
 
 
 def job_limits(settings: Settings, plan: PlannedJob) -> Limits:

@@ -120,6 +120,7 @@ class CallRecorder:
             finish_reason=completion.finish_reason or "stop", model_latency_s=seconds, attempt_id=cfg.attempt_id,
             prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
             policy_version=getattr(completion, "policy_version", None),
+            cached=getattr(completion, "cached", False),  # answered by the response cache (broker/cache.py)
             tool_calls=completion.tool_calls, tools=request.get("tools") or None, **tokens)
         held, self._held = self._held, record
         if held is not None:

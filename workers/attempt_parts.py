@@ -36,7 +36,7 @@ class AttemptParts:
     ``fault``: the step loop's fault port (a no-op but in the fault-point tests);
     ``shutting_down``: true once the process's shutdown grace is over; ``unhealthy``: the
     process can no longer run episodes properly (an inproc env wedged); ``redact``: a text with
-    the process's secrets starred out."""
+    the process's secrets starred out; ``cache``: the response cache (broker/cache.py)."""
 
     settings: Settings
     worker: str
@@ -60,6 +60,7 @@ class AttemptParts:
     shutting_down: Callable[[], bool]
     unhealthy: Callable[[str], None]
     redact: Callable[[str], str]
+    cache: Any = None  # the fleet's response cache (broker/cache.py), for jobs run with --cache
 
     def through_outage(self, name: str, what: str, fn: Callable[[], Any],
                        give_up: Callable[[], bool] = lambda: False) -> Any:

@@ -295,6 +295,7 @@ class _Run:
             policy_version=getattr(completion, "policy_version", None),  # feed jobs (workers/versions.py)
             prompt_s=prompt_s, reset_s=self.reset_s,
             reasoning_content=getattr(completion, "reasoning_content", "") or "",
+            cached=getattr(completion, "cached", False),  # answered by the response cache (broker/cache.py)
         )
         self.reset_s = None  # on the first step only
         tokens, self.prev_tokens = step_token_fields(cfg.job_id, cfg.episode_id, step_id,

@@ -99,7 +99,30 @@ class FleetCaps:
         return CappedPolicy(policy, c.parts.fleet, model_caps, c.check, c.budget)
 
 
-POLICY_LAYERS = (Endpoint(), EntrySampling(), Paced(), Versioned(), ProcessGate(), FleetCaps())
+class Cached:
+    """The response cache (workers/response_cache.py, broker/cache.py), for a job run with
+    ``--cache``; a job without it does not have the layer in its port at all.
+
+    Outermost, on purpose: a cached answer must cost nothing of what limits calls to the model.
+    Inside it come the fleet-wide caps (a hit must not hold a slot of the endpoint's in-flight
+    cap), the process's gate (nor one of this worker's model slots), the feed's version stamp (a
+    cached answer was not made under the trainer's current policy, so it is recorded with no
+    ``policy_version`` rather than a wrong one) and, in the endpoint, the rate limits and the
+    breaker (a hit takes no RPM/TPM token and is answered while the model server is down). Its
+    key is what the endpoint would send, entry sampling included (workers/ports.py
+    ``sent_sampling``), so it needs no inner layer's work to compute it. A miss goes through
+    every inner layer as an uncached call does."""
+
+    def wrap(self, policy: Any, c: PortContext) -> Any:
+        cache = getattr(c.parts, "cache", None)
+        if not getattr(c.job, "cache", "") or cache is None:
+            return policy
+        from workers.response_cache import CachedPolicy
+
+        return CachedPolicy(policy, cache, c.job, getattr(c.spec, "sampling", None))
+
+
+POLICY_LAYERS = (Endpoint(), EntrySampling(), Paced(), Versioned(), ProcessGate(), FleetCaps(), Cached())
 
 
 def policy_port(c: PortContext, layers=POLICY_LAYERS) -> Any:

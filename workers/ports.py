@@ -100,6 +100,20 @@ class BoundEnv:
         self.client.close(s.base_url, s.env_name, self.instance, deadline=self.budget.deadline)
 
 
+def sent_sampling(job: JobSpec, sampling: dict | None, request: dict) -> tuple[Any, dict]:
+    """The temperature and the other body fields a model call sends: the job's, the task entry's
+    own sampling (EpisodeSpec.sampling) over them, the call's ``request`` (tools...) over both.
+    The response cache keys its answers by these (workers/response_cache.py)."""
+    temperature, params = job.temperature, job.llm_params
+    if sampling:
+        own = dict(sampling)
+        temperature = own.pop("temperature", temperature)
+        params = {**(params or {}), **own}
+    if request:
+        params = {**(params or {}), **request}
+    return temperature, params
+
+
 @dataclass
 class BoundPolicy:
     """The policy port: the job's model endpoint. ``api_key`` is empty unless the endpoint is
@@ -122,13 +136,7 @@ class BoundPolicy:
         extra = {"tokens": j.tokens} if getattr(j, "tokens", "") else {}
         if self.pacer is not None:
             extra["pacer"] = self.pacer
-        temperature, params = j.temperature, j.llm_params
-        if self.sampling:
-            own = dict(self.sampling)
-            temperature = own.pop("temperature", temperature)
-            params = {**(params or {}), **own}
-        if request:
-            params = {**(params or {}), **request}
+        temperature, params = sent_sampling(j, self.sampling, request)
         return self.guard.call(self.breaker, lambda: self.client.complete(
             self.base_url, messages, model=j.model, temperature=temperature, params=params,
             deadline=self.budget.deadline, api_key=self.api_key, **extra), retry_safe=True)

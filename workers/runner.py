@@ -18,6 +18,7 @@ from typing import Callable
 
 import redis
 
+from broker.cache import ResponseCache
 from broker.caps import FleetSlots
 from broker.keys import Keys, member
 from broker.ledger import Ledger
@@ -102,7 +103,8 @@ class WorkerRuntime:
             fleet=self.fleet, versions=self.versions, keys=self.keys,
             queue_orphans=lambda entries: self.redis.rpush(self.keys.orphans, *entries),
             requeue=lambda episodes: push_episodes(self.redis, episodes), fault=self.fault,
-            shutting_down=self.shutting_down, unhealthy=self.unhealthy, redact=self.redact)
+            shutting_down=self.shutting_down, unhealthy=self.unhealthy, redact=self.redact,
+            cache=ResponseCache(self.redis, self.keys, settings.cache_max_entries))
 
     # --- lifecycle -------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:

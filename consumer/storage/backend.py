@@ -54,6 +54,7 @@ from broker.settings import redact_url, store_identity
 from broker.states import AttemptStatus, StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import resumes as attempt_resumes_table
+from consumer.storage import step_cached as step_cached_table
 from consumer.storage import step_reasoning as step_reasoning_table
 from consumer.storage import schema
 from consumer.storage import step_tokens as step_tokens_table
@@ -236,9 +237,14 @@ class ResultStore(StoreReads, StoreBrowse):
         if token_rows:
             self.executemany(step_tokens_table.INSERT, token_rows)
         # The answers' reasoning, beside their content (consumer/storage/step_reasoning.py).
-        reasoning_rows = step_reasoning_table.rows([*plan.session_steps, *(s for s, _ in plan.superseded_steps)])
+        answered = [*plan.session_steps, *(s for s, _ in plan.superseded_steps)]
+        reasoning_rows = step_reasoning_table.rows(answered)
         if reasoning_rows:
             self.executemany(step_reasoning_table.INSERT, reasoning_rows)
+        # The steps answered from the response cache (consumer/storage/step_cached.py).
+        cached_rows = step_cached_table.rows(answered)
+        if cached_rows:
+            self.executemany(step_cached_table.INSERT, cached_rows)
         if plan.closes:
             self._write_closes(plan.closes)
         stored = self._stored_steps(plan.episodes_to_count())

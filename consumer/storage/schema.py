@@ -337,6 +337,15 @@ STEP_REASONING = Table("step_reasoning", (
 ), constraints=("PRIMARY KEY (session_id, attempt_id, step_id)",))
 
 
+# consumer/storage/step_cached.py
+STEP_CACHED = Table("step_cached", (
+    _c("session_id", "text", not_null=True),
+    _c("attempt_id", "text", not_null=True),
+    _c("step_id", "int", not_null=True),
+    _c("job_id", "text"),
+), constraints=("PRIMARY KEY (session_id, attempt_id, step_id)",))
+
+
 def schema_ddl(dialect: str) -> str:
     """The versioned tables (:data:`TABLES`) and :data:`BROWSE_INDEXES`, as one script of
     ``;``-separated statements."""
