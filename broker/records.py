@@ -82,6 +82,10 @@ Also within version 5, optional: ``JobSpec.cache``, the job's response-cache mod
 (broker/cache.py; "" off, what a record without it reads as), and ``StepRecord.cached``: the
 step's answer came from that cache (packed only when true, read as False).
 
+Also within version 5, optional: ``JobSpec.retry_on``, the failure classes the job retries
+(``--retry-on``, broker/errors.py ``RETRY_CLASSES``; [] every transient failure, what a record
+without it reads as).
+
 Added within version 3, optional (a reader that does not know them ignores them, and a record
 without them reads as the defaults, so no version bump was needed):
 
