@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from broker.errors import parse_retry_on
 from broker.keys import Keys
 from broker.records import JobSpec
 from broker.settings import Settings, SettingsError, redact_url
@@ -49,6 +50,13 @@ def _stop(spec: JobSpec, value: str) -> None:
         except ValueError:
             raise SettingsError(f"--stop must be one string or a JSON list of strings, got {value!r}") from None
     _param("stop")(spec, stop)
+
+
+def _retry_on(value: str) -> list[str]:
+    try:
+        return parse_retry_on(value)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _llm_params(spec: JobSpec, value: str) -> None:
@@ -85,6 +93,7 @@ CORRECTABLE: dict[str, Callable[[JobSpec, Any], None]] = {
     "max_attempts": _field("max_attempts", int),
     "pause_after_failures": _field("pause_after_failures", int),
     "no_resume": _field("resume", lambda v: not v),
+    "retry_on": _field("retry_on", _retry_on),
 }
 
 # Settings field -> why a resume cannot change it.

@@ -7,7 +7,7 @@ import pytest
 
 from broker import errors
 from broker.closing import OUTAGE_EXTRA_ATTEMPTS, OUTAGE_NOTE, decide, dead_letter, limit_matters
-from broker.records import AttemptRecord, EpisodeSpec
+from broker.records import AttemptRecord, EpisodeSpec, JobSpec
 from broker.states import AttemptStatus, CloseAction
 
 pytestmark = pytest.mark.unit  # needs no server: make check runs it
@@ -123,3 +123,14 @@ def test_retry_on_names_its_classes():
         errors.parse_retry_on("env")
     every = {r for reasons in errors.RETRY_CLASSES.values() for r in reasons}
     assert errors.TRANSIENT_REASONS - errors.NOT_FAILURES <= every  # every transient failure has a class
+
+
+def test_run_resume_can_correct_a_jobs_retry_classes():
+    from broker.settings import SettingsError
+    from interactor.job_corrections import corrected
+
+    spec = corrected(JobSpec(job_id="j", llm_base_url="http://llm/v1", model="m"), {"retry_on": "infra"})
+    assert spec.retry_on == ["env_outage", "model_timeout", "worker_lost"]
+    assert corrected(spec, {"retry_on": ""}).retry_on == []  # back to every transient failure
+    with pytest.raises(SettingsError, match="unknown --retry-on class"):
+        corrected(spec, {"retry_on": "everything"})
