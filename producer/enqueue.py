@@ -80,8 +80,9 @@ def job_cache(settings: Settings, plan: PlannedJob) -> str:
     """The job's response-cache mode (broker/cache.py). Plain ``--cache`` on a job whose
     requests sample (a temperature above 0, the job's or an entry's own) is refused: a cached
     answer would be one sample handed out again for every later one, which is not sampling
-    (an RL rollout, a pass@k). ``--cache=sampled`` says that is meant."""
-    mode = settings.cache
+    (an RL rollout, a pass@k). ``--cache=sampled`` says that is meant. The command line's
+    ``--cache`` wins; else the task files' ``cache:``."""
+    mode = settings.cache or plan.cache or ""
     if mode != "on":
         return mode
     params = json.loads(settings.llm_params) if settings.llm_params else {}
@@ -94,7 +95,7 @@ def job_cache(settings: Settings, plan: PlannedJob) -> str:
     if sampled:
         where = ", ".join(f"{name} at temperature {temp}" for name, temp in sorted(sampled.items())[:5])
         raise SettingsError(
-            f"--cache refused: this job samples ({where}); a cached answer would hand one sample out again for every "
+            f"{'--cache' if settings.cache else 'the task files cache: true'} refused: this job samples ({where}); a cached answer would hand one sample out again for every "
             "identical request, which is not sampling (RL rollouts, pass@k). Set --temperature 0 (and no entry's own "
             "temperature above 0) for a greedy evaluation, or --cache=sampled to reuse sampled answers on purpose "
             "(a re-run after a fix)")

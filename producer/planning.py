@@ -47,6 +47,7 @@ class PlannedJob:
     limits: dict | None = None  # the task files' "limits", merged and checked (None: none said)
     pause_after_failures: int | None = None  # the task files' (None: none said)
     resume: bool | None = None  # the task files' "resume" (None: none said)
+    cache: str | None = None  # the task files' "cache" (broker/cache.py; None: none said)
     warnings: list[str] = field(default_factory=list)  # what the files' check let pass: keys ignored, ...
 
 
@@ -90,6 +91,9 @@ def plan_job(paths: list[str], *, job_id: str, default_base_url: str = "",
         resumes = {m["resume"] for m in metas if "resume" in m}
         if len(resumes) > 1:
             raise TaskFileError("the task files disagree on 'resume': one says true, another false")
+        caches = {m["cache"] for m in metas if "cache" in m}
+        if len(caches) > 1:
+            raise TaskFileError(f"the task files disagree on 'cache': {sorted(caches)}")
         episodes, groups, by_env = _expand(paths, loaded, job_id)
     finally:
         if gc_was_enabled:
@@ -101,7 +105,8 @@ def plan_job(paths: list[str], *, job_id: str, default_base_url: str = "",
     return PlannedJob(episodes=episodes, groups=groups, sources=[os.path.abspath(p) for p in paths],
                       by_env=by_env, tokens=said.pop() if said else None, limits=limits,
                       pause_after_failures=pauses.pop() if pauses else None,
-                      resume=resumes.pop() if resumes else None, warnings=warnings)
+                      resume=resumes.pop() if resumes else None, cache=caches.pop() if caches else None,
+                      warnings=warnings)
 
 
 def _merge_limits(paths: list[str], metas: list[dict], loaded: list[list[dict]]) -> dict | None:

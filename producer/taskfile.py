@@ -100,8 +100,9 @@ TYPO_RATIO = 0.8
 # against the entries; "pause_after_failures" (optional): the job pauses after that many
 # episodes in a row failed alike (broker/pause.py; 0 = never); "resume" (optional, true by
 # default): a new attempt may continue its predecessor's env instance (broker/resume.py); false
-# for env servers whose instances must not outlive the worker that made them.
-TOP_KEYS = ("environments", "tokens", "limits", "pause_after_failures", "resume")
+# for env servers whose instances must not outlive the worker that made them. "cache"
+# (optional): the job's response cache (broker/cache.py): true, false or "sampled", as --cache.
+TOP_KEYS = ("environments", "tokens", "limits", "pause_after_failures", "resume", "cache")
 
 _ENV_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 _ABSENT = object()
@@ -258,6 +259,12 @@ def _job_settings(path: str, doc: dict, meta: dict | None) -> None:
             raise TaskFileError(f"{path}: 'resume' must be true or false, got {doc['resume']!r}")
         if meta is not None:
             meta["resume"] = doc["resume"]
+    if "cache" in doc:
+        cache = doc["cache"]
+        if not (isinstance(cache, bool) or cache == "sampled"):
+            raise TaskFileError(f"{path}: 'cache' must be true, false or \"sampled\", got {cache!r}")
+        if meta is not None:
+            meta["cache"] = "on" if cache is True else "" if cache is False else cache
 
 
 # --------------------------------------------------------------------------- entries

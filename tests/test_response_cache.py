@@ -161,3 +161,34 @@ def test_cache_across_jobs_misses_bound_clear_and_refusal(tmp_path, redis_server
         assert spec["cache"] == "on"
     finally:
         store.close()
+
+
+def _plan(tmp_path, top: str, entry: str = ""):
+    from producer.planning import plan_job
+
+    path = tmp_path / "tasks.yaml"
+    path.write_text(f"{top}environments:\n  - env_name: e1\n    base_url: http://env.local:8000\n{entry}")
+    return plan_job([str(path)], job_id="j1")
+
+
+def test_a_task_file_may_ask_for_the_cache_and_sampled_jobs_are_refused(tmp_path):
+    from broker.settings import Settings, SettingsError
+    from producer.enqueue import job_spec
+    from producer.taskfile import TaskFileError
+
+    greedy = Settings.from_env({}, temperature=0)
+    assert job_spec(greedy, "j1", _plan(tmp_path, "cache: true\n")).cache == "on"
+    assert job_spec(greedy, "j1", _plan(tmp_path, "cache: sampled\n")).cache == "sampled"
+    assert job_spec(greedy, "j1", _plan(tmp_path, "")).cache == ""
+    assert job_spec(Settings.from_env({}, temperature=0, cache="on"), "j1", _plan(tmp_path, "")).cache == "on"
+    with pytest.raises(SettingsError, match=r"the task files cache: true refused: this job samples \(e1 at "
+                                            r"temperature 0.3\).*not sampling"):
+        job_spec(Settings.from_env({}), "j1", _plan(tmp_path, "cache: true\n"))
+    # an entry's own temperature counts, over a greedy job's
+    with pytest.raises(SettingsError, match=r"--cache refused: this job samples \(e1 at temperature 0.5\)"):
+        job_spec(Settings.from_env({}, temperature=0, cache="on"), "j1",
+                 _plan(tmp_path, "", "    temperature: 0.5\n"))
+    assert job_spec(Settings.from_env({}, temperature=0.5, cache="sampled"), "j1", _plan(tmp_path, "")).cache \
+        == "sampled"
+    with pytest.raises(TaskFileError, match="'cache' must be true, false or \"sampled\", got 'maybe'"):
+        _plan(tmp_path, "cache: maybe\n")
