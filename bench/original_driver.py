@@ -1,7 +1,9 @@
-"""Against the original driver (issue 39): this system's load run and the original's driver
-(BinHuangPJLAB/Safactory, from a checkout given with ``--original``; nothing of it is in this
-repository), back to back on the same stand-in processes, at one concurrency and several
-episode lengths; steps/s and orchestration CPU per step, and their ratios ours / original.
+"""The comparison against the original driver (issue 39): ours and theirs on the same stand-ins.
+
+This system's load run and the original's driver (BinHuangPJLAB/Safactory, from a checkout
+given with ``--original``; nothing of it is in this repository), back to back on the same
+stand-in processes, at one concurrency and several episode lengths; steps/s and orchestration
+CPU per step, and their ratios ours / original.
 
 Ours is the ordinary load run (bench/load_runs.py: workers + consumer + Redis). The original is
 run by bench/original_runner.py, with the interpreter of a venv holding its dependencies

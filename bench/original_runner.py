@@ -1,5 +1,6 @@
-"""The original driver's side of the comparison in bench/original_driver.py: runs the project this
-one was rebuilt from (BinHuangPJLAB/Safactory), from a checkout of it, against the bench's stand-ins.
+"""Runs the original driver (BinHuangPJLAB/Safactory, from a checkout) against the bench's stand-ins.
+
+The original's side of the comparison in bench/original_driver.py.
 
 Run as a script, never imported by the rest of the bench: the original's top-level names
 (``interactor``, ``env``, ``core``, ``manager``, ``utils``) must resolve to the checkout, so this
