@@ -326,4 +326,19 @@ def test_the_policy_layers_are_applied_innermost_first_and_pass_the_request_thro
     assert fakes.model.requests[-1]["params"]["tools"] == [{"type": "function"}]
     # the declared chain itself, as the docs name it
     assert [type(layer).__name__ for layer in POLICY_LAYERS] == ["Endpoint", "EntrySampling", "Paced", "Versioned",
-                                                                 "ProcessGate", "FleetCaps"]
+                                                                 "ProcessGate", "FleetCaps", "Cached"]
+
+
+def test_the_response_cache_layer_is_outermost_and_only_there_for_a_job_with_cache():
+    import dataclasses
+
+    from workers.response_cache import CachedPolicy
+
+    a = attempt(Fakes())
+    c = a.ports
+    assert not isinstance(policy_port(c), CachedPolicy)  # no --cache: not in the chain at all
+    on = dataclasses.replace(c, job=dataclasses.replace(c.job, cache="on"))
+    assert not isinstance(policy_port(on), CachedPolicy)  # a worker without a cache (this fake's parts)
+    with_cache = dataclasses.replace(on, parts=dataclasses.replace(c.parts, cache=object()))
+    port = policy_port(with_cache)
+    assert isinstance(port, CachedPolicy) and not isinstance(port.inner, CachedPolicy)
