@@ -110,7 +110,7 @@ faults: $(STAMP)
 	$(PY) -m pytest -q -m fault -s
 
 bench: $(STAMP)  ## the benchmark harness (~10 min): rewrites docs/benchmarks.md and docs/benchmarks.png
-	$(VENV)/bin/python -m bench
+	$(VENV)/bin/python -m bench $(BENCH_ARGS)  # e.g. BENCH_ARGS="--original ../Safactory --original-python ../origvenv/bin/python"
 
 clean:
 	rm -rf runs .pytest_cache
