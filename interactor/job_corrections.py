@@ -104,6 +104,7 @@ REFUSED: dict[str, str] = {
     "llm_fleet_tpm": "the job's fleet-wide caps are fixed at submit",
     "env_fleet_max_concurrency": "the job's fleet-wide caps are fixed at submit",
     "env_fleet_max_instances": "the job's fleet-wide caps are fixed at submit",
+    "cache": "the response cache is chosen at submit, where a sampled job is refused it",
 }
 
 
