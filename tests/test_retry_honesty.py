@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,20 @@ def flaky_env() -> tuple[EnvServer, str]:
     server.seen, server.failed_ids = [], []
     threading.Thread(target=server.serve_forever, name="flaky-env", daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def job_page(store_path: str, job_id: str) -> str:
+    """The browser's job page as served (Flask's client)."""
+    from consumer.storage import open_store
+    from interactor.ui.app import create_app
+    from interactor.ui.source import Source
+
+    store = open_store(store_path, readonly=True)
+    try:
+        return create_app(Source(store, store_shown=store_path)).test_client().get(f"/jobs/{job_id}").get_data(
+            as_text=True)
+    finally:
+        store.close()
 
 
 def interactor(*args: str) -> subprocess.CompletedProcess:
@@ -94,6 +109,13 @@ def test_first_try_and_retried_apart_when_an_env_fails_a_fifth_of_first_attempts
         shown = interactor("results", "flaky", "--run-dir", str(run_dir))
         table = shown.stdout.split("retries (", 1)[1].splitlines()
         assert table[3].split()[:2] == ["arithmetic", "8"] and table[5].split()[:2] == ["all", "8"], table
+        # the job page: the same split, per env_name and for all
+        page = job_page(store, "flaky")
+        retries = page.split('id="retries"', 1)[1].split("</table>", 1)[0]
+        assert retries.count("<tr") == 3  # the head, arithmetic, all
+        cells = [" ".join(c.split()) for c in re.findall(r"<td[^>]*>(.*?)</td>", retries, re.S)][:6]
+        assert cells == ["arithmetic", "8", f"{statistics.fmean(first):.3f} ± {statistics.stdev(first) / 8 ** 0.5:.3f}",
+                         "2", f"{statistics.fmean(retried):.3f} ± {statistics.stdev(retried) / 2 ** 0.5:.3f}", "0"], cells
 
         # The same env with --retry-on model_timeout: its failures are not of that class, so the
         # two episodes whose first reset failed are dead-lettered on their first attempt.
