@@ -159,6 +159,15 @@ def test_cache_across_jobs_misses_bound_clear_and_refusal(tmp_path, redis_server
         assert latency < 0.05
         spec = json.loads(store.sql("SELECT spec FROM jobs WHERE job_id = 'second'")[0][0])
         assert spec["cache"] == "on"
+        # the episode page says which answers came from the cache
+        from interactor.ui.app import create_app
+        from interactor.ui.source import Source
+
+        client = create_app(Source(store, store_shown=str(run_dir))).test_client()
+        (hit,) = store.sql("SELECT episode_id FROM episodes WHERE job_id = 'second' LIMIT 1")[0]
+        (asked_,) = store.sql("SELECT episode_id FROM episodes WHERE job_id = 'first' LIMIT 1")[0]
+        assert "cached answer" in client.get(f"/episodes/{hit}").get_data(as_text=True)
+        assert "cached answer" not in client.get(f"/episodes/{asked_}").get_data(as_text=True)
     finally:
         store.close()
 
