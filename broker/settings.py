@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from broker.redact import Secret, redact_url, store_identity  # noqa: F401 - store_identity: read from here
+from broker.redact import Secret, redact_url
 from broker.redisurl import redis_url_problem
 from broker.tokens import TOKEN_MODES, TOKEN_SERVERS, TOKENS_AUTO
 from broker.urls import origin_of, url_problem

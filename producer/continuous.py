@@ -34,7 +34,8 @@ from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.queueing import push_episodes
 from broker.records import EpisodesEnqueued, EpisodeSpec, JobSpec, RecordError, unpack
-from broker.settings import Settings, store_identity
+from broker.redact import store_identity
+from broker.settings import Settings
 from broker.states import ProducerState
 from producer.enqueue import job_spec, plan
 

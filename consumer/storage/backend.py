@@ -50,7 +50,8 @@ import orjson
 
 from broker import errors
 from broker.records import AttemptRecord, EpisodesEnqueued, JobSpec, StepRecord
-from broker.settings import redact_url, store_identity
+from broker.redact import store_identity
+from broker.settings import redact_url
 from broker.states import AttemptStatus, StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import resumes as attempt_resumes_table
