@@ -20,6 +20,7 @@ from typing import Iterable
 from broker import errors
 from broker.closing import OUTAGE_NOTE
 from broker.states import AttemptStatus, StoredStatus
+from consumer.storage.score_stats import mean_se
 
 # One row per completed episode: env_name, total reward, and how many of its other attempts counted.
 SQL = (
@@ -40,10 +41,8 @@ def args(job_id: str) -> tuple[str, str]:
 
 def _part(rewards: list[float]) -> dict:
     """Completed episodes, their mean reward and its standard error (s with n-1, over sqrt(n))."""
-    n = len(rewards)
-    mean = math.fsum(rewards) / n if n else None
-    se = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / (n - 1) / n) if n >= 2 else None
-    return {"completed": n, "mean": mean, "stderr": se}
+    mean, se = mean_se(rewards)
+    return {"completed": len(rewards), "mean": mean, "stderr": se}
 
 
 def split(rows: Iterable[tuple], failed: dict[str, int]) -> dict:

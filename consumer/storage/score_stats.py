@@ -58,7 +58,7 @@ class Sample(NamedTuple):
     failed: bool = False
 
 
-def _mean_se(values: list[float]) -> tuple[float | None, float | None]:
+def mean_se(values: list[float]) -> tuple[float | None, float | None]:
     """Mean and standard error (s with n-1, over sqrt(n)) of independent values."""
     n = len(values)
     if not n:
@@ -90,9 +90,9 @@ def summarize(tasks: dict[str, list[float]], failed: int, threshold: float) -> d
     sizes = {len(r) for r in scored.values()}
     out["k"] = sizes.pop() if len(sizes) == 1 else "mixed"
     solved = [sum(1 for x in r if x >= threshold) for r in scored.values()]
-    out["pass@1"], out["pass@1_stderr"] = _mean_se([c / len(r) for c, r in zip(solved, scored.values())])
-    out["pass@k"], out["pass@k_stderr"] = _mean_se([1.0 if c else 0.0 for c in solved])
-    out["mean@k"], out["mean@k_stderr"] = _mean_se([math.fsum(r) / len(r) for r in scored.values()])
+    out["pass@1"], out["pass@1_stderr"] = mean_se([c / len(r) for c, r in zip(solved, scored.values())])
+    out["pass@k"], out["pass@k_stderr"] = mean_se([1.0 if c else 0.0 for c in solved])
+    out["mean@k"], out["mean@k_stderr"] = mean_se([math.fsum(r) / len(r) for r in scored.values()])
     return out
 
 
