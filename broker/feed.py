@@ -31,7 +31,8 @@ import redis
 from broker.keys import Keys
 from broker.lua_scripts import lua_file, lua_script
 from broker.replicas import ReplicaWait
-from broker.settings import FEED, FEED_FAILED_POLICIES, FEED_STALE_POLICIES, Settings
+from broker.settings import FEED, Settings
+from broker.settings_checks import FEED_FAILED_POLICIES, FEED_STALE_POLICIES
 from broker.states import LedgerState, ProducerState
 
 TRAINERS = "trainers"  # the consumer group of a feed's stream; trainers are its consumers

@@ -62,6 +62,9 @@ class Keys:
     def job_cache(self, job_id: str) -> str:  # hash hits, misses: the job's response-cache look-ups (broker/cache.py)
         return f"{self.prefix}:job:{job_id}:cache"
 
+    def job_audit(self, job_id: str) -> str:  # list of JSON entries: who changed the job, when (broker/audit.py)
+        return f"{self.prefix}:job:{job_id}:audit"
+
     def job_keys(self, job_id: str) -> list[str]:
         """Every per-job key (what retention expires once the job is finished)."""
         return [self.job_spec(job_id), self.job_episodes(job_id), self.job_state(job_id), self.job_attempts(job_id),
@@ -69,7 +72,7 @@ class Keys:
                 self.job_queues(job_id), self.job_counts(job_id), self.job_store(job_id),
                 self.job_progress(job_id), self.job_progress_seq(job_id), self.job_suspects(job_id),
                 self.job_pause(job_id), self.job_streak(job_id), self.job_parked(job_id), self.job_cancel(job_id),
-                self.job_cache(job_id)]
+                self.job_cache(job_id), self.job_audit(job_id)]
 
     # --- leases and scheduling --------------------------------------------------------
     def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt_id>:<attempt>", with a TTL

@@ -17,9 +17,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from broker.redact import Secret, redact_url
-from broker.redisurl import redis_url_problem
-from broker.tokens import TOKEN_MODES, TOKEN_SERVERS, TOKENS_AUTO
-from broker.urls import origin_of, url_problem
+from broker.settings_checks import FEED_FAILED_POLICIES, FEED_STALE_POLICIES, POOLS, REDIS_WAITS, settings_problems
+from broker.tokens import TOKEN_SERVERS, TOKENS_AUTO
+from broker.urls import origin_of
 
 ENV_PREFIX = "INTERACTOR_"
 
@@ -77,10 +77,6 @@ def setting(default: Any, help: str, group: str, *, flag: str = "", read_by: tup
         "typed": typed, "choices": choices})
 
 
-FEED_STALE_POLICIES = ("requeue", "drop")  # broker/feed.py STALE_REQUEUE, STALE_DROP
-FEED_FAILED_POLICIES = ("report", "refill")  # broker/feed.py FAILED_REPORT, FAILED_REFILL
-POOLS = ("gevent", "threads", "prefork", "solo")
-REDIS_WAITS = ("auto", "on", "off")  # broker/replicas.py
 _CACHE_WORDS = {**{w: "on" for w in ("1", "true", "yes", "on")}, **{w: "" for w in ("", "0", "false", "no", "off")}}
 
 
@@ -439,86 +435,7 @@ class Settings:
         return out
 
     def validated(self) -> "Settings":
-        problems = []
-        if self.max_steps < 1:
-            problems.append("max_steps must be >= 1")
-        if self.concurrency < 1:
-            problems.append("concurrency must be >= 1")
-        if self.max_attempts < 1:
-            problems.append("max_attempts must be >= 1")
-        if self.lease_ttl_s <= 1:
-            problems.append("lease_ttl_s must be > 1")
-        if self.episode_budget_s <= 0:
-            problems.append("episode_budget_s must be > 0")
-        if self.pool not in POOLS:
-            problems.append(f"pool must be threads, prefork, gevent or solo, not {self.pool!r}")
-        if self.llm_params:
-            try:
-                if not isinstance(json.loads(self.llm_params), dict):
-                    raise ValueError
-            except ValueError:
-                problems.append(f"llm_params must be a JSON object, got {self.llm_params!r}")
-        if self.tokens not in TOKEN_MODES:
-            problems.append(f"tokens must be one of {', '.join(repr(m) for m in TOKEN_MODES)}, not {self.tokens!r}")
-        if self.cache not in ("", "on", "sampled") or self.cache_max_entries < 1:
-            problems.append(f"cache must be on (bare --cache) or sampled, not {self.cache!r}; cache_max_entries >= 1")
-        if self.llm_max_tokens < 0:
-            problems.append("llm_max_tokens must be >= 0 (0 = not sent)")
-        if not 0 <= self.llm_top_p <= 1:
-            problems.append("llm_top_p must be in (0, 1] (0 = not sent)")
-        stop = self.convenience_params().get("stop")
-        if stop is not None and not (isinstance(stop, str) or (
-                isinstance(stop, list) and stop and all(isinstance(x, str) for x in stop))):
-            problems.append(f"llm_stop must be a string or a JSON list of strings, got {self.llm_stop!r}")
-        for name in ("llm_max_concurrency", "llm_max_connections", "llm_startup_jitter_s"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0")
-        for name in ("pause_after_failures", "llm_fleet_max_concurrency", "env_fleet_max_concurrency",
-                     "env_fleet_max_instances", "llm_fleet_rpm", "llm_fleet_tpm"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0 (0 = none)")
-        if self.experience_top_k < 1:
-            problems.append("experience_top_k must be >= 1")
-        if self.outage_budget_s < 0:
-            problems.append("outage_budget_s must be >= 0")
-        if self.shutdown_hard_exit_s <= 0:
-            problems.append("shutdown_hard_exit_s must be > 0")
-        if self.worker_stall_s < 0:
-            problems.append("worker_stall_s must be >= 0 (0 turns the consumer watch off)")
-        if self.job_retention_s <= 0:
-            problems.append("job_retention_s must be > 0")
-        if self.feed_max_ahead < 1:
-            problems.append("feed_max_ahead must be >= 1")
-        if self.feed_stale_policy not in FEED_STALE_POLICIES:
-            problems.append(f"feed_stale_policy must be requeue or drop, not {self.feed_stale_policy!r}")
-        if self.feed_failed_policy not in FEED_FAILED_POLICIES:
-            problems.append(f"feed_failed_policy must be report or refill, not {self.feed_failed_policy!r}")
-        if self.feed_refill_max < 0:
-            problems.append("feed_refill_max must be >= 0")
-        if self.feed_ack_timeout_s <= 0:
-            problems.append("feed_ack_timeout_s must be > 0")
-        if self.feed_max_connections < 1:
-            problems.append("feed_max_connections must be >= 1")
-        if self.feed_request_timeout_s <= 0:
-            problems.append("feed_request_timeout_s must be > 0")
-        # URLs the workers connect to: the same check a task file's base_url gets (broker/urls.py).
-        for name in ("llm_base_url", "env_base_url"):
-            value = getattr(self, name)
-            if value or name == "llm_base_url":
-                problem = url_problem(value)
-                if problem:
-                    problems.append(f"{name} {redact_url(value)!r}: {problem}")
-        for origin in (o.strip() for o in self.llm_trusted_origins.split(",")):
-            problem = url_problem(origin) if origin else ""
-            if problem:
-                problems.append(f"llm_trusted_origins entry {redact_url(origin)!r}: {problem}")
-        problem = redis_url_problem(self.redis_url) if self.redis_url else ""
-        if problem:
-            problems.append(f"redis_url {redact_url(self.redis_url)!r}: {problem}")
-        if self.redis_wait not in REDIS_WAITS:
-            problems.append(f"redis_wait must be auto, on or off, not {self.redis_wait!r}")
-        if self.redis_wait_timeout_ms < 1:
-            problems.append("redis_wait_timeout_ms must be >= 1 (a WAIT without timeout would never end)")
+        problems = settings_problems(self)
         if problems:
             raise SettingsError("invalid settings: " + "; ".join(problems))
         return self

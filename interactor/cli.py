@@ -13,6 +13,7 @@
   interactor reconcile JOB       re-enqueue episodes that nothing will run again
   interactor resume JOB          continue a job that paused itself (its attempts kept failing alike)
   interactor cancel JOB          stop a job: queued episodes cancelled, running ones stopped, completed kept
+  interactor job JOB set|rerun|log   a running job's limits changed, episodes run again, who changed what
   interactor status [JOB]        queue, ledger and stream at a glance
   interactor cache stats|clear   the response cache of jobs run with --cache
   interactor metrics             the fleet's Prometheus metrics
@@ -392,7 +393,7 @@ def cmd_serve(module: str, prog: str):
 # --- parser -------------------------------------------------------------------------------
 EXTRA_COMMAND_MODULES = ["interactor.ops", "interactor.dlqcli", "interactor.jobs", "interactor.benchcli", "interactor.envcli",
                          "interactor.ui.command", "interactor.feedcmd", "interactor.gatewaycmd",
-                         "interactor.cachecli", "interactor.comparecli"]
+                         "interactor.cachecli", "interactor.comparecli", "interactor.jobcmd"]
 
 
 def build_parser(commands=()) -> argparse.ArgumentParser:

@@ -52,13 +52,6 @@ def _stop(spec: JobSpec, value: str) -> None:
     _param("stop")(spec, stop)
 
 
-def _retry_on(value: str) -> list[str]:
-    try:
-        return parse_retry_on(value)
-    except ValueError as exc:
-        raise SettingsError(str(exc)) from None
-
-
 def _llm_params(spec: JobSpec, value: str) -> None:
     try:
         extra = json.loads(value) if value else {}
@@ -93,7 +86,7 @@ CORRECTABLE: dict[str, Callable[[JobSpec, Any], None]] = {
     "max_attempts": _field("max_attempts", int),
     "pause_after_failures": _field("pause_after_failures", int),
     "no_resume": _field("resume", lambda v: not v),
-    "retry_on": _field("retry_on", _retry_on),
+    "retry_on": _field("retry_on", parse_retry_on),  # checked with the settings (broker/settings_checks.py)
 }
 
 # Settings field -> why a resume cannot change it.

@@ -40,10 +40,6 @@ def check_job_settings(settings: Settings) -> None:
         # Workers refuse it too; saying so here spares a job whose every episode is dead-lettered.
         raise SettingsError(f"episode_hook must be 'module:attribute' (no dotted attribute path), "
                             f"got {settings.episode_hook!r}")
-    try:
-        errors.parse_retry_on(settings.retry_on)
-    except ValueError as exc:
-        raise SettingsError(str(exc)) from None
 
 
 def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:

@@ -126,11 +126,12 @@ def test_retry_on_names_its_classes():
 
 
 def test_run_resume_can_correct_a_jobs_retry_classes():
-    from broker.settings import SettingsError
+    from broker.settings import Settings, SettingsError
     from interactor.job_corrections import corrected
 
     spec = corrected(JobSpec(job_id="j", llm_base_url="http://llm/v1", model="m"), {"retry_on": "infra"})
     assert spec.retry_on == ["env_outage", "model_timeout", "worker_lost"]
     assert corrected(spec, {"retry_on": ""}).retry_on == []  # back to every transient failure
+    # a correction's value is read as a setting first (correction_flags), which names a bad class
     with pytest.raises(SettingsError, match="unknown --retry-on class"):
-        corrected(spec, {"retry_on": "everything"})
+        Settings.from_env({}, retry_on="everything")
