@@ -41,6 +41,21 @@ def bounded_who(who: str | None) -> str:
     return text[:MAX_WHO] or default_who()
 
 
+def describe(entry: dict[str, Any]) -> str:
+    """One entry as one line: when (local time), who, what, the detail as ``key=value``."""
+    try:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(entry.get("at") or 0)))
+    except (TypeError, ValueError, OverflowError):
+        when = "?"
+    detail = entry.get("detail")
+    if isinstance(detail, dict):
+        text = " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v, default=str)}" for k, v in detail.items())
+    else:
+        text = json.dumps(detail, default=str) if detail else ""
+    line = f"{when}  {entry.get('who', '?')}  {entry.get('action', '?')}" + (f"  {text}" if text else "")
+    return "".join(ch if ch.isprintable() else " " for ch in line)[:600]  # one line on a terminal
+
+
 class JobAudit:
     """The writer and reader of every job's audit log."""
 

@@ -40,6 +40,7 @@ from typing import Sequence
 import redis
 
 from broker import closing
+from broker.audit import JobAudit
 from broker.keys import Keys
 from broker.ledger import COUNTS_FN, Ledger
 from broker.lua_scripts import lua_file
@@ -85,9 +86,10 @@ class JobCancel:
         self._mark = client.register_script(_MARK)
         self._cancel_waiting = client.register_script(_CANCEL_WAITING)
 
-    def cancel(self, job_id: str) -> CancelReport | None:
+    def cancel(self, job_id: str, who: str | None = None) -> CancelReport | None:
         """Cancel the job (None: no such job in Redis): mark it, cancel its waiting episodes,
-        and count those still running (their renewals tell them)."""
+        and count those still running (their renewals tell them). The first cancel is entered
+        in the job's audit log, signed ``who`` (broker/audit.py)."""
         k = self.keys
         marked = int(self._mark(keys=[k.job_spec(job_id), k.job_cancel(job_id), k.job_pause(job_id),
                                       k.job_streak(job_id), k.job_parked(job_id)], args=[time.time()]))
@@ -95,6 +97,9 @@ class JobCancel:
             return None
         waiting = self.cancel_waiting(job_id)
         running = self.ledger.counts(job_id)[LedgerState.RUNNING]
+        if marked > 0:
+            JobAudit(self.r, self.keys).record(job_id, "cancel", {"waiting_cancelled": waiting, "running": running},
+                                               who=who)
         return CancelReport(job_id, already=marked == 0, waiting=waiting, running=running)
 
     def is_cancelled(self, job_id: str) -> bool:

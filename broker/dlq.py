@@ -15,6 +15,7 @@ from typing import Iterable
 
 import redis
 
+from broker.audit import JobAudit
 from broker.cancel import JobCancel, JobCancelled
 from broker.keys import Keys, split_member
 from broker.ledger import Ledger
@@ -90,29 +91,34 @@ class DeadLetterQueue:
                 return unpack(raw)
         return None
 
-    def redrive(self, letters: Iterable[DeadLetter]) -> list[str]:
+    def redrive(self, letters: Iterable[DeadLetter], who: str | None = None) -> list[str]:
         """Send dead episodes back to the queue: same episode_id and group_id, new attempts.
 
         The ledger move failed -> queued is the guard: a letter whose episode is no longer
         failed (re-driven by someone else meanwhile) is only removed from the queue. A letter of
-        a cancelled job is left as it is (:meth:`cancelled_jobs` tells the caller which).
+        a cancelled job is left as it is (:meth:`cancelled_jobs` tells the caller which). Each
+        job with an episode sent gets a ``redrive`` entry in its audit log, signed ``who``.
         """
         letters = list(letters)
         cancelled = self.cancelled_jobs(letters)
         sent, jobs = [], set()
+        by_job: dict[str, list[str]] = {}
         for letter in letters:
             if letter.job_id in cancelled:
                 continue
             jobs.add(letter.job_id)
             if self._redrive(letter.job_id, letter.episode_id, letter.spec.get("queue") or ""):
                 sent.append(letter.episode_id)
+                by_job.setdefault(letter.job_id, []).append(letter.episode_id)
             self._remove(f"{letter.job_id} {letter.episode_id}")
         if sent:
             log.info("re-drove %d dead episodes", len(sent))
-        self._resume(jobs)
+        for job_id, episodes in by_job.items():
+            self._audit(job_id, episodes, who)
+        self._resume(jobs, who)
         return sent
 
-    def redrive_failed(self, job_id: str) -> list[str]:
+    def redrive_failed(self, job_id: str, who: str | None = None) -> list[str]:
         """Re-drive every episode of a job that the ledger holds as failed, whether or not its
         letter is still there (a purged letter does not make an episode un-re-drivable).
         Refused for a cancelled job (:class:`~broker.cancel.JobCancelled`)."""
@@ -125,20 +131,26 @@ class DeadLetterQueue:
             self._remove(f"{job_id} {e}")
         if sent:
             log.info("re-drove %d failed episodes of %s", len(sent), job_id)
-        self._resume({job_id})
+            self._audit(job_id, sent, who)
+        self._resume({job_id}, who)
         return sent
 
     def cancelled_jobs(self, letters: Iterable[DeadLetter]) -> set[str]:
         """The jobs of ``letters`` that were cancelled: their letters are not re-driven."""
         return JobCancel(self.r, self.settings).cancelled(sorted({d.job_id for d in letters}))
 
-    def _resume(self, job_ids: set[str]) -> None:
+    def _audit(self, job_id: str, episodes: list[str], who: str | None) -> None:
+        """One ``redrive`` entry per job and call, naming the first episodes (bounded)."""
+        JobAudit(self.r, self.keys).record(job_id, "redrive", {"count": len(episodes), "episodes": episodes[:20]},
+                                           who=who)
+
+    def _resume(self, job_ids: set[str], who: str | None = None) -> None:
         """A re-drive says "try again": a job that paused itself (broker/pause.py) continues,
         its parked episodes sent again, else the re-driven episodes would only be parked."""
         pause = JobPause(self.r, self.keys)
         for job_id in job_ids:
             if pause.is_paused(job_id):
-                sent = resume_job(self.r, self.settings, job_id)
+                sent = resume_job(self.r, self.settings, job_id, who=who, why="redrive")
                 log.info("job %s resumed by the re-drive; %d parked episodes sent again", job_id, len(sent))
 
     def _redrive(self, job_id: str, episode_id: str, queue: str) -> bool:

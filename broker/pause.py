@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import redis
 
 from broker import errors
+from broker.audit import JobAudit
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.lua_scripts import lua_file
@@ -44,6 +45,9 @@ from broker.states import LedgerState
 # Not the job's doing: these neither count towards a streak nor end one.
 NOT_COUNTED = frozenset({errors.WORKER_SHUTDOWN, errors.WORKER_LOST, errors.LEASE_LOST, errors.BROKER_OUTAGE,
                          errors.CANCELLED})
+
+# Who the audit log says paused a job that paused itself.
+STREAK_WHO = "interactor (failure streak)"
 
 # Its scripts' Lua: broker/lua/pause_*.lua (broker/lua_scripts.py).
 _RECORD = lua_file("pause_record")
@@ -83,6 +87,10 @@ class JobPause:
             return False
         count, paused_now = self._record(keys=[self.k.job_streak(job_id), self.k.job_pause(job_id)],
                                          args=[reason, int(threshold), time.time(), detail[:300], episode_id])
+        if paused_now:  # the one process whose count paused it says so in the job's audit log
+            JobAudit(self.r, self.k).record(job_id, "pause", {"reason": reason, "streak": int(count),
+                                                               "last_error": detail[:300], "episode": episode_id},
+                                            who=STREAK_WHO)
         return bool(paused_now)
 
     def park(self, job_id: str, episode_id: str) -> bool:
@@ -122,13 +130,21 @@ class JobPause:
         return [m.decode() if isinstance(m, bytes) else m for m in out]
 
 
-def resume_job(client: redis.Redis, settings, job_id: str) -> list[str]:
+def resume_job(client: redis.Redis, settings, job_id: str, who: str | None = None, why: str = "") -> list[str]:
     """``interactor resume JOB``: lift the pause and send the parked episodes that are still
-    queued (one re-driven or finished meanwhile is left alone). Returns those sent."""
+    queued (one re-driven or finished meanwhile is left alone). Returns those sent. A job that
+    was paused gets a ``resume`` entry in its audit log, signed ``who`` (``why``: what resumed
+    it when not the resume command, e.g. a re-drive)."""
     ledger = Ledger.for_settings(client, settings)
-    parked = JobPause(client, Keys(settings.key_prefix)).resume(job_id)
+    keys = Keys(settings.key_prefix)
+    pause = JobPause(client, keys)
+    was = pause.state(job_id)
+    parked = pause.resume(job_id)
     states = ledger.states(job_id) if parked else {}
     waiting = [e for e in parked if states.get(e) == LedgerState.QUEUED]
     specs = ledger.episode_specs(job_id, waiting)
     push_episodes(client, [(job_id, e, settings.queue_for(specs.get(e))) for e in waiting])
+    if was is not None or parked:
+        detail = {"was": was.describe() if was else "not paused", "parked_sent": len(waiting)}
+        JobAudit(client, keys).record(job_id, "resume", detail | ({"by": why} if why else {}), who=who)
     return waiting

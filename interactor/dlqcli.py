@@ -60,7 +60,7 @@ def cmd_dlq(args) -> int:
     if args.dlq_cmd == "redrive" and getattr(args, "failed", False):
         if not args.job:
             raise SettingsError("--failed re-drives the failed episodes of one job: say which with --job J")
-        sent = dlq.redrive_failed(args.job)
+        sent = dlq.redrive_failed(args.job, who=args.who)
         print(f"re-drove {len(sent)} episodes")
         return 0
     selected = _select_letters(dlq, args)
@@ -70,7 +70,7 @@ def cmd_dlq(args) -> int:
             from broker.cancel import JobCancelled
 
             raise JobCancelled(sorted(cancelled)[0], "its dead letters are not re-driven")
-        sent = dlq.redrive(selected)
+        sent = dlq.redrive(selected, who=args.who)
         print(f"re-drove {len(sent)} episodes")
         if cancelled:
             left = sum(d.job_id in cancelled for d in selected)
@@ -116,3 +116,5 @@ def _add_dlq(dp: argparse.ArgumentParser) -> None:
         if name == "redrive":
             rp.add_argument("--failed", action="store_true",
                             help="with --job: every episode the ledger holds as failed, letter or not")
+            rp.add_argument("--as", dest="who", default=None, metavar="NAME",
+                            help="who the jobs' audit logs say re-drove them (default: your user@host)")

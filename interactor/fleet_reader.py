@@ -26,6 +26,7 @@ from broker.cancel import JobCancel
 from broker.caps import FleetSlots
 from broker.keys import Keys
 from broker.ledger import Ledger
+from broker.audit import JobAudit
 from broker.pause import JobPause
 from broker.queueing import PRIORITY_SEP, declared_queues, inflight_per_queue, sub_queues
 from broker.ratelimit import RateLimits
@@ -37,6 +38,7 @@ log = logging.getLogger("interactor.metrics")
 
 MAX_JOBS_SCANNED = 1000  # the most recent jobs looked at per snapshot
 RECENT_FINISHED_JOBS = 5  # finished jobs still shown per snapshot (besides every active one)
+AUDIT_SHOWN = 5  # `status JOB`: its newest audit entries shown
 
 
 def _s(x) -> str:
@@ -200,6 +202,8 @@ class FleetReader:
         depths = self.queue_depths(queues)
         fleet = self._fleet_counts(now)
         jobs = self._jobs_shown(shown, counts, active)
+        if job_id and jobs:  # `status JOB`: the job's last changes, who and when (broker/audit.py)
+            jobs[0]["audit"] = JobAudit(self.r, k).entries(job_id, AUDIT_SHOWN)
         return {
             "time": now,
             "redis": redact_url(self.settings.redis_url),

@@ -1,8 +1,16 @@
-"""``interactor job JOB rerun|log``: episodes run again, and the job's audit log (not built yet: issue 50)."""
+"""``interactor job JOB rerun EPISODE...`` (episodes run again, broker/rerun.py) and
+``interactor job JOB log`` (who changed the job and when, broker/audit.py)."""
 
 from __future__ import annotations
 
+import json
 import sys
+
+from broker.audit import JobAudit, describe
+from broker.keys import Keys
+from broker.ledger import Ledger
+
+LOG_LIMIT = 1000  # entries printed at most (the log keeps broker/audit.py MAX_ENTRIES)
 
 
 def cmd_rerun(args, settings, client) -> int:
@@ -11,5 +19,18 @@ def cmd_rerun(args, settings, client) -> int:
 
 
 def cmd_log(args, settings, client) -> int:
-    print("interactor job log: not built yet", file=sys.stderr)
-    return 2
+    """The job's audit log from Redis, oldest first (a log read top-down), or as JSON."""
+    keys = Keys(settings.key_prefix)
+    entries = JobAudit(client, keys).entries(args.job, LOG_LIMIT)
+    if not entries and Ledger.for_settings(client, settings).job_spec(args.job) is None:
+        print(f"interactor: no job {args.job!r} in Redis (prefix {settings.key_prefix}); the results browser's job "
+              "page shows the log of a job whose keys are gone", file=sys.stderr)
+        return 2
+    entries.reverse()
+    if args.json:
+        print(json.dumps(entries, indent=2, default=str))
+        return 0
+    for entry in entries:
+        print(describe(entry))
+    print(f"{len(entries)} changes to job {args.job}")
+    return 0

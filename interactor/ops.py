@@ -41,6 +41,8 @@ def register(sub, add) -> None:
     sp = add("resume", cmd_resume, "continue a paused job (its attempts kept failing alike): parked episodes go again",
              reads=(REDIS,))
     sp.add_argument("job", help="the paused job's id")
+    sp.add_argument("--as", dest="who", default=None, metavar="NAME",
+                    help="who the job's audit log says resumed it (default: your user@host)")
 
     sp = add("cancel", cmd_cancel, "stop a job: its queued episodes are cancelled at once, its running ones stop "
                                    "at their next call; what completed stays", reads=(REDIS,))
@@ -48,6 +50,8 @@ def register(sub, add) -> None:
     sp.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
                     help="wait this long for its running episodes to stop, then print the counts; 0: do not "
                          "wait (default: %(default)s)")
+    sp.add_argument("--as", dest="who", default=None, metavar="NAME",
+                    help="who the job's audit log says cancelled it (default: your user@host)")
 
     # Its workers run with these settings: a worker's flags (--concurrency per worker process).
     sp = add("autoscale", cmd_autoscale, "run local worker processes, as many as the queue needs",
@@ -133,7 +137,7 @@ def cmd_resume(args) -> int:
     if JobCancel(client, settings).is_cancelled(args.job):
         raise JobCancelled(args.job, "there is nothing to resume")
     state = JobPause(client, Keys(settings.key_prefix)).state(args.job)
-    sent = resume_job(client, settings, args.job)
+    sent = resume_job(client, settings, args.job, who=args.who)
     if state is None:
         print(f"job {args.job} was not paused" + (f"; sent {len(sent)} parked episodes again" if sent else ""))
     else:
@@ -160,7 +164,7 @@ def cmd_cancel(args) -> int:
     settings = settings_from_args(args)
     client = redis_for(settings)
     cancels = JobCancel(client, settings)
-    report = cancels.cancel(args.job)
+    report = cancels.cancel(args.job, who=args.who)
     if report is None:
         print(f"interactor: no job {args.job!r} in Redis (prefix {settings.key_prefix})", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from broker.audit import describe
 from broker.states import LedgerState, Phase
 
 
@@ -138,6 +139,10 @@ def render_status(snap: dict) -> str:
                 p = f.get("producer")
                 if p:
                     lines.append(_producer_line(p))
+        for j in snap["jobs"]:
+            if j.get("audit"):  # `status JOB`: its newest changes (broker/audit.py), newest first
+                lines.append(f"changes    {j['job_id']} (newest first; all: interactor job {j['job_id']} log)")
+                lines.extend("  " + describe(e) for e in j["audit"])
     else:
         lines.append("jobs       none")
     return "\n".join(lines)

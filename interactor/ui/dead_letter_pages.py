@@ -9,7 +9,7 @@ from urllib.parse import urlencode
 from flask import Flask, abort, redirect, render_template, request, url_for
 
 from broker.states import StoredStatus
-from interactor.ui.safety import check_action
+from interactor.ui.safety import browser_who, check_action
 from interactor.ui.source import Source
 
 log = logging.getLogger("interactor.ui")
@@ -46,7 +46,7 @@ def register(app: Flask, source: Source) -> None:
         ids = [i for i in request.form.getlist("episode_id") if i]
         if not ids:
             abort(400, "no episode_id given")
-        sent = source.redrive(ids)
+        sent = source.redrive(ids, who=browser_who())
         log.info("re-drove %d dead letters from the results browser: %s", len(sent), " ".join(sent[:20]))
         back = {"redrove": str(len(sent))}
         if request.form.get("job"):

@@ -44,3 +44,10 @@ def check_action(app: Flask) -> None:
     given = request.form.get("token", "")
     if not hmac.compare_digest(given.encode(), app.config["token"].encode()):
         abort(403, "wrong or missing action token (the one `interactor ui --allow-actions` printed)")
+
+
+def browser_who() -> str:
+    """Who the audit log says made a change from the browser: its client's address, bounded to
+    one short line (the address is the peer's, not a header a client could write)."""
+    addr = " ".join(str(request.remote_addr or "?").split())[:64]
+    return f"browser @ {addr}"

@@ -329,8 +329,9 @@ class Source:
             return None
         return self.live.call(lambda: self.live.dlq.get(episode_id, job_id), None)
 
-    def redrive(self, episode_ids: list[str]) -> list[str]:
-        """Re-drive these dead letters (as ``interactor dlq redrive IDS``); raises if Redis fails."""
+    def redrive(self, episode_ids: list[str], who: str | None = None) -> list[str]:
+        """Re-drive these dead letters (as ``interactor dlq redrive IDS``), the jobs' audit logs
+        signed ``who``; raises if Redis fails."""
         assert self.live is not None
         letters = [d for d in (self.live.dlq.get(e) for e in dict.fromkeys(episode_ids)) if d is not None]
-        return self.live.dlq.redrive(letters)
+        return self.live.dlq.redrive(letters, who=who)
