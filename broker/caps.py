@@ -11,8 +11,19 @@ of workers, because its slots are counted in Redis. Per cap (``<kind>``, ``<name
 * ``<prefix>:cap-queue:<kind>:<name>``: zset holder -> since when (ms) it waits holding
   none of the cap: the order in which such waiters are served.
 
-And for every cap, ``<prefix>:caps-clock`` (Redis' time of the last take or renewal) and
-``<prefix>:caps-hold`` (set for a while after an outage, see below).
+And for every cap, ``<prefix>:caps-clock`` (Redis' time of the last take or renewal),
+``<prefix>:caps-hold`` (set for a while after an outage, see below) and ``<prefix>:caps`` (cap
+key -> its limit in force).
+
+**A cap's limit lives in Redis.** ``<prefix>:caps`` holds the limit in force of every cap a job
+set: written at submit, changed by ``interactor job JOB set`` and by adaptive concurrency
+(broker/adaptive.py); takes and renewals read it (the job spec's number, passed as ARGV, only
+when it is absent). A cap is its server's, so the limit is too: the jobs that share an endpoint
+share its cap and its limit, the last word (submit or set) winning. Lowering it below what the
+holders hold makes the next renewal tell each holder it is contended, with its share of the new
+limit: a pool keeps that many and gives the rest back as its calls end, so the fleet is within
+the new limit about one keeper tick after the change plus its calls' end
+(workers/fleetcaps.py).
 
 A holder is one worker process's pool for one set of caps (workers/fleetcaps.py). It takes
 slots in *blocks* and lends them to its own calls without asking Redis again, so that a call
@@ -78,6 +89,8 @@ LIMIT_MODEL, LIMIT_ENV_SERVERS, LIMIT_ENV_NAMES = "model", "env_servers", "env_n
 MAX_CONCURRENCY, MAX_INSTANCES = "max_concurrency", "max_instances"
 # the model endpoint's rate limits (broker/ratelimit.py)
 REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = "requests_per_minute", "tokens_per_minute"
+# the model cap's adaptive bounds "MIN-MAX" (broker/adaptive.py): set by --concurrency auto, not in task files
+AUTO_BOUNDS = "auto"
 _ALLOWED = {LIMIT_MODEL: (MAX_CONCURRENCY, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE), LIMIT_ENV_SERVERS: (MAX_CONCURRENCY, MAX_INSTANCES),
             LIMIT_ENV_NAMES: (MAX_CONCURRENCY,)}
 
@@ -123,6 +136,7 @@ class Limits:
     model: int = 0
     model_rpm: int = 0  # requests per minute to the model endpoint, fleet-wide (broker/ratelimit.py)
     model_tpm: int = 0  # tokens per minute (the answers' usage), fleet-wide
+    model_auto: str = ""  # "MIN-MAX": the model cap adapts to the server between them (broker/adaptive.py)
     env_servers: dict[str, dict[str, int]] = field(default_factory=dict)  # base URL -> {max_concurrency, max_instances}
     env_names: dict[str, int] = field(default_factory=dict)  # env_name -> max_concurrency
 
@@ -132,7 +146,7 @@ class Limits:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         model = {k: n for k, n in ((MAX_CONCURRENCY, self.model), (REQUESTS_PER_MINUTE, self.model_rpm),
-                                   (TOKENS_PER_MINUTE, self.model_tpm)) if n}
+                                   (TOKENS_PER_MINUTE, self.model_tpm), (AUTO_BOUNDS, self.model_auto)) if n}
         if model:
             out[LIMIT_MODEL] = model
         if self.env_servers:
@@ -146,7 +160,7 @@ class Limits:
         d = d or {}
         model = d.get(LIMIT_MODEL) or {}
         return cls(model=int(model.get(MAX_CONCURRENCY, 0)), model_rpm=int(model.get(REQUESTS_PER_MINUTE, 0)),
-                   model_tpm=int(model.get(TOKENS_PER_MINUTE, 0)),
+                   model_tpm=int(model.get(TOKENS_PER_MINUTE, 0)), model_auto=str(model.get(AUTO_BOUNDS) or ""),
                    env_servers={server_name(u): {k: int(n) for k, n in v.items()}
                                 for u, v in (d.get(LIMIT_ENV_SERVERS) or {}).items()},
                    env_names={n: int(v.get(MAX_CONCURRENCY, 0)) for n, v in (d.get(LIMIT_ENV_NAMES) or {}).items()})
@@ -235,7 +249,7 @@ class FleetSlots:
         self._use = client.register_script(_USE)
 
     def _keys(self, caps: Sequence[Cap]) -> list[str]:
-        return [self.k.caps_clock, self.k.caps_hold, *(k for c in caps for k in c.quadruple)]
+        return [self.k.caps_clock, self.k.caps_hold, self.k.caps, *(k for c in caps for k in c.quadruple)]
 
     def take(self, caps: Sequence[Cap], holder: str, want: int = 1) -> tuple[int, int]:
         """Up to ``want`` slots of every cap in ``caps`` (the same number of each) for

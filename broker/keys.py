@@ -65,6 +65,12 @@ class Keys:
     def job_audit(self, job_id: str) -> str:  # list of JSON entries: who changed the job, when (broker/audit.py)
         return f"{self.prefix}:job:{job_id}:audit"
 
+    def job_usage(self, job_id: str) -> str:  # hash: the job's tokens, cost and budget stop (broker/job_budgets.py)
+        return f"{self.prefix}:job:{job_id}:usage"
+
+    def job_limits(self, job_id: str) -> str:  # hash: the job's limits changed live (interactor job JOB set)
+        return f"{self.prefix}:job:{job_id}:limits"
+
     def job_keys(self, job_id: str) -> list[str]:
         """Every per-job key (what retention expires once the job is finished)."""
         return [self.job_spec(job_id), self.job_episodes(job_id), self.job_state(job_id), self.job_attempts(job_id),
@@ -72,7 +78,8 @@ class Keys:
                 self.job_queues(job_id), self.job_counts(job_id), self.job_store(job_id),
                 self.job_progress(job_id), self.job_progress_seq(job_id), self.job_suspects(job_id),
                 self.job_pause(job_id), self.job_streak(job_id), self.job_parked(job_id), self.job_cancel(job_id),
-                self.job_cache(job_id), self.job_audit(job_id)]
+                self.job_cache(job_id), self.job_audit(job_id), self.job_usage(job_id),
+                self.job_limits(job_id)]
 
     # --- leases and scheduling --------------------------------------------------------
     def lease(self, episode_id: str) -> str:  # token "<worker>:<attempt_id>:<attempt>", with a TTL
@@ -221,6 +228,12 @@ class Keys:
     def cap_queue(self, kind: str, name: str) -> str:  # zset holder -> since (ms): waiters holding none, in turn
         return f"{self.prefix}:cap-queue:{kind}:{name}"
 
+    def cap_adapt(self, kind: str, name: str) -> str:  # hash min, max, ok, cut_at, at, reason: adaptive cap's state
+        return f"{self.prefix}:cap-adapt:{kind}:{name}"
+
+    def cap_adapt_log(self, kind: str, name: str) -> str:  # list "<ms> <limit> <reason>": its changes, bounded
+        return f"{self.prefix}:cap-adapt-log:{kind}:{name}"
+
     @property
     def caps_clock(self) -> str:  # Redis time (ms) of the caps' last take or renewal: outages show as a gap
         return f"{self.prefix}:caps-clock"
@@ -230,7 +243,7 @@ class Keys:
         return f"{self.prefix}:caps-hold"
 
     @property
-    def caps(self) -> str:  # hash cap key -> limit: every cap a job set, for status and metrics
+    def caps(self) -> str:  # hash cap key -> limit in force: every cap a job set (broker/caps.py)
         return f"{self.prefix}:caps"
 
     def rate(self, server: str) -> str:  # hash r, rt, t, tt: a model endpoint's RPM and TPM buckets (broker/ratelimit.py)

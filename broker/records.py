@@ -86,6 +86,10 @@ Also within version 5, optional: ``JobSpec.retry_on``, the failure classes the j
 (``--retry-on``, broker/errors.py ``RETRY_CLASSES``; [] every transient failure, what a record
 without it reads as).
 
+Also within version 5, optional: the job's budgets (broker/job_budgets.py), ``JobSpec.max_tokens_total``
+and ``JobSpec.budget_usd`` (0: none, what a record without them reads as), and ``JobSpec.price``,
+its model's USD per million prompt and completion tokens (``--model-prices``; []: no price).
+
 Added within version 3, optional (a reader that does not know them ignores them, and a record
 without them reads as the defaults, so no version bump was needed):
 
@@ -229,6 +233,10 @@ class JobSpec(_Record):
     cache: str = ""  # broker/cache.py CACHE_MODES: "" off, "on" (greedy requests), "sampled"
     # --retry-on: the failure classes retried (broker/errors.py RETRY_CLASSES); []: every transient reason
     retry_on: list[str] = field(default_factory=list)
+    # budgets (broker/job_budgets.py): the consumer stops the job once reached; 0 = none
+    max_tokens_total: int = 0
+    budget_usd: float = 0.0
+    price: list[float] = field(default_factory=list)  # the model's USD per 1M [prompt, completion] tokens; [] unpriced
 
 
 @dataclass

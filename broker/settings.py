@@ -287,9 +287,12 @@ class Settings:
     pause_after_failures: int = setting(20, "a job pauses once this many of its episodes in a row failed with the "
                                             "same reason (0: never)", "limits",
                                         flag="--pause-after-failures", read_by=(JOB,))
-    llm_fleet_max_concurrency: int = setting(0, "calls in flight to the job's model endpoint across every worker "
-                                                "process (0: no cap)", "limits",
-                                             flag="--llm-fleet-max-concurrency", read_by=(JOB,))
+    llm_fleet_max_concurrency: str = setting(
+        "0", "calls in flight to the job's model endpoint across every worker process: N, or auto[:MIN-MAX] to "
+             "follow the server (+1 per window of N healthy answers while calls wait for a slot, x0.8 on HTTP "
+             "429/502/503/504 or a read timeout; bare auto is 1-256 starting at 20, as Inspect AI starts; on run and "
+             "submit also --concurrency auto[:MIN-MAX]); interactor job JOB set --concurrency changes it while the "
+             "job runs (0: no cap)", "limits", flag="--llm-fleet-max-concurrency", read_by=(JOB,))
     llm_fleet_rpm: int = setting(0, "requests per minute to the job's model endpoint, fleet-wide (0: no limit)",
                                  "limits", flag="--llm-fleet-rpm", read_by=(JOB,))
     llm_fleet_tpm: int = setting(0, "tokens per minute to the job's model endpoint, fleet-wide, charged from the "
@@ -300,6 +303,20 @@ class Settings:
     env_fleet_max_instances: int = setting(0, "live env instances (reset, not yet closed) on each env server the "
                                               "job uses, fleet-wide (0: no cap)", "limits",
                                            flag="--env-fleet-max-instances", read_by=(JOB,))
+    # budgets (broker/job_budgets.py): enforced by the consumer after each commit, so calls already in
+    # flight and the consumer's lag go past them
+    max_tokens_total: int = setting(0, "the job stops (as a cancel does: what completed is kept) once its model "
+                                       "calls used this many tokens, prompt + completion, from the answers' usage; "
+                                       "calls in flight when it is reached still count, so it is passed by a "
+                                       "little (0: none)", "limits", flag="--max-tokens-total", read_by=(JOB,))
+    budget_usd: float = setting(0.0, "the job stops as with --max-tokens-total once its model calls cost this "
+                                     "many USD, at its model's --model-prices (required: a job whose model has "
+                                     "no price is refused) (0: none)", "limits", flag="--budget-usd",
+                                read_by=(JOB,))
+    model_prices: str = setting("", "USD per 1M tokens by model, input/output: 'MODEL=IN/OUT[,MODEL=IN/OUT...]', "
+                                    "e.g. 'gpt-4o-mini=0.15/0.60'; the job's cost in results, status and the "
+                                    "browser, and what --budget-usd is counted in", "limits",
+                                flag="--model-prices", read_by=(JOB,))
 
     # --- fleet: each worker process ----------------------------------------------------------
     concurrency: int = setting(16, "episodes at once per worker process", "fleet", flag="--concurrency",

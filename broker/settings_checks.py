@@ -4,8 +4,11 @@ named, all of them at once (``Settings.validated`` raises them as one SettingsEr
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+from broker.job_budgets import parse_model_prices
+from broker.adaptive import parse_concurrency
 from broker.errors import parse_retry_on
 from broker.redact import redact_url
 from broker.redisurl import redis_url_problem
@@ -55,7 +58,14 @@ def settings_problems(s: Any) -> list[str]:
     for name in ("llm_max_concurrency", "llm_max_connections", "llm_startup_jitter_s"):
         if getattr(s, name) < 0:
             problems.append(f"{name} must be >= 0")
-    for name in ("pause_after_failures", "llm_fleet_max_concurrency", "env_fleet_max_concurrency",
+    if str(s.llm_fleet_max_concurrency).strip().startswith("-"):
+        problems.append("llm_fleet_max_concurrency must be >= 0 (0 = none)")
+    else:
+        try:
+            parse_concurrency(s.llm_fleet_max_concurrency)
+        except ValueError as exc:
+            problems.append(f"llm_fleet_max_concurrency: {exc}")
+    for name in ("pause_after_failures", "env_fleet_max_concurrency",
                  "env_fleet_max_instances", "llm_fleet_rpm", "llm_fleet_tpm"):
         if getattr(s, name) < 0:
             problems.append(f"{name} must be >= 0 (0 = none)")
@@ -103,6 +113,22 @@ def settings_problems(s: Any) -> list[str]:
         problems.append("redis_wait_timeout_ms must be >= 1 (a WAIT without timeout would never end)")
     try:
         parse_retry_on(s.retry_on)
+    except ValueError as exc:
+        problems.append(str(exc))
+    problems += budget_problems(s)
+    return problems
+
+
+def budget_problems(s: Any) -> list[str]:
+    """The budgets' own checks; whether the job's model has a price is the submit's
+    (producer/enqueue.py: a worker's settings name no job's model)."""
+    problems = []
+    if s.max_tokens_total < 0:
+        problems.append(f"max_tokens_total must be >= 0 (0 = none), not {s.max_tokens_total}")
+    if not (math.isfinite(s.budget_usd) and s.budget_usd >= 0):
+        problems.append(f"budget_usd must be a number >= 0 (0 = none), not {s.budget_usd}")
+    try:
+        parse_model_prices(s.model_prices)
     except ValueError as exc:
         problems.append(str(exc))
     return problems

@@ -155,6 +155,7 @@ def cmd_consumer(args) -> int:
     stop = stop_event()
     store = open_store(settings.results_store)
     client = redis_for(settings)
+    from consumer.budget_watch import BudgetWatch
     from consumer.stats import StatsRecorder
 
     if args.metrics_port:
@@ -164,8 +165,8 @@ def cmd_consumer(args) -> int:
         serve(registry(FleetReader(client, settings)), args.metrics_host, args.metrics_port)
         log.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     try:
-        Ingestor(client, settings, store, name=args.name, observers=[StatsRecorder(client, settings)],
-                 sweep=True).run(stop)
+        observers = [StatsRecorder(client, settings), BudgetWatch(client, settings)]
+        Ingestor(client, settings, store, name=args.name, observers=observers, sweep=True).run(stop)
     finally:
         store.close()
     return 0

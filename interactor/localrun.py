@@ -9,6 +9,7 @@ and a guard process stops them in the same order, the embedded Redis last.
 
 A job cancelled meanwhile (``interactor cancel``, broker/cancel.py) ends the run as a finished
 one does (exit 1: not every episode completed); ``run --resume`` of a cancelled job is refused.
+A job its budget stopped (broker/job_budgets.py) says so and exits 4 (``EXIT_BUDGET``).
 
 A job that pauses itself (broker/pause.py: its episodes kept failing alike) ends the run too,
 with exit 3 (``EXIT_PAUSED``) and the command that resumes it: a CI or batch job then fails at
@@ -31,6 +32,7 @@ from typing import Iterable
 
 import redis
 
+from broker.job_budgets import read_usage
 from broker.cancel import JobCancel, JobCancelled
 from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
@@ -43,6 +45,7 @@ from interactor.children import Guard, exit_code, interrupt_on_signals, spawn, s
 from interactor.report import print_left, print_results, progress_line
 
 EXIT_PAUSED = 3  # `interactor run` ended because its job paused itself
+EXIT_BUDGET = 4  # its job reached --max-tokens-total or --budget-usd and was stopped
 
 
 def default_workers(concurrency: int) -> int:
@@ -215,13 +218,16 @@ def _run_local(settings: Settings, tasks: list[str], workers: int | None, job_id
             return EXIT_PAUSED
         print()
         print_results(job_id, results, settings.results_store_shown)
+        stopped = read_usage(client, Keys(settings.key_prefix), job_id).stop
+        if stopped:
+            print(f"stopped: {stopped}; what completed is kept, the rest was cancelled")
         if fleet.restarts:
             print(f"note: {fleet.restarts} local processes were restarted; see {run_dir / 'logs'}")
         if browser is not None:
             _keep_serving(browser)
         # 1: not every episode completed (some failed, or the job was cancelled meanwhile)
         unfinished = results["job"].get(StoredStatus.FAILED, 0) + results["job"].get(StoredStatus.CANCELLED, 0)
-        return 0 if unfinished == 0 else 1
+        return EXIT_BUDGET if stopped else 0 if unfinished == 0 else 1
     finally:
         if fleet is not None and fleet.procs:
             fleet.stop(5)

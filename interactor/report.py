@@ -47,6 +47,8 @@ def print_results(job_id: str, res: dict, db_path: str) -> None:
     if ended:
         print("ended by: " + ", ".join(f"{why} {n}" for why, n in ended.items()))
     print(tokens_line(job))
+    if res.get("usage"):
+        print(usage_line(res["usage"]))
     if res.get("token_ids"):
         print(token_ids_line(res["token_ids"]))
     print(phases_line(res.get("phases")))
@@ -169,6 +171,25 @@ def tokens_line(job: dict) -> str:
     per_episode, per_s = job.get("tokens_per_episode"), job.get("tokens_per_s")
     return (f"tokens: {prompt + completion} ({prompt} prompt, {completion} completion), "
             f"{_f(per_episode, 1)} per episode, {_f(per_s, 1)} tokens/s")
+
+
+def usage_line(u: dict) -> str:
+    """What the job's model calls used, over every stored step (set-aside attempts' too:
+    consumer/storage/job_usage.py), its cost at its model's price, and its budgets."""
+    parts = [f"{u['tokens']:,} tokens ({u['prompt_tokens']:,} prompt, {u['completion_tokens']:,} completion)"]
+    if u.get("cost_usd") is not None:
+        parts.append(f"cost ${u['cost_usd']:,.4f} (at ${u['price'][0]:g}/${u['price'][1]:g} per 1M tokens)")
+    if u.get("unknown_steps"):
+        parts.append(f"{u['unknown_steps']:,} steps with no usage reported (not counted)")
+    if u.get("cached_steps"):
+        parts.append(f"{u['cached_steps']:,} steps from the cache (free)")
+    if u.get("max_tokens_total"):
+        parts.append(f"token budget {u['max_tokens_total']:,} ({u['tokens_used']:.0%} used)")
+    if u.get("budget_usd"):
+        used = "" if u.get("cost_used") is None else f" ({u['cost_used']:.0%} used)"
+        parts.append(f"cost budget ${u['budget_usd']:,.2f}{used}")
+    line = "usage of all calls: " + ", ".join(parts)
+    return line + (f"; {u['budget_reached']}: the job was stopped" if u.get("budget_reached") else "")
 
 
 def phases_line(ph: dict | None) -> str:

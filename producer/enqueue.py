@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import redis
 
 from broker import errors
+from broker.adaptive import AdaptiveCaps, bounds_of, parse_concurrency
+from broker.job_budgets import budget_problem, job_price
 from broker.caps import MAX_CONCURRENCY, MAX_INSTANCES, FleetSlots, Limits, server_name
 from broker.keys import Keys
 from broker.ledger import Ledger
@@ -40,6 +42,9 @@ def check_job_settings(settings: Settings) -> None:
         # Workers refuse it too; saying so here spares a job whose every episode is dead-lettered.
         raise SettingsError(f"episode_hook must be 'module:attribute' (no dotted attribute path), "
                             f"got {settings.episode_hook!r}")
+    problem = budget_problem(settings.max_tokens_total, settings.budget_usd, settings.model_prices, settings.model)
+    if problem:
+        raise SettingsError(problem)
 
 
 def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
@@ -69,6 +74,9 @@ def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
         resume=not settings.no_resume and plan.resume is not False,
         retry_on=errors.parse_retry_on(settings.retry_on),
         cache=job_cache(settings, plan),
+        max_tokens_total=settings.max_tokens_total,
+        budget_usd=settings.budget_usd,
+        price=list(job_price(settings.model_prices, settings.model) or ()),
     )
 
 
@@ -104,8 +112,11 @@ def job_limits(settings: Settings, plan: PlannedJob) -> Limits:
     ``env_fleet_max_concurrency`` and ``env_fleet_max_instances``, the last two for every env
     server the job uses)."""
     limits = Limits.from_dict(plan.limits)
-    if not limits.model and settings.llm_fleet_max_concurrency > 0:
-        limits.model = settings.llm_fleet_max_concurrency
+    fleet = parse_concurrency(settings.llm_fleet_max_concurrency)
+    if not limits.model and fleet.auto:  # adaptive: it starts at fleet.start (broker/adaptive.py)
+        limits.model, limits.model_auto = fleet.start, fleet.bounds
+    elif not limits.model and fleet.fixed > 0:
+        limits.model = fleet.fixed
     limits.model_rpm = limits.model_rpm or settings.llm_fleet_rpm
     limits.model_tpm = limits.model_tpm or settings.llm_fleet_tpm
     defaults = {k: n for k, n in ((MAX_CONCURRENCY, settings.env_fleet_max_concurrency),
@@ -149,6 +160,12 @@ def submit_plan(client: redis.Redis, settings: Settings, planned: PlannedJob) ->
     limits = Limits.from_dict(job.limits)
     keys = Keys(settings.key_prefix)
     FleetSlots(client, keys, int(settings.lease_ttl_s * 1000)).register(limits.all_caps(keys, job.llm_base_url))
+    bounds = bounds_of(limits.model_auto)
+    for cap in limits.model_caps(keys, job.llm_base_url):  # its limit in force, adaptive or not (broker/adaptive.py)
+        if bounds:
+            AdaptiveCaps(client, keys).configure(cap.key, *bounds, limits.model, f"start: job {job_id}")
+        else:
+            AdaptiveCaps(client, keys).fix(cap.key, limits.model, f"start: job {job_id}")
     if limits.model_rpm or limits.model_tpm:  # shown by status and metrics
         client.hset(keys.rates, server_name(job.llm_base_url), f"{limits.model_rpm} {limits.model_tpm}")
     push_episodes(client, ((job_id, e.episode_id, settings.queue_for(e)) for e in planned.episodes))

@@ -50,6 +50,7 @@ import redis
 
 from broker.caps import Cap, FleetSlots
 from broker.duty import Duty
+from workers.adaptive import AdaptiveReporter, LiveLimits
 from workers.budget import Budget
 
 log = logging.getLogger("interactor.fleetcaps")
@@ -76,6 +77,7 @@ class _Pool:
         self.contended = False  # another process waits for one of these caps
         self.share = 0  # and then this pool keeps at most this many (0: it takes turns)
         self.turn_from = 0.0  # when it last came to hold slots, having held none (monotonic)
+        self.short = False  # since the keeper's last tick, a take got fewer slots than calls waited
 
     @property
     def free(self) -> int:
@@ -109,7 +111,26 @@ class FleetGate:
         self._pools: dict[tuple[str, ...], _Pool] = {}
         self._keeper: SlotKeeper | None = None
         self.waits = 0  # borrows that found no free slot
+        # adaptive caps and a job's live limits (workers/adaptive.py), made when first asked for
+        self._adaptive: AdaptiveReporter | None = None
+        self._live: LiveLimits | None = None
         self.round_trips = 0  # takes and gives (the keeper's renewals not counted)
+
+    @property
+    def adaptive(self) -> AdaptiveReporter:
+        """This process's reporter of outcomes under adaptive caps; the keeper flushes it."""
+        with self._lock:
+            if self._adaptive is None:
+                self._adaptive = AdaptiveReporter(self.slots.r, self.slots.k)
+            return self._adaptive
+
+    @property
+    def live(self) -> LiveLimits:
+        """The jobs' live limits (``interactor job JOB set``), read every few seconds at most."""
+        with self._lock:
+            if self._live is None:
+                self._live = LiveLimits(self.slots.r, self.slots.k)
+            return self._live
 
     def _pool(self, caps: Sequence[Cap]) -> _Pool:
         key = tuple(sorted(c.key for c in caps))
@@ -151,7 +172,11 @@ class FleetGate:
                         continue
                     pool.asking = i_ask = True
                     want = min(BLOCK_MAX, max(pool.waiting, pool.held, 1))
-                if self._take(pool, want):
+                    waiting = pool.waiting
+                granted = self._take(pool, want)
+                if granted < waiting:  # the cap is full: this process's demand reaches its limit
+                    pool.short = True
+                if granted:
                     with self._lock:  # the others may take what came; this one asks no more
                         pool.asking = i_ask = False
                         pool.freed.notify_all()
@@ -236,7 +261,17 @@ class FleetGate:
 
     def keep(self) -> None:
         """The keeper's tick: renew every pool's lease (one round trip), then give back what no
-        call needed since the last tick, and what is above a contended pool's share."""
+        call needed since the last tick, and what is above a contended pool's share; then the
+        tick's outcomes under adaptive caps, with the caps whose calls waited (workers/adaptive.py)."""
+        self._renew()
+        if self._adaptive is not None:
+            with self._lock:
+                demand = {c.key for p in self._pools.values() if p.short or p.waiting for c in p.caps}
+                for p in self._pools.values():
+                    p.short = False
+            self._adaptive.flush(demand)
+
+    def _renew(self) -> None:
         with self._io:
             with self._lock:
                 pools = [p for p in self._pools.values() if p.held > 0]

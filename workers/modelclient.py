@@ -8,7 +8,10 @@ Retry rule: a chat completion has no side effects we care about, so 429, 5xx, co
 and timeouts are retried: at most ``1 + settings.llm_retries`` tries, capped exponential back-off
 with full jitter (``llm_backoff_initial_s`` .. ``llm_backoff_max_s``), a ``Retry-After`` header
 (seconds or HTTP date) replacing the back-off when present, capped at ``llm_backoff_max_s``.
-Exhausted: ``MODEL_UNAVAILABLE`` (transient). An error answer saying that the prompt is longer
+Exhausted: ``MODEL_UNAVAILABLE`` (transient). A job whose model cap adapts to the server
+(``--concurrency auto``, workers/adaptive.py) retries 429, 502/503/504 and read timeouts until
+the attempt's budget ends instead: the cap shrinks until the server copes, and the episode must
+not fail meanwhile; its other failures keep the ``llm_retries`` bound. An error answer saying that the prompt is longer
 than the model's context window (:func:`context_overflow`): ``ContextOverflow`` at once, which
 the step loop turns into the episode's truncated end. Any other 4xx: ``MODEL_BAD_REQUEST`` at once
 (permanent: a malformed request, a bad parameter). Not JSON, no choices, wrong types, or an answer
@@ -104,6 +107,18 @@ class ModelClient(PooledClient):
         except (TypeError, ValueError) as exc:
             raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request body is not JSON-serialisable ({type(exc).__name__})") from None
         tries = 0
+        # Under an adaptive cap (workers/adaptive.py) an overload is the cap's to fix: it is
+        # retried until the attempt's budget ends; other failures keep the llm_retries bound.
+        adaptive = getattr(pacer, "adaptive", False)
+        others = 0
+
+        def bounded(error: Retryable) -> Retryable:
+            nonlocal others
+            if adaptive:
+                others += 1
+                if others > max(0, s.llm_retries):
+                    raise error.error
+            return error
 
         def attempt() -> Reply:
             nonlocal tries
@@ -125,7 +140,11 @@ class ModelClient(PooledClient):
                     raise EpisodeError(EPISODE_TIMEOUT, f"{what}: the attempt's time budget ran out") from None
                 # The request exception's text holds host/port/path only, but it is not chained
                 # (belt and braces: nothing of the request can leak through a traceback).
-                raise Retryable(EpisodeError(MODEL_UNAVAILABLE, f"{what}: {describe(exc)}", outage=True)) from None
+                error = Retryable(EpisodeError(MODEL_UNAVAILABLE, f"{what}: {describe(exc)}", outage=True))
+                if adaptive and isinstance(exc, requests.exceptions.ReadTimeout):
+                    pacer.after_failure("read timeout")
+                    raise error from None
+                raise bounded(error) from None
             except EpisodeError:
                 raise  # the budget ran out mid-answer (workers/http_watchdog.py)
             except Exception as exc:  # e.g. InvalidHeader/InvalidURL, whose text may quote values
@@ -141,16 +160,17 @@ class ModelClient(PooledClient):
                     raise ContextOverflow(f"{what}: the prompt is longer than the model's context ({server}): "
                                           f"HTTP {reply.status}: {text}", server=server, status=reply.status)
             if reply.status == 429 or reply.status >= 500:
-                raise Retryable(
+                error = Retryable(
                     EpisodeError(MODEL_UNAVAILABLE, f"{what}: HTTP {reply.status}: {text}", status=reply.status,
-                                 outage=reply.status in (429, 502, 503, 504)),
+                                 outage=reply.status in _OUTAGE_STATUSES),
                     retry_after=retry_after_s(reply.headers, s.llm_backoff_max_s),
                 )
+                raise error if reply.status in _OUTAGE_STATUSES else bounded(error)
             raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: HTTP {reply.status}: {text}", status=reply.status)
 
         reply = run_with_retries(
             attempt,
-            attempts=1 + max(0, s.llm_retries),
+            attempts=_UNTIL_DEADLINE if adaptive else 1 + max(0, s.llm_retries),
             backoff_initial_s=s.llm_backoff_initial_s,
             backoff_max_s=s.llm_backoff_max_s,
             deadline=deadline,
@@ -227,6 +247,7 @@ CONTEXT_OVERFLOW_SIGNS: tuple[tuple[str, str, str], ...] = (
 )
 # 429 and 502/503/504 are a busy or absent server whatever the body says (a proxy's page).
 _OUTAGE_STATUSES = frozenset({429, 502, 503, 504})
+_UNTIL_DEADLINE = 1 << 30  # the tries of an adaptive job's call: its overloads end only with the attempt's budget
 
 
 def context_overflow(body: bytes) -> str | None:

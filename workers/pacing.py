@@ -48,16 +48,20 @@ class Pacing:
                 lock = self._lines[server] = threading.Lock()
             return lock
 
-    def pacer(self, server: str, rpm: int, tpm: int, check: Callable[[], None], budget: Budget) -> "Pacer":
-        return Pacer(self, server, rpm, tpm, check, budget)
+    def pacer(self, server: str, rpm: int, tpm: int, check: Callable[[], None], budget: Budget,
+              live: Callable[[int, int], tuple[int, int]] | None = None) -> "Pacer":
+        return Pacer(self, server, rpm, tpm, check, budget, live)
 
 
 class Pacer:
     """One attempt's pacing of its requests to one endpoint."""
 
-    def __init__(self, pacing: Pacing, server: str, rpm: int, tpm: int, check: Callable[[], None], budget: Budget):
+    def __init__(self, pacing: Pacing, server: str, rpm: int, tpm: int, check: Callable[[], None], budget: Budget,
+                 live: Callable[[int, int], tuple[int, int]] | None = None):
         self.pacing, self.server, self.rpm, self.tpm = pacing, server, rpm, tpm
         self.check, self.budget = check, budget
+        # the job's rates changed while it runs (workers/adaptive.py LiveLimits: cached, no round trip a try)
+        self.live = live
 
     def before_try(self) -> None:
         rates, line = self.pacing.rates, self.pacing.line(self.server)
@@ -69,6 +73,8 @@ class Pacer:
             self.budget.pause(now - last)
             last = now
 
+        if self.live is not None:
+            self.rpm, self.tpm = self.live(self.rpm, self.tpm)
         while not line.acquire(timeout=_SLICE_S):
             self.check()
             waited()

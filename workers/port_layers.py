@@ -21,6 +21,7 @@ from broker.keys import env_instance_id
 from broker.records import EpisodeSpec, JobSpec
 from workers import limits
 from workers.attempt_parts import AttemptParts
+from workers.adaptive import AdaptivePacer
 from workers.budget import Budget
 from workers.fleetcaps import CappedEnv, CappedPolicy
 from workers.ports import BoundEnv, BoundPolicy, Guard, policy_url
@@ -38,7 +39,11 @@ class PortContext:
     check: Callable[[], None]
 
     def caps(self) -> Limits | None:
-        return Limits.from_dict(self.job.limits) if self.job.limits else None
+        """The job's limits: its spec's, with those changed while it runs over them (``interactor
+        job JOB set``; workers/adaptive.py LiveLimits reads them every few seconds, not per call)."""
+        spec = Limits.from_dict(self.job.limits) if self.job.limits else None
+        fleet = getattr(self.parts, "fleet", None)
+        return fleet.live.over(self.job.job_id, spec) if fleet is not None else spec
 
 
 class Endpoint:
@@ -68,9 +73,25 @@ class Paced:
         caps = c.caps()
         if caps is None or not (caps.model_rpm or caps.model_tpm):
             return policy
+        job_id, live = c.job.job_id, c.parts.fleet.live
         pacer = c.parts.pacing.pacer(server_name(c.job.llm_base_url), caps.model_rpm, caps.model_tpm, c.check,
-                                     c.budget)
+                                     c.budget, live=lambda rpm, tpm: live.rates(job_id, rpm, tpm))
         return dataclasses.replace(policy, pacer=pacer)
+
+
+class Adaptive:
+    """A job whose model cap adapts to the server (``--concurrency auto``, broker/adaptive.py):
+    each try's outcome is reported (workers/adaptive.py), and overloads are retried within the
+    attempt's budget. Beside the pacer, on the endpoint, so that every try is seen."""
+
+    def wrap(self, policy: BoundPolicy, c: PortContext) -> BoundPolicy:
+        caps = c.caps()
+        if caps is None or not caps.model_auto or caps.model <= 0:
+            return policy
+        cap_key = caps.model_caps(c.parts.keys, c.job.llm_base_url)[0].key
+        reporter = c.parts.fleet.adaptive
+        reporter.track(cap_key, caps.model)
+        return dataclasses.replace(policy, pacer=AdaptivePacer(policy.pacer, reporter, cap_key))
 
 
 class Versioned:
@@ -122,7 +143,7 @@ class Cached:
         return CachedPolicy(policy, cache, c.job, getattr(c.spec, "sampling", None))
 
 
-POLICY_LAYERS = (Endpoint(), EntrySampling(), Paced(), Versioned(), ProcessGate(), FleetCaps(), Cached())
+POLICY_LAYERS = (Endpoint(), EntrySampling(), Paced(), Adaptive(), Versioned(), ProcessGate(), FleetCaps(), Cached())
 
 
 def policy_port(c: PortContext, layers=POLICY_LAYERS) -> Any:

@@ -1,7 +1,7 @@
 -- GIVE (broker/caps.py), after caps_cap_fn.lua.
--- KEYS: clock, hold, quadruples per cap   ARGV: holder, count
+-- KEYS: clock, hold, live limits, quadruples per cap   ARGV: holder, count
 -- Gives ``count`` slots back (all: the holder is gone). Returns 0.
-for i = 1, (#KEYS - 2) / 4 do
+for i = 1, ncaps() do
   local z, h = cap(i)
   if redis.call('HINCRBY', h, ARGV[1], -tonumber(ARGV[2])) <= 0 then
     redis.call('HDEL', h, ARGV[1])

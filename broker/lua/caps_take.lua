@@ -1,7 +1,7 @@
 -- TAKE (broker/caps.py), after now.lua, ledger_outage_fn.lua, caps_cap_fn.lua, caps_sweep_fn.lua
 -- and caps_ahead_fn.lua.
--- KEYS: clock, hold, quadruples per cap
--- ARGV: holder, ttl_ms, want, wanted_ttl_ms, gap_ms, hold_ms, limit per cap
+-- KEYS: clock, hold, live limits, quadruples per cap
+-- ARGV: holder, ttl_ms, want, wanted_ttl_ms, gap_ms, hold_ms, limit per cap (its live limit wins)
 -- Grants up to ``want`` slots of every cap (the same number of each: what the fullest has
 -- room for, the queue's share set aside), and extends the holder's lease. In each cap that
 -- had less room than it wanted, the holder is noted as waiting (and queued when it holds
@@ -9,15 +9,16 @@
 -- count of the first cap as Redis had it, so that a holder learns its slots lapsed).
 local holder, ttl, want = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local held = reclaim_held(KEYS[1], KEYS[2], ARGV[5], ARGV[6]) == 1
-local n = (#KEYS - 2) / 4
+local n = ncaps()
 local grant, rooms = want, {}
 for i = 1, n do
   local z, h, w, q = cap(i)
-  rooms[i] = tonumber(ARGV[6 + i]) - sweep(z, h, held) - ahead(h, w, q, holder)
+  rooms[i] = live_limit(i, ARGV[6 + i]) - sweep(z, h, held) - ahead(h, w, q, holder)
   if rooms[i] < grant then grant = rooms[i] end
 end
 if grant < 0 then grant = 0 end
-local before = tonumber(redis.call('HGET', KEYS[4], holder) or '0')
+local _, h1 = cap(1)
+local before = tonumber(redis.call('HGET', h1, holder) or '0')
 for i = 1, n do
   local z, h, w, q = cap(i)
   if grant > 0 then

@@ -1,9 +1,9 @@
 -- USE (broker/caps.py), after now.lua and caps_cap_fn.lua.
--- KEYS: clock, hold, quadruples per cap
+-- KEYS: clock, hold, live limits, quadruples per cap
 -- The slots held of each cap by holders whose lease is live (status, metrics), one number per
 -- cap. Reads only: a status never sweeps, nor stamps the caps' clock.
 local out = {}
-for i = 1, (#KEYS - 2) / 4 do
+for i = 1, ncaps() do
   local z, h = cap(i)
   local used = 0
   local counts = redis.call('HGETALL', h)

@@ -133,6 +133,8 @@ class StoreReads:
             "resumes": self.resume_summary(job_id),
             # completed on the first try apart from after retries, per env_name (consumer/storage/retry_split.py)
             "retries": self.retry_split(job_id),
+            # tokens and cost of every stored step, the budgets and how much is used (consumer/storage/job_usage.py)
+            "usage": self.job_usage(job_id, spec, counts.get(StoredStatus.CANCELLED, 0)),
             "groups": {
                 "total": int(total),
                 "complete": int(complete),
@@ -393,6 +395,13 @@ class StoreReads:
             if not r and note:
                 fallbacks[note] = fallbacks.get(note, 0) + 1
         return {"resumed": len(resumed), "steps_saved": sum(r - 1 for r in resumed), "fallbacks": fallbacks}
+
+    def job_usage(self, job_id: str, spec: dict | None = None, cancelled: int = 0) -> dict:
+        """The job's tokens and cost over all its stored steps, with its budgets (consumer/storage/job_usage.py)."""
+        from consumer.storage import job_usage, step_cached
+
+        row = self.query(job_usage.sql(self.has_table(step_cached.TABLE)), (job_id, job_id))[0]
+        return job_usage.usage(row, spec if spec is not None else self.job(job_id), cancelled)
 
     def retry_split(self, job_id: str) -> dict:
         """The job's completed episodes that completed on their first try apart from those that

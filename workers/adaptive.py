@@ -1,0 +1,163 @@
+"""A worker process's side of adaptive concurrency and of a job's live limits (broker/adaptive.py).
+
+* :class:`LiveLimits`: the limits a job's operator changed while it runs (``interactor job JOB
+  set``), read at most once per :data:`LIVE_TTL_S` per job and process, never per call: an
+  attempt's ports are built from the job spec's limits with these over them.
+* :class:`AdaptiveReporter` (one per process): the outcomes of calls under an adaptive cap.
+  Successes are counted and sent once per keeper tick (workers/fleetcaps.py), with whether calls
+  of this process waited for the cap in that tick (the demand that lets the limit grow); an
+  overload (429, 502/503/504, a read timeout) is sent at once, the others of the same second
+  coalesced here (the rule cuts once per cooldown anyway).
+* :class:`AdaptivePacer`: the model client's pacer hooks (workers/modelclient.py) that tell the
+  reporter; it wraps the rate limits' pacer when the job has one. A client whose pacer is
+  adaptive retries overloads until the attempt's budget ends, not ``--llm-retries`` times:
+  the cap is cut so that the server recovers, and the episode must not fail meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Iterable, Mapping
+
+import redis
+
+from broker.adaptive import COOLDOWN_MS, LIVE_AUTO, LIVE_MODEL, LIVE_RPM, LIVE_TPM, AdaptiveCaps
+from broker.caps import Limits
+from broker.keys import Keys
+
+log = logging.getLogger("interactor.adaptive")
+
+LIVE_TTL_S = 3.0  # a job's live limits are read again this often at most (per job, per process)
+OVERLOAD_STATUSES = frozenset({429, 502, 503, 504})
+
+
+class LiveLimits:
+    """A job's live limits (``Keys.job_limits``), cached per job for :data:`LIVE_TTL_S`."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: float = LIVE_TTL_S):
+        self.r, self.k, self.ttl_s = client, keys, ttl_s
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, dict[str, str]]] = {}
+
+    def fields(self, job_id: str) -> dict[str, str]:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._seen.get(job_id)
+        if hit is not None and now - hit[0] < self.ttl_s:
+            return hit[1]
+        try:
+            raw = {k.decode(): v.decode("utf-8", "replace") for k, v in self.r.hgetall(self.k.job_limits(job_id)).items()}
+        except redis.RedisError as exc:  # the spec's limits hold meanwhile; the next read tries again
+            log.warning("could not read job %s's live limits: %s", job_id, exc)
+            raw = hit[1] if hit is not None else {}
+        with self._lock:
+            self._seen[job_id] = (now, raw)
+        return raw
+
+    def over(self, job_id: str, limits: Limits | None) -> Limits | None:
+        """``limits`` (the job spec's) with the live ones over them; None when neither sets any."""
+        live = self.fields(job_id)
+        if not live:
+            return limits
+        out = Limits.from_dict(limits.to_dict()) if limits else Limits()
+        if _count(live.get(LIVE_MODEL)) is not None:
+            out.model, out.model_auto = _count(live[LIVE_MODEL]) or 0, live.get(LIVE_AUTO, "")
+        if _count(live.get(LIVE_RPM)) is not None:
+            out.model_rpm = _count(live[LIVE_RPM]) or 0
+        if _count(live.get(LIVE_TPM)) is not None:
+            out.model_tpm = _count(live[LIVE_TPM]) or 0
+        return out if out else None
+
+    def rates(self, job_id: str, rpm: int, tpm: int) -> tuple[int, int]:
+        """The job's request and token rates now: the live ones, else ``rpm``, ``tpm``."""
+        live = self.fields(job_id)
+        r, t = _count(live.get(LIVE_RPM)), _count(live.get(LIVE_TPM))
+        return (rpm if r is None else r), (tpm if t is None else t)
+
+
+def _count(value: Any) -> int | None:
+    """A live limit's number (written by others: anything else is no limit set)."""
+    text = str(value).strip() if value is not None else ""
+    return int(text) if text.isdigit() else None
+
+
+class AdaptiveReporter:
+    """This process's reports of outcomes under adaptive caps (module docstring)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, cooldown_ms: int = COOLDOWN_MS):
+        self.caps = AdaptiveCaps(client, keys)
+        self.cooldown_s = cooldown_ms / 1000.0
+        self._lock = threading.Lock()
+        self._ok: dict[str, int] = {}
+        self._start: dict[str, int] = {}
+        self._cut_sent: dict[str, float] = {}
+        self.overloads_seen = 0
+        self.overloads_sent = 0
+
+    def track(self, cap_key: str, start: int) -> None:
+        with self._lock:
+            self._start.setdefault(cap_key, start)
+
+    def success(self, cap_key: str) -> None:
+        with self._lock:
+            self._ok[cap_key] = self._ok.get(cap_key, 0) + 1
+
+    def overload(self, cap_key: str, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.overloads_seen += 1
+            if now - self._cut_sent.get(cap_key, -1e9) < self.cooldown_s:
+                return
+            self._cut_sent[cap_key] = now
+            start = self._start.get(cap_key, 1)
+            self.overloads_sent += 1
+        try:
+            limit, changed = self.caps.report(cap_key, start, overload=reason)
+            if changed:
+                log.info("adaptive cap %s: %s, limit now %d", cap_key, reason, limit)
+        except redis.RedisError as exc:  # the call retries all the same; the next overload tells
+            log.warning("could not report an overload of %s: %s", cap_key, exc)
+
+    def flush(self, demand: Iterable[str]) -> None:
+        """The keeper's tick: each cap's successes since the last, with whether calls waited."""
+        waited = set(demand)
+        with self._lock:
+            counts, self._ok = self._ok, {}
+            starts = dict(self._start)
+        for cap_key, n in counts.items():
+            try:
+                self.caps.report(cap_key, starts.get(cap_key, 1), successes=n, demand=cap_key in waited)
+            except redis.RedisError as exc:  # lost successes only slow the growth a little
+                log.warning("could not report %d successes of %s: %s", n, cap_key, exc)
+
+
+class AdaptivePacer:
+    """The model client's pacer hooks for a call under an adaptive cap: outcomes to the reporter,
+    the rest to the rate limits' pacer ``inner`` (None: the job has no rate limit)."""
+
+    adaptive = True  # workers/modelclient.py: overloads are retried within the attempt's budget
+
+    def __init__(self, inner: Any, reporter: AdaptiveReporter, cap_key: str):
+        self.inner, self.reporter, self.cap_key = inner, reporter, cap_key
+
+    def before_try(self) -> None:
+        if self.inner is not None:
+            self.inner.before_try()
+
+    def after_reply(self, status: int, headers: Mapping[str, str] | None) -> None:
+        if self.inner is not None:
+            self.inner.after_reply(status, headers)
+        if status in OVERLOAD_STATUSES:
+            self.reporter.overload(self.cap_key, f"HTTP {status}")
+        elif 200 <= status < 300:
+            self.reporter.success(self.cap_key)
+
+    def after_failure(self, what: str) -> None:
+        """A try that got no answer: ``what`` (a read timeout) is an overload."""
+        self.reporter.overload(self.cap_key, what)
+
+    def charge(self, tokens: int | None) -> None:
+        if self.inner is not None:
+            self.inner.charge(tokens)
