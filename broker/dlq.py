@@ -135,6 +135,20 @@ class DeadLetterQueue:
         self._resume({job_id}, who)
         return sent
 
+    def redrive_episodes(self, job_id: str, episode_ids: list[str], *, who: str | None = None,
+                         audit: bool = True) -> list[str]:
+        """Re-drive these failed episodes of one job (letter or not); returns those sent. The
+        caller checked that the job is not cancelled. ``audit``: False when the caller writes the
+        job's audit entry itself (a rerun that re-drove its failed episodes)."""
+        specs = self.ledger.episode_specs(job_id, episode_ids)
+        sent = [e for e in episode_ids if self._redrive(job_id, e, specs[e].queue if e in specs else "")]
+        for e in sent:
+            self._remove(f"{job_id} {e}")
+        if sent and audit:
+            self._audit(job_id, sent, who)
+        self._resume({job_id}, who)
+        return sent
+
     def cancelled_jobs(self, letters: Iterable[DeadLetter]) -> set[str]:
         """The jobs of ``letters`` that were cancelled: their letters are not re-driven."""
         return JobCancel(self.r, self.settings).cancelled(sorted({d.job_id for d in letters}))

@@ -19,6 +19,9 @@ AGENT_TIMEOUT = "agent_timeout"
 # Not a failure: the job was cancelled (`interactor cancel`, broker/cancel.py). The reason of a
 # cancelled episode and of the attempt stopped by it, and the incomplete_reason of its group.
 CANCELLED = "cancelled"
+# Not a failure: a completed episode was run again (`interactor job JOB rerun`, broker/rerun.py).
+# The superseded_reason of its earlier trajectory, and the reason of its row until the rerun ends.
+RERUN = "rerun"
 
 # Outages: a server was down for longer than INTERACTOR_OUTAGE_BUDGET_S. While a server is down
 # its episodes wait (workers/breakers.py); only an outage past the budget ends an episode, and

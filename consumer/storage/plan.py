@@ -34,6 +34,13 @@ The rules (docs/protocol.md, "What is stored"):
   the cancel closes: steps of that attempt arriving later are set aside, its other closes change
   nothing. Only a completion changes a cancelled episode (what completed is never lost), and a
   cancel changes nothing of a completed or failed one.
+* A rerun (``interactor job JOB rerun``, broker/rerun.py; an ``EpisodeRerun`` record, written
+  before any step of the new attempt) undoes the first-completion rule once: the completed
+  trajectory's rows move to ``superseded_steps`` as ``rerun``, the episode is ``retrying``
+  (reason ``rerun``) and the next attempt's steps and completion are its trajectory. A rerun
+  whose completion is of an attempt above the record's ``after_attempt`` changes nothing (it is
+  the rerun's own: the record stored again). Rows of the new attempt stored before the record
+  (several consumers commit out of order) come back when the new attempt takes over.
 * A completed attempt whose steps are not all stored yet is ``completing``; it becomes
   ``completed`` when the last step arrives (with several consumers, steps and the close may be
   committed in any order). The consumer re-runs a completion whose steps were lost in Redis.
@@ -49,6 +56,7 @@ from typing import Any, Iterable, Sequence
 
 from broker import errors
 from broker.errors import STEPS_LOST
+from broker.control_records import EpisodeRerun
 from broker.records import AttemptRecord, EpisodesCancelled, EpisodesEnqueued, EpisodeSpec, JobSpec, StepRecord
 from broker.states import AttemptStatus, StoredStatus
 
@@ -63,6 +71,7 @@ SUPERSEDED = "superseded"  # a newer attempt took over
 STALE = "stale"  # a step of an attempt older than the current one, arriving late
 ROLLED_BACK = "rolled_back"  # the same attempt number ran twice (Redis lost writes); the earlier run
 COMPLETED_BY_OTHER = "completed_by_other"  # the episode was completed by another attempt first
+RERUN = errors.RERUN  # the episode was run again (interactor job rerun): its earlier completed trajectory
 # STEPS_LOST (broker/errors.py): completed, but some of its steps never reached the database
 
 
@@ -183,6 +192,8 @@ class Batch:
             elif t is EpisodesCancelled:
                 for c in Cancel.each(r):
                     b.events.setdefault(c.episode_id, []).append((c, entry))
+            elif t is EpisodeRerun:
+                b.events.setdefault(r.episode_id, []).append((r, entry))
             elif t is EpisodeSpec:
                 pass  # the ledger owns specs
             else:
@@ -243,7 +254,7 @@ class _Planner:
     def _switch(self, st: EpisodeState, number: int, attempt_id: str, started: float | None, same_number: bool) -> None:
         if st.attempt_id:
             self._set_aside_current(st, ROLLED_BACK if same_number else SUPERSEDED)
-        if st.status == StoredStatus.FAILED:
+        if st.status == StoredStatus.FAILED or st.reason == errors.RERUN:
             # A failed episode taken over (a re-drive; or an attempt that was running when a
             # lower-numbered dead letter was processed after its rows and set them aside): any
             # rows of the attempt set aside so far are its trajectory again.
@@ -340,6 +351,8 @@ class _Planner:
             return
         if st.completed_attempt_id:
             return  # the completing attempt's close, again
+        if st.reason == errors.RERUN and attempt_id == st.attempt_id:
+            return  # the close of the trajectory a rerun set aside, stored again
         if st.attempt_closed == AttemptStatus.CANCELLED and c.status != AttemptStatus.COMPLETED:
             return  # the job was cancelled: only a completion ends the episode otherwise
         if c.started_at and c.started_at > 0 and not c.trajectory:
@@ -359,6 +372,18 @@ class _Planner:
         st.status = _CLOSED_STATUS.get(c.status, StoredStatus.RETRYING)
         st.reason, st.error_class, st.error = c.reason or None, c.error_class or None, c.error or None
         st.finished_at = c.finished_at if st.status in _ENDED else None
+
+    def rerun(self, st: EpisodeState, r: EpisodeRerun) -> None:
+        """The completed episode runs again: its trajectory set aside, the episode waiting for
+        the new attempt. Nothing completed, or completed by the rerun's own attempt: no change."""
+        if not st.completed_attempt_id or st.attempt > r.after_attempt:
+            return
+        self._set_aside_current(st, RERUN)
+        st.completed_attempt_id, st.close_entry = "", ""
+        st.attempt_closed, st.status = AttemptStatus.RETRYING, StoredStatus.RETRYING
+        st.reason, st.error_class, st.ended_by, st.finished_at = errors.RERUN, None, None, None
+        st.error = f"run again (interactor job rerun) by {r.who}"[:300]
+        st.expected_steps, st.total_reward = 0, 0.0
 
     def cancel(self, st: EpisodeState, c: Cancel) -> None:
         """The episode's job was cancelled while it waited: it ends cancelled, its latest attempt
@@ -387,6 +412,10 @@ def plan_batch(batch: Batch, loaded: dict[str, EpisodeState]) -> Plan:
         events = batch.events[episode_id]
         st = loaded.get(episode_id)
         if st is None or st.placeholder:
+            # a rerun of an episode this store never saw completed has nothing to set aside
+            events = [e for e in events if type(e[0]) is not EpisodeRerun]
+            if not events:
+                continue
             first = events[0][0]
             st = EpisodeState(episode_id, job_id=first.job_id, group_id=first.group_id, env_name=first.env_name,
                               llm_model=first.llm_model, new=True)
@@ -397,6 +426,8 @@ def plan_batch(batch: Batch, loaded: dict[str, EpisodeState]) -> Plan:
                 planner.step(st, rec)
             elif t is Cancel:
                 planner.cancel(st, rec)
+            elif t is EpisodeRerun:
+                planner.rerun(st, rec)
             else:
                 planner.close(st, rec, entry)
     for rows in planner.pending.values():
