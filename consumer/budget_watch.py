@@ -112,7 +112,7 @@ class BudgetWatch:
         self.audit.record(job_id, "budget_stop", {
             "why": why, "prompt_tokens": prompt, "completion_tokens": completion, "cost_usd": round(cost, 6),
             "max_tokens_total": b.max_tokens_total, "budget_usd": b.budget_usd}, who=WHO)
-        report = self.cancel.cancel(job_id)
+        report = self.cancel.cancel(job_id, who=WHO)
         log.warning("job %s stopped: %s (%s)", job_id, why,
                     "no such job in Redis" if report is None else
                     f"{report.waiting} waiting episodes cancelled, {report.running} running told to stop")

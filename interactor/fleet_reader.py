@@ -24,6 +24,7 @@ import redis
 
 from broker.cancel import JobCancel
 from broker.caps import FleetSlots
+from broker.job_budgets import JobBudget, read_usages, usage_text
 from broker.keys import Keys
 from broker.ledger import Ledger
 from broker.audit import JobAudit
@@ -290,6 +291,13 @@ class FleetReader:
                 looked = {_s(f): int(v) for f, v in raw.items()}
                 jobs[-1]["cache"] = {"mode": spec.cache, "hits": looked.get("hits", 0),
                                      "misses": looked.get("misses", 0)}
+        usages = read_usages(self.r, k, shown) if shown else {}
+        for entry in jobs:  # tokens and cost as the consumer counted them, with the budgets (broker/job_budgets.py)
+            u, spec = usages[entry["job_id"]], specs.get(entry["job_id"])
+            b = JobBudget.of(spec) if spec is not None else JobBudget()
+            if u.tokens or u.unknown_steps or u.cached_steps or b.any:
+                entry["usage"] = u.to_dict() | {"max_tokens_total": b.max_tokens_total, "budget_usd": b.budget_usd,
+                                                "priced": b.price is not None, "text": usage_text(u, b)}
         if jobs:  # jobs with an online-RL feed show it (broker/feed.py)
             from broker import feed
 

@@ -86,10 +86,7 @@ def render_status(snap: dict) -> str:
         lines.append(f"BREAKER    {b['kind']} server {b['server']} down for {down} (seen by {b['workers']} worker "
                      f"process{'es' if b['workers'] != 1 else ''}; its episodes wait): {b['error'][:160]}")
     for cap in snap.get("caps", []):
-        auto = f", auto {cap['auto']}" if cap.get("auto") else ""
-        last = cap.get("changed")
-        why = f"; last change {_ago(last['at'])}: {last['reason']}" if last else ""
-        lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use{auto}{why}")
+        lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use")
     for rate in snap.get("rates", []):
         parts = []
         if rate["rpm"]:
@@ -118,7 +115,8 @@ def render_status(snap: dict) -> str:
         rows = [("job", "total", "done", "failed", "cancelled", "running", "queued", "retrying", "progress")]
         for j in snap["jobs"]:
             c = j["counts"]
-            mark = " (cancelled)" if j.get("cancelled") else " (paused)" if j.get("paused") else ""
+            mark = (" (stopped: budget)" if (j.get("usage") or {}).get("stop") else " (cancelled)" if j.get("cancelled")
+                    else " (paused)" if j.get("paused") else "")
             continuous = j.get("continuous")  # a feed job's producer has no total: neither 0 nor 100% of one
             rows.append((j["job_id"] + mark, "continuous" if continuous else str(j["total"]),
                          *(str(c[s]) for s in (LedgerState.DONE, LedgerState.FAILED, LedgerState.CANCELLED,
@@ -129,6 +127,8 @@ def render_status(snap: dict) -> str:
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
         for j in snap["jobs"]:
+            if j.get("usage"):  # counted by the consumer as it commits (broker/job_budgets.py)
+                lines.append(f"usage      {j['job_id']}: {j['usage']['text']}")
             cache = j.get("cache")
             if cache:
                 lines.append(f"cache      {j['job_id']}: {cache['hits']} model calls answered from the response "
@@ -159,8 +159,3 @@ def _producer_line(p: dict) -> str:
     if p["redo_dropped"]:
         line += f", {p['redo_dropped']} groups to re-run dropped (their episode specs were gone)"
     return line
-
-
-def _ago(at: float) -> str:
-    """How long ago the unix time ``at`` was, in whole seconds (a fleet cap's last change)."""
-    return f"{max(0, int(time.time() - float(at)))}s ago"

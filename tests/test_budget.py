@@ -29,6 +29,7 @@ from tests.taskfiles import write_arith_tasks
 from tests.test_cancel import write_long_tasks
 from tests.test_cli_redis import clean_env
 from tests.test_recovery import cli
+from tests.test_retry_honesty import job_page
 
 
 # --- prices, costs and refusals ----------------------------------------------------------------
@@ -207,3 +208,14 @@ def test_a_token_budget_stops_a_run_with_nothing_lost(settings, redis_client, en
     assert f"token budget {budget:,}" in shown.stdout and "token budget reached" in shown.stdout, shown.stdout
     as_json = cli(s, "results", job, "--json")
     assert json.loads(as_json.stdout)["usage"]["tokens"] == u["tokens"], as_json.stdout[-2000:]
+    # status, from Redis: the consumer's count (the same here) and the stop
+    status = cli(s, "status", job)
+    assert status.returncode == 0 and f"{job} (stopped: budget)" in status.stdout, status.stdout + status.stderr
+    assert f"usage      {job}: {u['tokens']:,} tokens" in status.stdout, status.stdout
+    assert f"of {budget:,}; stopped: token budget reached" in status.stdout, status.stdout
+    # the audit log: the stop, then the cancel it made, both signed by the budget
+    log = [(e["who"], e["action"]) for e in JobAudit(redis_client, keys).entries(job)]
+    assert log[-2:] == [("interactor (budget)", "cancel"), ("interactor (budget)", "budget_stop")], log
+    # the browser's job page, from the store
+    page = job_page(s.results_store, job)
+    assert f"{u['tokens']:,} tokens" in page and f"token budget {budget:,}" in page and 'id="budget-stop"' in page
