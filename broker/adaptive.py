@@ -8,12 +8,12 @@ slot), so a job of 5 episodes does not drift to MAX; it shrinks x0.8 on an overl
 burst cut once. The rule is one script (lua/caps_adapt.lua) over the cap's state in Redis
 (``Keys.cap_adapt``: bounds, successes since the last change, the last cut and its reason) and
 writes the limit in force where takes and renewals read it (``Keys.caps``, broker/caps.py).
-Workers report outcomes (workers/adaptive.py): successes batched per process per keeper tick,
+Workers report outcomes (workers/adaptive_caps.py): successes batched per process per keeper tick,
 overloads at once. Each change is kept in a bounded log (``Keys.cap_adapt_log``) for status, the
 browser and the plot.
 
 A job's limits changed live (``interactor job JOB set``, interactor/job_set.py) are a hash per
-job (``Keys.job_limits``): workers read it every few seconds (workers/adaptive.py
+job (``Keys.job_limits``): workers read it every few seconds (workers/adaptive_caps.py
 ``LiveLimits``) for the attempts they start, and the model cap's limit in force is written at
 once for the calls running now.
 """

@@ -75,6 +75,7 @@ from typing import Any, Iterable, Sequence
 
 import redis
 
+from broker.adaptive import AdaptiveCaps
 from broker.keys import Keys
 from broker.ledger import OUTAGE_FN
 from broker.lua_scripts import lua_file
@@ -281,7 +282,9 @@ class FleetSlots:
             self.r.hset(self.k.caps, mapping=mapping)
 
     def use(self) -> list[dict[str, Any]]:
-        """Every registered cap with the slots held of it now: [{kind, name, limit, in_use}].
+        """Every registered cap with the slots held of it now: [{kind, name, limit (in force),
+        in_use, auto ("MIN-MAX" when it adapts, else ""), changed (its last change: {at, limit,
+        reason}, or None)}].
         Held counts what workers took, lent to a call or kept for the next one a moment."""
         raw = self.r.hgetall(self.k.caps)
         if not raw:
@@ -292,5 +295,12 @@ class FleetSlots:
             kind, _, name = key[len(head):].partition(":") if key.startswith(head) else ("?", "", key)
             caps.append((kind, name, Cap.of(self.k, kind, name, int(raw[key.encode()]))))
         counts = self._use(keys=self._keys([c for _, _, c in caps]))
-        return [{"kind": kind, "name": name, "limit": cap.limit, "in_use": int(n)}
-                for (kind, name, cap), n in zip(caps, counts)]
+        out = []
+        adaptive = AdaptiveCaps(self.r, self.k)
+        for (kind, name, cap), n in zip(caps, counts):
+            # adaptive bounds ("" if fixed) and the last change of its limit (broker/adaptive.py)
+            state = adaptive.state(cap.key) if kind == CAP_MODEL else None
+            out.append({"kind": kind, "name": name, "limit": cap.limit, "in_use": int(n),
+                        "auto": f"{state['low']}-{state['high']}" if state else "",
+                        "changed": adaptive.last_change(cap.key) if kind == CAP_MODEL else None})
+        return out

@@ -123,7 +123,32 @@ class ArgumentParser(argparse.ArgumentParser):
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """INTERACTOR_* variables, overridden by whichever setting flags were given."""
     overrides = {field: getattr(args, field) for field in SETTING_FLAGS.values() if getattr(args, field, None) is not None}
+    if "concurrency" in overrides and (not overrides["concurrency"].strip().isdigit() or not hasattr(args, "pool")):
+        _job_concurrency(args, overrides)
     return Settings.from_env(**overrides)
+
+
+def _job_concurrency(args: argparse.Namespace, overrides: dict) -> None:
+    """``--concurrency auto[:MIN-MAX]`` of run (and any ``--concurrency`` of submit): the job's
+    fleet-wide model concurrency, ``--llm-fleet-max-concurrency``'s value (broker/adaptive.py).
+    On run, its local workers then get MAX episode slots in all, enough to reach MAX."""
+    from broker.adaptive import parse_concurrency
+    from broker.settings import SettingsError
+
+    value = str(overrides.pop("concurrency"))
+    if not hasattr(args, "llm_fleet_max_concurrency"):
+        raise SettingsError(f"--concurrency {value}: auto is a job's setting (its model calls in flight across the "
+                            "fleet, following the server: `run` or `submit --concurrency auto[:MIN-MAX]`); a "
+                            "worker's --concurrency is its episodes at once per process: give a number")
+    if getattr(args, "llm_fleet_max_concurrency", None) is not None:
+        raise SettingsError("give --concurrency auto[:MIN-MAX] or --llm-fleet-max-concurrency, not both")
+    try:
+        fleet = parse_concurrency(value)
+    except ValueError as exc:
+        raise SettingsError(f"--concurrency: {exc}") from None
+    overrides["llm_fleet_max_concurrency"] = str(fleet)
+    if hasattr(args, "pool") and fleet.auto:  # run: its local workers' episode slots
+        overrides["concurrency"] = fleet.high
 
 
 def redis_for(settings: Settings):

@@ -28,6 +28,9 @@ def register(sub, add) -> None:
                     help="who the audit log says made the change (default: your user@host)")
     sp.add_argument("--json", action="store_true", help="print the outcome as JSON")
     # --- set's flags (interactor/job_set.py) ---
+    from interactor.job_set import add_flags
+
+    add_flags(sp)
     # --- rerun's and log's flags (interactor/job_rerun.py) ---
 
 

@@ -72,6 +72,10 @@ METRICS = (
                "this reason (interactor resume JOB continues it)"),
     MetricSpec("interactor_fleet_cap_limit", "gauge", "A fleet-wide cap: slots in all"),
     MetricSpec("interactor_fleet_cap_in_use", "gauge", "A fleet-wide cap: slots held now"),
+    MetricSpec("interactor_fleet_cap_auto_bound", "gauge", "An adaptive cap's bounds (bound: min, max): its "
+               "limit follows the server between them (--concurrency auto, broker/adaptive.py)"),
+    MetricSpec("interactor_fleet_cap_changed_seconds", "gauge", "Unix time of a fleet-wide cap's last change of "
+               "limit (adaptive rule or interactor job JOB set)"),
     MetricSpec("interactor_rate_limit", "gauge", "A model endpoint's fleet-wide rate limit, per minute"),
     MetricSpec("interactor_rate_bucket", "gauge", "What the endpoint's bucket holds now (may be below 0 "
                "for tokens: answers used more than it had)"),
@@ -256,8 +260,19 @@ def _limits(snap: dict):
     for cap in snap.get("caps", []):
         cl.add_metric([cap["kind"], cap["name"]], cap["limit"])
         cu.add_metric([cap["kind"], cap["name"]], cap["in_use"])
+    ab = _family("interactor_fleet_cap_auto_bound", ["kind", "name", "bound"])
+    ch = _family("interactor_fleet_cap_changed_seconds", ["kind", "name"])
+    for cap in snap.get("caps", []):
+        low, _, high = (cap.get("auto") or "").partition("-")
+        if high:
+            ab.add_metric([cap["kind"], cap["name"], "min"], int(low))
+            ab.add_metric([cap["kind"], cap["name"], "max"], int(high))
+        if cap.get("changed"):
+            ch.add_metric([cap["kind"], cap["name"]], cap["changed"]["at"])
     yield cl
     yield cu
+    yield ab
+    yield ch
     rl = _family("interactor_rate_limit", ["server", "unit"])
     rb = _family("interactor_rate_bucket", ["server", "unit"])
     rh = _family("interactor_rate_hold_seconds", ["server"])

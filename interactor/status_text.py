@@ -86,7 +86,10 @@ def render_status(snap: dict) -> str:
         lines.append(f"BREAKER    {b['kind']} server {b['server']} down for {down} (seen by {b['workers']} worker "
                      f"process{'es' if b['workers'] != 1 else ''}; its episodes wait): {b['error'][:160]}")
     for cap in snap.get("caps", []):
-        lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use")
+        auto = f", auto {cap['auto']}" if cap.get("auto") else ""
+        last = cap.get("changed")
+        why = f"; last change {_ago(last['at'])}: {last['reason']}" if last else ""
+        lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use{auto}{why}")
     for rate in snap.get("rates", []):
         parts = []
         if rate["rpm"]:
@@ -159,3 +162,8 @@ def _producer_line(p: dict) -> str:
     if p["redo_dropped"]:
         line += f", {p['redo_dropped']} groups to re-run dropped (their episode specs were gone)"
     return line
+
+
+def _ago(at: float) -> str:
+    """How long ago the unix time ``at`` was, in whole seconds (a fleet cap's last change)."""
+    return f"{max(0, int(time.time() - float(at)))}s ago"

@@ -50,7 +50,7 @@ import redis
 
 from broker.caps import Cap, FleetSlots
 from broker.duty import Duty
-from workers.adaptive import AdaptiveReporter, LiveLimits
+from workers.adaptive_caps import AdaptiveReporter, LiveLimits
 from workers.budget import Budget
 
 log = logging.getLogger("interactor.fleetcaps")
@@ -111,7 +111,7 @@ class FleetGate:
         self._pools: dict[tuple[str, ...], _Pool] = {}
         self._keeper: SlotKeeper | None = None
         self.waits = 0  # borrows that found no free slot
-        # adaptive caps and a job's live limits (workers/adaptive.py), made when first asked for
+        # adaptive caps and a job's live limits (workers/adaptive_caps.py), made when first asked for
         self._adaptive: AdaptiveReporter | None = None
         self._live: LiveLimits | None = None
         self.round_trips = 0  # takes and gives (the keeper's renewals not counted)
@@ -262,7 +262,7 @@ class FleetGate:
     def keep(self) -> None:
         """The keeper's tick: renew every pool's lease (one round trip), then give back what no
         call needed since the last tick, and what is above a contended pool's share; then the
-        tick's outcomes under adaptive caps, with the caps whose calls waited (workers/adaptive.py)."""
+        tick's outcomes under adaptive caps, with the caps whose calls waited (workers/adaptive_caps.py)."""
         self._renew()
         if self._adaptive is not None:
             with self._lock:

@@ -9,7 +9,7 @@ and timeouts are retried: at most ``1 + settings.llm_retries`` tries, capped exp
 with full jitter (``llm_backoff_initial_s`` .. ``llm_backoff_max_s``), a ``Retry-After`` header
 (seconds or HTTP date) replacing the back-off when present, capped at ``llm_backoff_max_s``.
 Exhausted: ``MODEL_UNAVAILABLE`` (transient). A job whose model cap adapts to the server
-(``--concurrency auto``, workers/adaptive.py) retries 429, 502/503/504 and read timeouts until
+(``--concurrency auto``, workers/adaptive_caps.py) retries 429, 502/503/504 and read timeouts until
 the attempt's budget ends instead: the cap shrinks until the server copes, and the episode must
 not fail meanwhile; its other failures keep the ``llm_retries`` bound. An error answer saying that the prompt is longer
 than the model's context window (:func:`context_overflow`): ``ContextOverflow`` at once, which
@@ -70,19 +70,8 @@ class Completion:
 class ModelClient(PooledClient):
     """Calls the policy endpoint. One instance per worker process, shared by its threads."""
 
-    def complete(
-        self,
-        base_url: str,
-        messages: list,
-        *,
-        model: str,
-        temperature: float,
-        params: dict | None = None,
-        deadline: float,
-        api_key: str = "",
-        tokens: str = "",
-        pacer: Any = None,
-    ) -> Completion:
+    def complete(self, base_url: str, messages: list, *, model: str, temperature: float, params: dict | None = None,
+                 deadline: float, api_key: str = "", tokens: str = "", pacer: Any = None) -> Completion:
         """``tokens``: the job's token mode (broker/tokens.py TOKEN_MODES): the request asks
         for token ids and logprobs in that server's way and ``Completion.tokens`` holds them.
         ``pacer``: the endpoint's fleet-wide rate limits (workers/pacing.py), asked before each
@@ -107,18 +96,7 @@ class ModelClient(PooledClient):
         except (TypeError, ValueError) as exc:
             raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: request body is not JSON-serialisable ({type(exc).__name__})") from None
         tries = 0
-        # Under an adaptive cap (workers/adaptive.py) an overload is the cap's to fix: it is
-        # retried until the attempt's budget ends; other failures keep the llm_retries bound.
-        adaptive = getattr(pacer, "adaptive", False)
-        others = 0
-
-        def bounded(error: Retryable) -> Retryable:
-            nonlocal others
-            if adaptive:
-                others += 1
-                if others > max(0, s.llm_retries):
-                    raise error.error
-            return error
+        bound = _TryBound(pacer, s.llm_retries)
 
         def attempt() -> Reply:
             nonlocal tries
@@ -141,10 +119,10 @@ class ModelClient(PooledClient):
                 # The request exception's text holds host/port/path only, but it is not chained
                 # (belt and braces: nothing of the request can leak through a traceback).
                 error = Retryable(EpisodeError(MODEL_UNAVAILABLE, f"{what}: {describe(exc)}", outage=True))
-                if adaptive and isinstance(exc, requests.exceptions.ReadTimeout):
+                if bound.adaptive and isinstance(exc, requests.exceptions.ReadTimeout):
                     pacer.after_failure("read timeout")
                     raise error from None
-                raise bounded(error) from None
+                raise bound.other(error) from None
             except EpisodeError:
                 raise  # the budget ran out mid-answer (workers/http_watchdog.py)
             except Exception as exc:  # e.g. InvalidHeader/InvalidURL, whose text may quote values
@@ -165,12 +143,12 @@ class ModelClient(PooledClient):
                                  outage=reply.status in _OUTAGE_STATUSES),
                     retry_after=retry_after_s(reply.headers, s.llm_backoff_max_s),
                 )
-                raise error if reply.status in _OUTAGE_STATUSES else bounded(error)
+                raise error if reply.status in _OUTAGE_STATUSES else bound.other(error)
             raise EpisodeError(MODEL_BAD_REQUEST, f"{what}: HTTP {reply.status}: {text}", status=reply.status)
 
         reply = run_with_retries(
             attempt,
-            attempts=_UNTIL_DEADLINE if adaptive else 1 + max(0, s.llm_retries),
+            attempts=bound.attempts,
             backoff_initial_s=s.llm_backoff_initial_s,
             backoff_max_s=s.llm_backoff_max_s,
             deadline=deadline,
@@ -248,6 +226,29 @@ CONTEXT_OVERFLOW_SIGNS: tuple[tuple[str, str, str], ...] = (
 # 429 and 502/503/504 are a busy or absent server whatever the body says (a proxy's page).
 _OUTAGE_STATUSES = frozenset({429, 502, 503, 504})
 _UNTIL_DEADLINE = 1 << 30  # the tries of an adaptive job's call: its overloads end only with the attempt's budget
+
+
+class _TryBound:
+    """How many tries a call gets: ``1 + llm_retries``; under an adaptive cap
+    (workers/adaptive_caps.py), overloads until the attempt's budget ends (the cap is cut until the
+    server copes) and other failures still ``1 + llm_retries``."""
+
+    def __init__(self, pacer: Any, retries: int):
+        self.adaptive = bool(getattr(pacer, "adaptive", False))
+        self.retries = max(0, retries)
+        self.others = 0
+
+    @property
+    def attempts(self) -> int:
+        return _UNTIL_DEADLINE if self.adaptive else 1 + self.retries
+
+    def other(self, error: Retryable) -> Retryable:
+        """``error`` (not an overload) to retry, or its final error once the bound is reached."""
+        if self.adaptive:
+            self.others += 1
+            if self.others > self.retries:
+                raise error.error
+        return error
 
 
 def context_overflow(body: bytes) -> str | None:

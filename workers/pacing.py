@@ -60,7 +60,7 @@ class Pacer:
                  live: Callable[[int, int], tuple[int, int]] | None = None):
         self.pacing, self.server, self.rpm, self.tpm = pacing, server, rpm, tpm
         self.check, self.budget = check, budget
-        # the job's rates changed while it runs (workers/adaptive.py LiveLimits: cached, no round trip a try)
+        # the job's rates changed while it runs (workers/adaptive_caps.py LiveLimits: cached, no round trip a try)
         self.live = live
 
     def before_try(self) -> None:

@@ -21,7 +21,7 @@ from broker.keys import env_instance_id
 from broker.records import EpisodeSpec, JobSpec
 from workers import limits
 from workers.attempt_parts import AttemptParts
-from workers.adaptive import AdaptivePacer
+from workers.adaptive_caps import AdaptivePacer
 from workers.budget import Budget
 from workers.fleetcaps import CappedEnv, CappedPolicy
 from workers.ports import BoundEnv, BoundPolicy, Guard, policy_url
@@ -40,7 +40,7 @@ class PortContext:
 
     def caps(self) -> Limits | None:
         """The job's limits: its spec's, with those changed while it runs over them (``interactor
-        job JOB set``; workers/adaptive.py LiveLimits reads them every few seconds, not per call)."""
+        job JOB set``; workers/adaptive_caps.py LiveLimits reads them every few seconds, not per call)."""
         spec = Limits.from_dict(self.job.limits) if self.job.limits else None
         fleet = getattr(self.parts, "fleet", None)
         return fleet.live.over(self.job.job_id, spec) if fleet is not None else spec
@@ -81,7 +81,7 @@ class Paced:
 
 class Adaptive:
     """A job whose model cap adapts to the server (``--concurrency auto``, broker/adaptive.py):
-    each try's outcome is reported (workers/adaptive.py), and overloads are retried within the
+    each try's outcome is reported (workers/adaptive_caps.py), and overloads are retried within the
     attempt's budget. Beside the pacer, on the endpoint, so that every try is seen."""
 
     def wrap(self, policy: BoundPolicy, c: PortContext) -> BoundPolicy:

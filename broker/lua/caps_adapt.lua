@@ -6,8 +6,8 @@
 -- last cut), at (ms of the last change) and reason. Without a state the cap is not adaptive
 -- (a fixed limit was set since): nothing changes, {-1, 0} is returned.
 -- Overload: limit x0.8 (floor, at least min), at most once per cooldown, so that the 429s of one
--- burst cut once. Else, while demand reaches the limit, successes count: +1 per window of
--- ``limit`` successes, at most max. Returns {limit in force, 1 when it changed}.
+-- burst cut once; any overload restarts the window of successes. Else, while demand reaches the
+-- limit, successes count: +1 per window of ``limit`` successes, at most max. Returns {limit in force, 1 when it changed}.
 local st = redis.call('HMGET', KEYS[2], 'min', 'max', 'ok', 'cut_at')
 if not st[1] then return {-1, 0} end
 local lo, hi = tonumber(st[1]), tonumber(st[2])
@@ -16,10 +16,11 @@ local limit = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '') or tonumber(A
 local successes, reason, demand = tonumber(ARGV[2]), ARGV[3], ARGV[4] == '1'
 local new, why = limit, nil
 if reason ~= '' then
+  ok = 0  -- the window of successes starts again after any overload, cut or not
   if now - cut_at >= tonumber(ARGV[5]) then
     new = math.max(lo, math.floor(limit * 0.8))
     why = 'x0.8: ' .. reason
-    cut_at, ok = now, 0
+    cut_at = now
   end
 elseif demand and limit < hi then
   ok = ok + successes

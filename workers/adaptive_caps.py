@@ -5,7 +5,8 @@
   attempt's ports are built from the job spec's limits with these over them.
 * :class:`AdaptiveReporter` (one per process): the outcomes of calls under an adaptive cap.
   Successes are counted and sent once per keeper tick (workers/fleetcaps.py), with whether calls
-  of this process waited for the cap in that tick (the demand that lets the limit grow); an
+  of this process waited for the cap in that tick (the demand that lets the limit grow), unless
+  the tick also had an overload (then they are no sign that the limit may grow); an
   overload (429, 502/503/504, a read timeout) is sent at once, the others of the same second
   coalesced here (the rule cuts once per cooldown anyway).
 * :class:`AdaptivePacer`: the model client's pacer hooks (workers/modelclient.py) that tell the
@@ -93,6 +94,7 @@ class AdaptiveReporter:
         self._ok: dict[str, int] = {}
         self._start: dict[str, int] = {}
         self._cut_sent: dict[str, float] = {}
+        self._troubled: set[str] = set()  # caps that had an overload since the last flush
         self.overloads_seen = 0
         self.overloads_sent = 0
 
@@ -108,6 +110,7 @@ class AdaptiveReporter:
         now = time.monotonic()
         with self._lock:
             self.overloads_seen += 1
+            self._troubled.add(cap_key)
             if now - self._cut_sent.get(cap_key, -1e9) < self.cooldown_s:
                 return
             self._cut_sent[cap_key] = now
@@ -125,8 +128,11 @@ class AdaptiveReporter:
         waited = set(demand)
         with self._lock:
             counts, self._ok = self._ok, {}
+            troubled, self._troubled = self._troubled, set()
             starts = dict(self._start)
         for cap_key, n in counts.items():
+            if cap_key in troubled:  # successes beside an overload are no sign the limit may grow
+                continue
             try:
                 self.caps.report(cap_key, starts.get(cap_key, 1), successes=n, demand=cap_key in waited)
             except redis.RedisError as exc:  # lost successes only slow the growth a little
