@@ -2,7 +2,9 @@
 again, a pause, a resume, a cancel, a re-drive, a budget's stop), with who made it and when.
 
 Kept in Redis as a bounded list per job (``Keys.job_audit``, newest last), given the job's
-retention with its other keys. ``who`` is what the caller says (``--as NAME``, the browser's
+retention with its other keys, and in the results store: each entry is also an ``AuditEntry``
+record on the results stream, which the consumer stores in ``job_audit``
+(consumer/storage/job_audit.py) for after the run's Redis is gone. ``who`` is what the caller says (``--as NAME``, the browser's
 client) or this process's user and host; it and the detail are bounded, since a browser's or a
 command line's words are untrusted: an entry never grows past :data:`MAX_ENTRY_BYTES`.
 """
@@ -14,10 +16,12 @@ import json
 import logging
 import socket
 import time
+import uuid
 from typing import Any
 
 import redis
 
+from broker.control_records import AuditEntry
 from broker.keys import Keys
 
 log = logging.getLogger("interactor.audit")
@@ -73,9 +77,13 @@ class JobAudit:
             entry["detail"] = {"cut": f"detail of {len(text)} characters not kept"}
             text = json.dumps(entry, ensure_ascii=False)
         key = self.k.job_audit(job_id)
+        # the id orders entries of one millisecond (the store sorts by at, then by it)
+        durable = AuditEntry(job_id, f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}", entry["at"], entry["who"], entry["action"],
+                             json.dumps(entry["detail"], default=str, ensure_ascii=False))
         pipe = self.r.pipeline(transaction=True)
         pipe.rpush(key, text)
         pipe.ltrim(key, -MAX_ENTRIES, -1)
+        pipe.xadd(self.k.results, {"r": durable.pack()})  # the results store's copy (consumer/storage/job_audit.py)
         pipe.execute()
         log.info("job %s: %s by %s %s", job_id, entry["action"], entry["who"], text[:200])
         return entry

@@ -102,3 +102,38 @@ def test_browser_redrive_is_signed_with_the_client_address(settings, redis_clien
     assert resp.status_code == 303, resp.data[:300]
     newest = JobAudit(redis_client, Keys(settings.key_prefix)).entries(JOB)[0]
     assert newest["action"] == "redrive" and newest["who"] == "browser @ 10.1.2.3"
+
+
+def test_the_store_keeps_the_log_and_the_job_page_shows_it_after_redis_is_gone(settings, redis_client, tmp_path):
+    """Each entry is also a record on the results stream; stored (twice: harmless), the job
+    page shows the log newest first, its text escaped, with no Redis."""
+    from broker.records import unpack
+    from consumer.storage import job_audit, open_store
+    from interactor.ui.app import create_app
+    from interactor.ui.source import Source
+
+    keys = Keys(settings.key_prefix)
+    ledger = Ledger.for_settings(redis_client, settings)
+    job, eps = make_job()
+    ledger.create_job(job, eps)
+    audit = JobAudit(redis_client, keys)
+    audit.record(JOB, "set", {"concurrency": 8}, who="alice")
+    audit.record(JOB, "rerun", {"episodes": [ep_id(1)]}, who="<script>alert(1)</script>")
+    records = [unpack(fields[b"r"]) for _, fields in redis_client.xrange(keys.results)]
+    path = str(tmp_path / "results.sqlite")
+    store = open_store(path)
+    try:
+        store.write_batch(records)
+        store.write_batch(records)  # a redelivered batch changes nothing
+        got = job_audit.entries(store, JOB)
+    finally:
+        store.close()
+    assert [(e["action"], e["who"]) for e in got] == [("rerun", "<script>alert(1)</script>"), ("set", "alice")]
+    assert got[1]["detail"] == {"concurrency": 8}
+    redis_client.delete(*keys.job_keys(JOB))
+    page = create_app(Source(open_store(path, readonly=True), store_shown=path)).test_client().get(f"/jobs/{JOB}")
+    html = page.get_data(as_text=True)
+    assert page.status_code == 200, html[:500]
+    section = html[html.index('id="audit"'):]
+    assert section.index("rerun") < section.index("alice") and "concurrency=8" in section
+    assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in section

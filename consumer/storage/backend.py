@@ -56,6 +56,7 @@ from broker.states import AttemptStatus, StoredStatus
 from consumer.storage import phases as attempt_phases_table
 from consumer.storage import resumes as attempt_resumes_table
 from consumer.storage import step_cached as step_cached_table
+from consumer.storage import job_audit as job_audit_table
 from consumer.storage import step_reasoning as step_reasoning_table
 from consumer.storage import schema
 from consumer.storage import step_tokens as step_tokens_table
@@ -159,6 +160,8 @@ class ResultStore(StoreReads, StoreBrowse):
                 self._write_jobs(batch.jobs)
             if batch.announced:
                 self._write_announced(batch.announced)
+            if batch.audit:  # who changed a job and when (consumer/storage/job_audit.py)
+                self.executemany(job_audit_table.INSERT, job_audit_table.rows(batch.audit))
             if batch.events:
                 plan = self._write_episodes(batch)
                 result.session_steps = len(plan.session_steps)

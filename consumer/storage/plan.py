@@ -56,7 +56,7 @@ from typing import Any, Iterable, Sequence
 
 from broker import errors
 from broker.errors import STEPS_LOST
-from broker.control_records import EpisodeRerun
+from broker.control_records import AuditEntry, EpisodeRerun
 from broker.records import AttemptRecord, EpisodesCancelled, EpisodesEnqueued, EpisodeSpec, JobSpec, StepRecord
 from broker.states import AttemptStatus, StoredStatus
 
@@ -173,6 +173,7 @@ class Batch:
     jobs: list[JobSpec] = field(default_factory=list)
     announced: list[EpisodesEnqueued] = field(default_factory=list)
     events: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)  # episode -> [(record, entry id)]
+    audit: list[AuditEntry] = field(default_factory=list)  # changes made to jobs (consumer/storage/job_audit.py)
 
     @classmethod
     def collect(cls, records: Iterable[Any], entry_ids: Sequence[str] | None = None) -> "Batch":
@@ -194,6 +195,8 @@ class Batch:
                     b.events.setdefault(c.episode_id, []).append((c, entry))
             elif t is EpisodeRerun:
                 b.events.setdefault(r.episode_id, []).append((r, entry))
+            elif t is AuditEntry:
+                b.audit.append(r)
             elif t is EpisodeSpec:
                 pass  # the ledger owns specs
             else:

@@ -33,6 +33,7 @@ from consumer.storage import phases as attempt_phases_table
 from consumer.storage import resumes as attempt_resumes_table
 from consumer.storage import schema
 from consumer.storage import step_cached as step_cached_table
+from consumer.storage import job_audit as job_audit_table
 from consumer.storage import step_reasoning as step_reasoning_table
 from consumer.storage import step_tokens as step_tokens_table
 from consumer.storage.backend import ResultStore, StoreError
@@ -125,7 +126,8 @@ class PostgresStore(ResultStore):
                                (attempt_phases_table.TABLE, attempt_phases_table.POSTGRES_DDL),
                                (attempt_resumes_table.TABLE, attempt_resumes_table.POSTGRES_DDL),
                                (step_reasoning_table.TABLE, step_reasoning_table.POSTGRES_DDL),
-                               (step_cached_table.TABLE, step_cached_table.POSTGRES_DDL)):
+                               (step_cached_table.TABLE, step_cached_table.POSTGRES_DDL),
+                               (job_audit_table.TABLE, job_audit_table.POSTGRES_DDL)):
                 self._ensure_table(table, ddl)
         else:
             self._check_version()

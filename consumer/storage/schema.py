@@ -346,6 +346,17 @@ STEP_CACHED = Table("step_cached", (
 ), constraints=("PRIMARY KEY (session_id, attempt_id, step_id)",))
 
 
+# consumer/storage/job_audit.py
+JOB_AUDIT = Table("job_audit", (
+    _c("job_id", "text", not_null=True),
+    _c("entry_id", "text", not_null=True),
+    _c("at", "real", not_null=True),
+    _c("who", "text"),
+    _c("action", "text"),
+    _c("detail", "text"),
+), constraints=("PRIMARY KEY (job_id, entry_id)",))
+
+
 def schema_ddl(dialect: str) -> str:
     """The versioned tables (:data:`TABLES`) and :data:`BROWSE_INDEXES`, as one script of
     ``;``-separated statements."""

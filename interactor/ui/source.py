@@ -26,6 +26,7 @@ RATE_WINDOW_S = 10.0  # steps/s of a running job: over the samples of the last t
 DOWN_RETRY_S = 5.0  # after a failed Redis call, pages do not try again for this long
 JOB_IDS_TTL_S = 3.0  # the store's job list is re-read at most this often (it scans every job)
 FINISHED_TTL_S = 10.0  # a finished job's stored progress is re-read at most this often
+AUDIT_SHOWN = 200  # a job page's newest audit entries
 AGGREGATE_TTL_S = {True: 3.0, False: 30.0}  # job-wide aggregates, by "is the job active"
 MAX_JOBS = 100
 # A server runs for weeks; what it remembers per job must not grow with every job it has seen.
@@ -209,6 +210,25 @@ class Source:
     # --- what the pages read from the store (consumer/storage/reads.py, browse.py) ----------
     def job(self, job_id: str) -> dict | None:
         return self._read(self.store.job, job_id)
+
+    def audit(self, job_id: str, limit: int = AUDIT_SHOWN) -> list[dict]:
+        """Who changed the job and when, newest first: the store's copy (consumer/storage/job_audit.py),
+        with the entries Redis holds that the consumer has not stored yet."""
+        from broker.audit import JobAudit
+        from broker.keys import Keys
+        from consumer.storage import job_audit
+
+        out = self._read(job_audit.entries, self.store, job_id, limit)
+        if self.live is not None:
+            live = self.live
+            out += live.call(lambda: JobAudit(live.client, Keys(live.settings.key_prefix)).entries(job_id, limit), [])
+        seen, merged = set(), []
+        for e in sorted(out, key=lambda e: -float(e.get("at") or 0)):
+            key = (round(float(e.get("at") or 0), 3), e.get("who"), e.get("action"))
+            if key not in seen:
+                seen.add(key)
+                merged.append(e)
+        return merged[:limit]
 
     def results(self, job_id: str, *, ttl_s: float) -> dict:
         return self._cached(ttl_s, self.store.results, job_id)
