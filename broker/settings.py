@@ -290,8 +290,8 @@ class Settings:
     llm_fleet_max_concurrency: str = setting(
         "0", "calls in flight to the job's model endpoint across every worker process: N, or auto[:MIN-MAX] to "
              "follow the server (+1 per window of N healthy answers while calls wait for a slot, x0.8 on HTTP "
-             "429/502/503/504 or a read timeout; bare auto is 1-256 starting at 20, as Inspect AI starts; on run and "
-             "submit also --concurrency auto[:MIN-MAX]); interactor job JOB set --concurrency changes it while the "
+             "429/502/503/504 or a read timeout; bare auto is 1-256 starting at 20, as Inspect AI starts; run also takes "
+             "--concurrency auto[:MIN-MAX]); interactor job JOB set --concurrency changes it while the "
              "job runs (0: no cap)", "limits", flag="--llm-fleet-max-concurrency", read_by=(JOB,))
     llm_fleet_rpm: int = setting(0, "requests per minute to the job's model endpoint, fleet-wide (0: no limit)",
                                  "limits", flag="--llm-fleet-rpm", read_by=(JOB,))

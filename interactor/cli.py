@@ -424,9 +424,6 @@ def build_parser(commands=()) -> argparse.ArgumentParser:
     add_workers_flag(sp)
     _add_ui_flags(sp)
     sp = add("submit", cmd_submit, "validate and enqueue task files; prints the job id (JSON)", reads=(JOB, REDIS))
-    sp.add_argument("--concurrency", default=None, metavar="N|auto[:MIN-MAX]",
-                    help="the job's model calls in flight across the fleet: --llm-fleet-max-concurrency's value "
-                         "(auto follows the server; a worker's own --concurrency is its episodes per process)")
     sp.add_argument("tasks", nargs="+", help="task files (YAML or JSON), enqueued as one job")
     sp.add_argument("--job-id", help="the new job's id (default: the time and a random suffix)")
     _add_preflight_flag(sp)

@@ -29,7 +29,9 @@ _BARE = {f.metadata["flag"]: f.metadata["bare"] for f in _FLAGGED if f.metadata[
 # A command that runs a job, its workers and its consumer on this machine (run, demo, bench).
 LOCAL = (JOB, WORKER, REDIS, STORE)
 # ... where --concurrency is the total that its local worker processes share.
-LOCAL_HELPS = {"--concurrency": "episodes at once in all, split between the local worker processes (--workers)"}
+LOCAL_HELPS = {"--concurrency": "episodes at once in all, split between the local worker processes (--workers); "
+                                 "auto[:MIN-MAX]: the job's model calls in flight follow the server "
+                                 "(--llm-fleet-max-concurrency auto[:MIN-MAX]), with MAX episodes in all"}
 
 
 def add_command(sub, name: str, fn, help_: str, reads: tuple[str, ...] = LOCAL,
@@ -123,22 +125,24 @@ class ArgumentParser(argparse.ArgumentParser):
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """INTERACTOR_* variables, overridden by whichever setting flags were given."""
     overrides = {field: getattr(args, field) for field in SETTING_FLAGS.values() if getattr(args, field, None) is not None}
-    if "concurrency" in overrides and (not overrides["concurrency"].strip().isdigit() or not hasattr(args, "pool")):
+    if "concurrency" in overrides and not str(overrides["concurrency"]).strip().isdigit():
         _job_concurrency(args, overrides)
     return Settings.from_env(**overrides)
 
 
 def _job_concurrency(args: argparse.Namespace, overrides: dict) -> None:
-    """``--concurrency auto[:MIN-MAX]`` of run (and any ``--concurrency`` of submit): the job's
-    fleet-wide model concurrency, ``--llm-fleet-max-concurrency``'s value (broker/adaptive.py).
-    On run, its local workers then get MAX episode slots in all, enough to reach MAX."""
+    """``--concurrency auto[:MIN-MAX]`` of run (the issue's spelling): the job's fleet-wide model
+    concurrency, ``--llm-fleet-max-concurrency``'s value (broker/adaptive.py), and the run's local
+    workers get MAX episode slots in all, enough to reach MAX. ``submit`` offers no process flag:
+    there it is ``--llm-fleet-max-concurrency auto[:MIN-MAX]``."""
     from broker.adaptive import parse_concurrency
     from broker.settings import SettingsError
 
     value = str(overrides.pop("concurrency"))
     if not hasattr(args, "llm_fleet_max_concurrency"):
         raise SettingsError(f"--concurrency {value}: auto is a job's setting (its model calls in flight across the "
-                            "fleet, following the server: `run` or `submit --concurrency auto[:MIN-MAX]`); a "
+                            "fleet, following the server: `run --concurrency auto[:MIN-MAX]`, `submit "
+                            "--llm-fleet-max-concurrency auto[:MIN-MAX]`); a "
                             "worker's --concurrency is its episodes at once per process: give a number")
     if getattr(args, "llm_fleet_max_concurrency", None) is not None:
         raise SettingsError("give --concurrency auto[:MIN-MAX] or --llm-fleet-max-concurrency, not both")
@@ -147,7 +151,7 @@ def _job_concurrency(args: argparse.Namespace, overrides: dict) -> None:
     except ValueError as exc:
         raise SettingsError(f"--concurrency: {exc}") from None
     overrides["llm_fleet_max_concurrency"] = str(fleet)
-    if hasattr(args, "pool") and fleet.auto:  # run: its local workers' episode slots
+    if fleet.auto:  # run: its local workers' episode slots
         overrides["concurrency"] = fleet.high
 
 

@@ -129,8 +129,9 @@ def test_job_set_on_a_job_without_a_cap_holds_for_its_next_episodes(settings, pr
 
 
 def test_bad_input_is_named_and_exits_2(settings, tmp_path, env_server):
-    for args, words in ((("submit", "--concurrency", "auto:9-3", "x.yaml"), "1 <= MIN <= MAX"),
-                        (("submit", "--concurrency", "auto:x", "x.yaml"), "auto:MIN-MAX"),
+    for args, words in ((("submit", "--llm-fleet-max-concurrency", "auto:9-3", "x.yaml"), "1 <= MIN <= MAX"),
+                        (("run", "--concurrency", "auto:x", "x.yaml"), "auto:MIN-MAX"),
+                        (("run", "--concurrency", "auto", "--llm-fleet-max-concurrency", "3", "x.yaml"), "not both"),
                         (("worker", "--concurrency", "auto"), "auto is a job's setting"),
                         (("job", "nosuchjob", "set", "--concurrency", "4"), "no job 'nosuchjob'"),
                         (("job", "nosuchjob", "set"), "nothing to set")):

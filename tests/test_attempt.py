@@ -325,8 +325,8 @@ def test_the_policy_layers_are_applied_innermost_first_and_pass_the_request_thro
     assert order == ["outer", "inner"]
     assert fakes.model.requests[-1]["params"]["tools"] == [{"type": "function"}]
     # the declared chain itself, as the docs name it
-    assert [type(layer).__name__ for layer in POLICY_LAYERS] == ["Endpoint", "EntrySampling", "Paced", "Versioned",
-                                                                 "ProcessGate", "FleetCaps", "Cached"]
+    assert [type(layer).__name__ for layer in POLICY_LAYERS] == ["Endpoint", "EntrySampling", "Paced", "Adaptive",
+                                                                 "Versioned", "ProcessGate", "FleetCaps", "Cached"]
 
 
 def test_the_response_cache_layer_is_outermost_and_only_there_for_a_job_with_cache():
