@@ -51,6 +51,22 @@ def _start(settings, procs, tmp_path, env_url: str, server: OverloadServer, flee
     return settings, client, job, Keys(settings.key_prefix).cap(CAP_MODEL, server.url)
 
 
+def _job_page(settings, job_id: str) -> str:
+    """The browser's job page, from the run's store and its Redis (interactor/ui)."""
+    from consumer.storage import open_store
+    from interactor.ui.app import create_app
+    from interactor.ui.source import LiveState, Source
+
+    store = open_store(settings.results_db, readonly=True)
+    try:
+        app = create_app(Source(store, store_shown=settings.results_db, live=LiveState(settings)))
+        resp = app.test_client().get(f"/jobs/{job_id}")
+        assert resp.status_code == 200, resp.get_data(as_text=True)[:2000]
+        return resp.get_data(as_text=True)
+    finally:
+        store.close()
+
+
 def _in_band(sampler: Sampler, low: float, high: float) -> bool:
     return low <= sampler.fleet_limit() <= high
 
@@ -78,6 +94,9 @@ def test_the_fleet_limit_follows_the_server_up_and_down_with_no_episode_failed(s
         assert cap["changed"]["reason"].startswith(("x0.8: HTTP 429", "+1: ")), cap
         text = cli(settings, "status").stdout
         assert "auto 1-32; last change" in text, text
+        page = _job_page(settings, job.job_id)
+        assert "Model calls in flight, fleet-wide" in page and "adaptive between 1 and 32" in page, page
+        assert "x0.8: HTTP 429" in page, page
         counts = ledger.counts(job.job_id)
         assert counts["done"] > 50 and counts["failed"] == 0, counts
     finally:

@@ -50,7 +50,7 @@ def register(app: Flask, source: Source) -> None:
             dist=plots.reward_distribution(by_env),
             trend=plots.reward_over_time(points),
             letters=progress[LedgerState.FAILED] if progress["counts_from"] == "redis" else None, tab="overview",
-            feed=source.feed(job_id), audit=source.audit(job_id))
+            feed=source.feed(job_id), audit=source.audit(job_id), caps=source.model_caps(job_id))
 
     @app.get("/api/jobs/<job_id>")
     def api_job(job_id: str):

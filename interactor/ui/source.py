@@ -315,6 +315,31 @@ class Source:
                 "dead_letters": snap["dead_letters"], "steps_per_s": snap["steps_per_s"],
                 "breakers": snap.get("breakers", []), "redis": snap["redis"]}
 
+    def model_caps(self, job_id: str) -> list[dict]:
+        """The fleet-wide cap on the job's model endpoint, as status shows it (the limit in force,
+        in use, adaptive bounds, its last change: broker/caps.py ``use``) with its recent changes
+        (broker/adaptive.py ``history``); [] without Redis, or when the endpoint has no cap."""
+        if self.live is None:
+            return []
+        live = self.live
+
+        def read() -> list[dict]:
+            from broker.adaptive import AdaptiveCaps
+            from broker.caps import CAP_MODEL, FleetSlots, server_name
+            from broker.keys import Keys
+            from broker.ledger import Ledger
+
+            job = Ledger.for_settings(live.client, live.settings).job_spec(job_id)
+            if job is None:
+                return []
+            keys, name = Keys(live.settings.key_prefix), server_name(job.llm_base_url)
+            caps = [c for c in FleetSlots(live.client, keys, 0).use() if c["kind"] == CAP_MODEL and c["name"] == name]
+            for c in caps:
+                c["history"] = AdaptiveCaps(live.client, keys).history(keys.cap(CAP_MODEL, name), 12)[::-1]
+            return caps
+
+        return live.call(read, [])
+
     def feed(self, job_id: str) -> dict | None:
         """The job's online-RL feed (broker/feed.py ``summary``), or None: no Redis, or no feed.
         Only Redis knows it (its counters and stream), so a store-only browser shows none."""
