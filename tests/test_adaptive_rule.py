@@ -76,3 +76,40 @@ def test_a_lowered_live_limit_makes_holders_give_back_to_their_share(settings):
     slots.give([cap], "newcomer", 20)
     for g in gates:
         g.stop()
+
+
+def test_job_set_writes_live_limits_workers_read_and_refuses_a_finished_job(settings, tmp_path):
+    """`job set`'s effect as a worker sees it (workers/adaptive_caps.py LiveLimits, the rates a
+    pacer uses), its audit entry, and its refusals; the end-to-end holds in real workers:
+    tests/test_adaptive_concurrency.py."""
+    from broker.audit import JobAudit
+    from broker.caps import Limits
+    from interactor.job_set import SetRefused, set_limits
+    from producer.enqueue import submit
+    from tests.test_fleet_limits import arith_job
+    from workers.adaptive_caps import LiveLimits
+
+    client = connect(settings)
+    keys = Keys(settings.key_prefix)
+    settings = settings.replace(llm_base_url="http://127.0.0.1:9/v1", llm_fleet_rpm=600)
+    job = submit(client, settings, [arith_job(tmp_path, "http://127.0.0.1:9", 3)]).job
+    live = LiveLimits(client, keys, ttl_s=0)
+    spec = Limits.from_dict(job.limits)
+    assert live.over(job.job_id, spec) == spec and live.rates(job.job_id, 600, 0) == (600, 0)
+    out = set_limits(client, settings, job.job_id, concurrency="auto:2-8", rpm=120, who="ops")
+    assert out["set"] == {"concurrency": "auto:2-8", "model_rpm": 120}
+    assert "episodes that start from now on" in " ".join(out["said"]), "the job had no model cap: said so"
+    now = live.over(job.job_id, spec)
+    assert (now.model, now.model_auto, now.model_rpm) == (8, "2-8", 120) and live.rates(job.job_id, 600, 0) == (120, 0)
+    cap = keys.cap(CAP_MODEL, "http://127.0.0.1:9/v1")
+    assert int(client.hget(keys.caps, cap)) == 8 and AdaptiveCaps(client, keys).state(cap)["low"] == 2
+    set_limits(client, settings, job.job_id, concurrency="5")
+    assert AdaptiveCaps(client, keys).state(cap) is None and live.over(job.job_id, spec).model == 5
+    assert [e["who"] for e in JobAudit(client, keys).entries(job.job_id)][:2][-1] == "ops"
+    with pytest.raises(SetRefused, match="must be >= 1"):
+        set_limits(client, settings, job.job_id, concurrency="0")
+    client.hset(keys.job_counts(job.job_id), mapping={"queued": 0, "done": 3})
+    with pytest.raises(SetRefused, match="finished"):
+        set_limits(client, settings, job.job_id, concurrency="4")
+    client.hset(keys.job_limits(job.job_id), "model", "lots")  # written by someone else: no limit, no crash
+    assert live.over(job.job_id, spec).model == spec.model == 0, "a model field not a number: the spec's"
