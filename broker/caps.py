@@ -283,8 +283,8 @@ class FleetSlots:
 
     def use(self) -> list[dict[str, Any]]:
         """Every registered cap with the slots held of it now: [{kind, name, limit (in force),
-        in_use, auto ("MIN-MAX" when it adapts, else ""), changed (its last change: {at, limit,
-        reason}, or None)}].
+        in_use}], a model cap's also with auto ("MIN-MAX" when it adapts, else "") and changed
+        (its limit's last change: {at, limit, reason}, or None).
         Held counts what workers took, lent to a call or kept for the next one a moment."""
         raw = self.r.hgetall(self.k.caps)
         if not raw:
@@ -298,9 +298,9 @@ class FleetSlots:
         out = []
         adaptive = AdaptiveCaps(self.r, self.k)
         for (kind, name, cap), n in zip(caps, counts):
-            # adaptive bounds ("" if fixed) and the last change of its limit (broker/adaptive.py)
-            state = adaptive.state(cap.key) if kind == CAP_MODEL else None
-            out.append({"kind": kind, "name": name, "limit": cap.limit, "in_use": int(n),
-                        "auto": f"{state['low']}-{state['high']}" if state else "",
-                        "changed": adaptive.last_change(cap.key) if kind == CAP_MODEL else None})
+            use = {"kind": kind, "name": name, "limit": cap.limit, "in_use": int(n)}
+            if kind == CAP_MODEL:  # adaptive bounds ("" if fixed), its limit's last change (broker/adaptive.py)
+                state = adaptive.state(cap.key)
+                use.update(auto=f"{state['low']}-{state['high']}" if state else "", changed=adaptive.last_change(cap.key))
+            out.append(use)
         return out

@@ -92,9 +92,9 @@ CORRECTABLE: dict[str, Callable[[JobSpec, Any], None]] = {
 # Settings field -> why a resume cannot change it.
 REFUSED: dict[str, str] = {
     "env_base_url": "each episode keeps the env server it was planned with",
-    "llm_fleet_max_concurrency": "the job's fleet-wide caps are fixed at submit",
-    "llm_fleet_rpm": "the job's fleet-wide caps are fixed at submit",
-    "llm_fleet_tpm": "the job's fleet-wide caps are fixed at submit",
+    "llm_fleet_max_concurrency": "a running job's model limits change with `interactor job JOB set --concurrency N`",
+    "llm_fleet_rpm": "a running job's model limits change with `interactor job JOB set --llm-fleet-rpm N`",
+    "llm_fleet_tpm": "a running job's model limits change with `interactor job JOB set --llm-fleet-tpm N`",
     "env_fleet_max_concurrency": "the job's fleet-wide caps are fixed at submit",
     "env_fleet_max_instances": "the job's fleet-wide caps are fixed at submit",
     "cache": "the response cache is chosen at submit, where a sampled job is refused it",
