@@ -147,6 +147,30 @@ def test_job_set_on_a_job_without_a_cap_holds_for_its_next_episodes(settings, pr
         server.shutdown()
 
 
+def test_job_set_rpm_paces_running_episodes_within_seconds(settings, procs, env_server, tmp_path):
+    """A job paced at 6000 requests a minute (about 100 a second here), set to 60: within a few
+    seconds the server sees about one a second from both workers together."""
+    _, env_url = env_server
+    server = OverloadServer(limit=1000, latency_s=0.02).start()
+    settings = settings.replace(llm_fleet_rpm=6000)
+    settings, client, job, _ = _start(settings, procs, tmp_path, env_url, server, "0")
+    try:
+        wait_for(lambda: server.ok > 100, timeout=60, what="the job to run")
+        fast = server.ok
+        time.sleep(2)
+        assert server.ok - fast >= 20, "the job ran too slowly before the change for the test to tell anything"
+        out = cli(settings, "job", job.job_id, "set", "--llm-fleet-rpm", "60")
+        assert out.returncode == 0 and "60 requests" in out.stdout, out.stdout + out.stderr
+        time.sleep(5)  # the workers' live limits are read every 3 s at most
+        before = server.ok + server.refused
+        time.sleep(6)
+        sent = server.ok + server.refused - before
+        assert sent <= 10, f"{sent} requests in 6 s at 60 a minute"
+    finally:
+        cli(settings, "cancel", job.job_id)
+        server.shutdown()
+
+
 def test_bad_input_is_named_and_exits_2(settings, tmp_path, env_server):
     for args, words in ((("submit", "--llm-fleet-max-concurrency", "auto:9-3", "x.yaml"), "1 <= MIN <= MAX"),
                         (("run", "--concurrency", "auto:x", "x.yaml"), "auto:MIN-MAX"),
