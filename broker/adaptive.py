@@ -129,7 +129,7 @@ class AdaptiveCaps:
             start = int(current) if current and current.isdigit() else start
         limit = max(low, min(high, int(start)))
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(state, mapping={"min": low, "max": high, "ok": 0, "cut_at": 0, "at": now_ms, "reason": reason})
+        pipe.hset(state, mapping={"min": low, "max": high, "successes": 0, "cut_at": 0, "at": now_ms, "reason": reason})
         pipe.hset(self.k.caps, cap_key, limit)
         pipe.rpush(log_key, f"{now_ms} {limit} {reason}")
         pipe.ltrim(log_key, -LOG_MAX, -1)

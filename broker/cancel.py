@@ -98,7 +98,7 @@ class JobCancel:
         waiting = self.cancel_waiting(job_id)
         running = self.ledger.counts(job_id)[LedgerState.RUNNING]
         if marked > 0:
-            JobAudit(self.r, self.keys).record(job_id, "cancel", {"waiting_cancelled": waiting, "running": running},
+            JobAudit(self.r, self.keys).record(job_id, "cancel", {"waiting_cancelled": waiting, "running_to_stop": running},
                                                who=who)
         return CancelReport(job_id, already=marked == 0, waiting=waiting, running=running)
 

@@ -116,9 +116,9 @@ def _rerun_one(script, ledger: Ledger, keys: Keys, job_id: str, episode_id: str,
                            keys.job_progress(job_id), keys.job_progress_seq(job_id)],
                      args=[episode_id, record.pack(), attempts, max(1, int(max_attempts))])
         out = out.decode() if isinstance(out, bytes) else out
-        if out == "ok":
+        if out == "queued_again":
             return True
-        if out == "cancelled":
+        if out == "job_cancelled":
             raise JobCancelled(job_id, "its episodes are not run again")
         if out != "changed":
             return False

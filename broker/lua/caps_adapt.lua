@@ -2,13 +2,13 @@
 -- KEYS: live limits (hash cap key -> limit), the cap's adaptive state (hash), its change log (list)
 -- ARGV: cap key, successes, overload reason ('' = none), demand (1: calls waited for the cap),
 --       cooldown_ms, log_max, start (the limit when the hash has none)
--- The state holds min, max, ok (successes counted since the last change), cut_at (ms of the
+-- The state holds min, max, successes (counted since the last change), cut_at (ms of the
 -- last cut), at (ms of the last change) and reason. Without a state the cap is not adaptive
 -- (a fixed limit was set since): nothing changes, {-1, 0} is returned.
 -- Overload: limit x0.8 (floor, at least min), at most once per cooldown, so that the 429s of one
 -- burst cut once; any overload restarts the window of successes. Else, while demand reaches the
 -- limit, successes count: +1 per window of ``limit`` successes, at most max. Returns {limit in force, 1 when it changed}.
-local st = redis.call('HMGET', KEYS[2], 'min', 'max', 'ok', 'cut_at')
+local st = redis.call('HMGET', KEYS[2], 'min', 'max', 'successes', 'cut_at')
 if not st[1] then return {-1, 0} end
 local lo, hi = tonumber(st[1]), tonumber(st[2])
 local ok, cut_at = tonumber(st[3] or '0') or 0, tonumber(st[4] or '0') or 0
@@ -30,7 +30,7 @@ elseif demand and limit < hi then
   end
 end
 new = math.min(hi, math.max(lo, new))
-redis.call('HSET', KEYS[2], 'ok', ok, 'cut_at', cut_at)
+redis.call('HSET', KEYS[2], 'successes', ok, 'cut_at', cut_at)
 if why then
   redis.call('HSET', KEYS[2], 'at', now, 'reason', why)
   if new ~= limit then
