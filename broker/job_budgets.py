@@ -16,6 +16,7 @@ This module imports nothing of the settings (broker/settings_checks.py checks pr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -24,6 +25,9 @@ MILLION = 1_000_000
 # Usage hash fields.
 PROMPT, COMPLETION, UNKNOWN, CACHED, COST, STOP, STOP_AT = (
     "prompt", "completion", "unknown", "cached", "cost_usd", "stop", "stop_at")
+# A job's budgets changed while it runs (`interactor job JOB set`), fields of its live limits
+# (Keys.job_limits, beside broker/adaptive.py's): they replace the JobSpec's.
+LIVE_MAX_TOKENS, LIVE_BUDGET_USD = "max_tokens_total", "budget_usd"
 PRICES_SYNTAX = "MODEL=INPUT/OUTPUT[,MODEL=INPUT/OUTPUT...] (USD per 1M prompt/completion tokens)"
 
 
@@ -101,6 +105,16 @@ class JobBudget:
             price = ModelPrice(inp, out)
         return cls(_number(getattr(spec, "max_tokens_total", 0), int), _number(getattr(spec, "budget_usd", 0), float),
                    price)
+
+    def with_live(self, live: dict[str, Any]) -> "JobBudget":
+        """These budgets with those set while the job runs (``live``: its live limits' fields)
+        over them; a field another process wrote badly reads as none."""
+        out = self
+        if LIVE_MAX_TOKENS in live:
+            out = dataclasses.replace(out, max_tokens_total=_number(live[LIVE_MAX_TOKENS], int))
+        if LIVE_BUDGET_USD in live:
+            out = dataclasses.replace(out, budget_usd=_number(live[LIVE_BUDGET_USD], float))
+        return out
 
     @property
     def any(self) -> bool:

@@ -29,7 +29,7 @@ from broker.settings import Settings
 
 log = logging.getLogger("interactor.consumer.budget")
 
-SPEC_FRESH_S = 10.0  # a job's budgets are read again after this long (a resume may correct its model)
+SPEC_FRESH_S = 3.0  # a job's budgets are read again after this long (`job set` may change them)
 SPECS_KEPT = 1000  # jobs whose budgets are remembered at once
 WHO = "interactor (budget)"
 
@@ -84,7 +84,8 @@ class BudgetWatch:
                 self.stop(job_id, why, int(prompt), int(completion), float(cost))
 
     def budget_of(self, job_id: str) -> JobBudget | None:
-        """The job's budgets from its JobSpec in Redis (None when the spec is gone)."""
+        """The job's budgets from its JobSpec in Redis, with those set while it runs over them
+        (None when the spec is gone); read again every :data:`SPEC_FRESH_S`."""
         now = time.monotonic()
         held = self._budgets.get(job_id)
         if held is not None and now - held[0] < SPEC_FRESH_S:
@@ -95,6 +96,14 @@ class BudgetWatch:
             log.warning("job %s: its spec could not be read for its budgets (%s)", job_id, exc)
             spec = None
         found = JobBudget.of(spec) if spec is not None else None
+        if found is not None:  # budgets changed while it runs (interactor job JOB set)
+            try:
+                live = {k.decode(): v.decode("utf-8", "replace")
+                        for k, v in self.r.hgetall(self.keys.job_limits(job_id)).items()}
+            except redis.RedisError as exc:  # the spec's budgets hold until the next read
+                log.warning("job %s: its live budgets could not be read (%s)", job_id, exc)
+                live = {}
+            found = found.with_live(live)
         if len(self._budgets) >= SPECS_KEPT:
             self._budgets.clear()
         self._budgets[job_id] = (now, found)

@@ -138,6 +138,38 @@ def test_a_job_without_budgets_is_counted_and_never_stopped(settings, redis_clie
     assert not redis_client.exists(Keys(settings.key_prefix).job_usage("forgotten-job"))
 
 
+def test_job_set_changes_the_budgets_the_consumer_enforces(settings, redis_client, tmp_path):
+    """`interactor job JOB set --max-tokens-total N` on a job submitted without a budget: the
+    consumer's next batch past it stops the job; a USD budget for a job whose model got no price at
+    submit is refused naming --model-prices; 0 removes a budget."""
+    from interactor.job_set import SetRefused, set_limits
+
+    sub = submit(redis_client, settings, [write_arith_tasks(tmp_path, "http://127.0.0.1:9", rows=3, env_num=2)])
+    job = sub.job.job_id
+    keys, ledger = Keys(settings.key_prefix), Ledger.for_settings(redis_client, settings)
+    watch = BudgetWatch(redis_client, settings)
+    watch([_step(job, 1, 400, 300)])
+    with pytest.raises(SetRefused, match="--model-prices"):
+        set_limits(redis_client, settings, job, budget_usd=1.0, who="ops")
+    said = set_limits(redis_client, settings, job, max_tokens_total=1000, who="ops")["said"]
+    assert any("token budget: 1,000 tokens" in line for line in said)
+    watch._budgets.clear()  # what SPEC_FRESH_S seconds do: the watch reads the job's budgets again
+    watch([_step(job, 2, 200, 200)])  # 1,100 tokens in all: past the new budget
+    u = read_usage(redis_client, keys, job)
+    assert u.stop == "token budget reached (1,100 of 1,000 tokens)"
+    assert ledger.counts(job)[LedgerState.CANCELLED] == 6
+    entries = JobAudit(redis_client, keys).entries(job)
+    assert [e["action"] for e in entries] == ["cancel", "budget_stop", "set"]
+    assert entries[2]["who"] == "ops" and entries[2]["detail"] == {"max_tokens_total": 1000}
+
+    (tmp_path / "b").mkdir()
+    other = submit(redis_client, settings.replace(max_tokens_total=500),
+                   [write_arith_tasks(tmp_path / "b", "http://127.0.0.1:9", rows=1, env_num=1)]).job.job_id
+    set_limits(redis_client, settings, other, max_tokens_total=0)
+    watch([_step(other, 1, 10**6, 10**6)])  # the submit's 500 no longer holds
+    assert read_usage(redis_client, keys, other).stop == ""
+
+
 # --- a real run stopped by its token budget ----------------------------------------------------
 def test_a_token_budget_stops_a_run_with_nothing_lost(settings, redis_client, env_server, tmp_path):
     """20 episodes of about 20 turns, 4 at a time, on a model answering in 100 ms with usage;
