@@ -79,6 +79,7 @@ from broker.adaptive import AdaptiveCaps
 from broker.keys import Keys
 from broker.ledger import OUTAGE_FN
 from broker.lua_scripts import lua_file
+from broker.server_metrics import ServerMetrics
 
 CAP_MODEL = "model"
 CAP_ENV = "env"
@@ -92,6 +93,8 @@ MAX_CONCURRENCY, MAX_INSTANCES = "max_concurrency", "max_instances"
 REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = "requests_per_minute", "tokens_per_minute"
 # the model cap's adaptive bounds "MIN-MAX" (broker/adaptive.py): set by --concurrency auto, not in task files
 AUTO_BOUNDS = "auto"
+# the model server's Prometheus metrics, read under an adaptive cap (broker/server_metrics.py): not in task files
+METRICS_URL = "metrics_url"
 _ALLOWED = {LIMIT_MODEL: (MAX_CONCURRENCY, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE), LIMIT_ENV_SERVERS: (MAX_CONCURRENCY, MAX_INSTANCES),
             LIMIT_ENV_NAMES: (MAX_CONCURRENCY,)}
 
@@ -138,6 +141,7 @@ class Limits:
     model_rpm: int = 0  # requests per minute to the model endpoint, fleet-wide (broker/ratelimit.py)
     model_tpm: int = 0  # tokens per minute (the answers' usage), fleet-wide
     model_auto: str = ""  # "MIN-MAX": the model cap adapts to the server between them (broker/adaptive.py)
+    model_metrics: str = ""  # the model server's metrics URL, a second overload signal of an adaptive cap
     env_servers: dict[str, dict[str, int]] = field(default_factory=dict)  # base URL -> {max_concurrency, max_instances}
     env_names: dict[str, int] = field(default_factory=dict)  # env_name -> max_concurrency
 
@@ -147,7 +151,8 @@ class Limits:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         model = {k: n for k, n in ((MAX_CONCURRENCY, self.model), (REQUESTS_PER_MINUTE, self.model_rpm),
-                                   (TOKENS_PER_MINUTE, self.model_tpm), (AUTO_BOUNDS, self.model_auto)) if n}
+                                   (TOKENS_PER_MINUTE, self.model_tpm), (AUTO_BOUNDS, self.model_auto),
+                                   (METRICS_URL, self.model_metrics)) if n}
         if model:
             out[LIMIT_MODEL] = model
         if self.env_servers:
@@ -162,6 +167,7 @@ class Limits:
         model = d.get(LIMIT_MODEL) or {}
         return cls(model=int(model.get(MAX_CONCURRENCY, 0)), model_rpm=int(model.get(REQUESTS_PER_MINUTE, 0)),
                    model_tpm=int(model.get(TOKENS_PER_MINUTE, 0)), model_auto=str(model.get(AUTO_BOUNDS) or ""),
+                   model_metrics=str(model.get(METRICS_URL) or ""),
                    env_servers={server_name(u): {k: int(n) for k, n in v.items()}
                                 for u, v in (d.get(LIMIT_ENV_SERVERS) or {}).items()},
                    env_names={n: int(v.get(MAX_CONCURRENCY, 0)) for n, v in (d.get(LIMIT_ENV_NAMES) or {}).items()})
@@ -283,8 +289,9 @@ class FleetSlots:
 
     def use(self) -> list[dict[str, Any]]:
         """Every registered cap with the slots held of it now: [{kind, name, limit (in force),
-        in_use}], a model cap's also with auto ("MIN-MAX" when it adapts, else "") and changed
-        (its limit's last change: {at, limit, reason}, or None).
+        in_use}], a model cap's also with auto ("MIN-MAX" when it adapts, else ""), changed
+        (its limit's last change: {at, limit, reason}, or None) and server (the model server's last
+        metrics reading, broker/server_metrics.py ServerMetrics.last, or None).
         Held counts what workers took, lent to a call or kept for the next one a moment."""
         raw = self.r.hgetall(self.k.caps)
         if not raw:
@@ -296,11 +303,12 @@ class FleetSlots:
             caps.append((kind, name, Cap.of(self.k, kind, name, int(raw[key.encode()]))))
         counts = self._use(keys=self._keys([c for _, _, c in caps]))
         out = []
-        adaptive = AdaptiveCaps(self.r, self.k)
+        adaptive, metrics = AdaptiveCaps(self.r, self.k), ServerMetrics(self.r, self.k)
         for (kind, name, cap), n in zip(caps, counts):
             use = {"kind": kind, "name": name, "limit": cap.limit, "in_use": int(n)}
             if kind == CAP_MODEL:  # adaptive bounds ("" if fixed), its limit's last change (broker/adaptive.py)
                 state = adaptive.state(cap.key)
-                use.update(auto=f"{state['low']}-{state['high']}" if state else "", changed=adaptive.last_change(cap.key))
+                use.update(auto=f"{state['low']}-{state['high']}" if state else "", changed=adaptive.last_change(cap.key),
+                           server=metrics.last(cap.key))
             out.append(use)
         return out

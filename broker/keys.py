@@ -234,6 +234,12 @@ class Keys:
     def cap_adapt_log(self, kind: str, name: str) -> str:  # list "<ms> <limit> <reason>": its changes, bounded
         return f"{self.prefix}:cap-adapt-log:{kind}:{name}"
 
+    def cap_metrics(self, kind: str, name: str) -> str:  # hash engine, waiting, kv, at, error, error_at: server's last reading
+        return f"{self.prefix}:cap-metrics:{kind}:{name}"
+
+    def cap_metrics_turn(self, kind: str, name: str) -> str:  # string, SET NX PX: the process reading the metrics now
+        return f"{self.prefix}:cap-metrics-turn:{kind}:{name}"
+
     @property
     def caps_clock(self) -> str:  # Redis time (ms) of the caps' last take or renewal: outages show as a gap
         return f"{self.prefix}:caps-clock"

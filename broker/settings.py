@@ -293,6 +293,12 @@ class Settings:
              "429/502/503/504 or a read timeout; bare auto is 1-256 starting at 20, as Inspect AI starts; run also takes "
              "--concurrency auto[:MIN-MAX]); interactor job JOB set --concurrency changes it while the "
              "job runs (0: no cap)", "limits", flag="--llm-fleet-max-concurrency", read_by=(JOB,))
+    llm_metrics_url: str = setting(
+        "", "a vLLM or SGLang server's Prometheus metrics (e.g. http://host:8000/metrics), read once a second by "
+            "one worker of the fleet under an adaptive cap (needs --llm-fleet-max-concurrency auto[:MIN-MAX]): "
+            "requests waiting in its queue, or KV-cache use >= 0.9, cut the limit x0.8 as a 429 does; a healthy "
+            "reading adds nothing, an unreachable endpoint is logged and changes nothing", "limits",
+        flag="--llm-metrics-url", read_by=(JOB,))
     llm_fleet_rpm: int = setting(0, "requests per minute to the job's model endpoint, fleet-wide (0: no limit)",
                                  "limits", flag="--llm-fleet-rpm", read_by=(JOB,))
     llm_fleet_tpm: int = setting(0, "tokens per minute to the job's model endpoint, fleet-wide, charged from the "
@@ -500,7 +506,7 @@ class Settings:
         return frozenset(o for o in out if o)
 
 
-_URL_FIELDS = frozenset({"redis_url", "llm_base_url", "store_url", "env_base_url", "db_path"})
+_URL_FIELDS = frozenset({"redis_url", "llm_base_url", "store_url", "env_base_url", "db_path", "llm_metrics_url"})
 
 
 def _field(name: str) -> dataclasses.Field:

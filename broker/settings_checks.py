@@ -94,7 +94,7 @@ def settings_problems(s: Any) -> list[str]:
     if s.feed_request_timeout_s <= 0:
         problems.append("feed_request_timeout_s must be > 0")
     # URLs the workers connect to: the same check a task file's base_url gets (broker/urls.py).
-    for name in ("llm_base_url", "env_base_url"):
+    for name in ("llm_base_url", "env_base_url", "llm_metrics_url"):
         value = getattr(s, name)
         if value or name == "llm_base_url":
             problem = url_problem(value)

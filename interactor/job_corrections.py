@@ -95,6 +95,7 @@ REFUSED: dict[str, str] = {
     "llm_fleet_max_concurrency": "a running job's model limits change with `interactor job JOB set --concurrency N`",
     "llm_fleet_rpm": "a running job's model limits change with `interactor job JOB set --llm-fleet-rpm N`",
     "llm_fleet_tpm": "a running job's model limits change with `interactor job JOB set --llm-fleet-tpm N`",
+    "llm_metrics_url": "the model server's metrics endpoint is fixed at submit",
     "env_fleet_max_concurrency": "the job's fleet-wide caps are fixed at submit",
     "env_fleet_max_instances": "the job's fleet-wide caps are fixed at submit",
     "cache": "the response cache is chosen at submit, where a sampled job is refused it",

@@ -89,7 +89,8 @@ def render_status(snap: dict) -> str:
         auto = f", auto {cap['auto']}" if cap.get("auto") else ""
         last = cap.get("changed")
         why = f"; last change {_ago(last['at'])}: {last['reason']}" if last else ""
-        lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use{auto}{why}")
+        lines.append(f"cap        {cap['kind']} {cap['name']}: {cap['in_use']}/{cap['limit']} in use{auto}{why}"
+                     + _server_reading(cap.get("server")))
     for rate in snap.get("rates", []):
         parts = []
         if rate["rpm"]:
@@ -167,3 +168,17 @@ def _producer_line(p: dict) -> str:
 def _ago(at: float) -> str:
     """How long ago the unix time ``at`` was, in whole seconds (a fleet cap's last change)."""
     return f"{max(0, int(time.time() - float(at)))}s ago"
+
+
+def _server_reading(m: dict | None) -> str:
+    """The model server's last metrics reading (``--llm-metrics-url``), and its last failure if newer."""
+    if not m:
+        return ""
+    out = ""
+    if m["at"]:
+        kv = f", KV {m['kv']:.2f}" if m["kv"] is not None else ""
+        waiting = f"{m['waiting']:g}" if m["waiting"] is not None else "?"
+        out = f"; server {m['engine']} {_ago(m['at'])}: {waiting} waiting{kv}"
+    if m["error"] and m["error_at"] >= m["at"]:
+        out += f"; server metrics unread {_ago(m['error_at'])}: {m['error'][:120]}"
+    return out

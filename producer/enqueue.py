@@ -45,6 +45,14 @@ def check_job_settings(settings: Settings) -> None:
     problem = budget_problem(settings.max_tokens_total, settings.budget_usd, settings.model_prices, settings.model)
     if problem:
         raise SettingsError(problem)
+    if settings.llm_metrics_url and not parse_concurrency(settings.llm_fleet_max_concurrency).auto:
+        raise SettingsError(_metrics_refused(f"--llm-fleet-max-concurrency is {settings.llm_fleet_max_concurrency!r}"))
+
+
+def _metrics_refused(why: str) -> str:
+    """The server's metrics are a second overload signal: only an adaptive cap has a rule to tell."""
+    return (f"--llm-metrics-url is read only to adapt the fleet's model concurrency, and {why}: give "
+            "--llm-fleet-max-concurrency auto[:MIN-MAX] (run: --concurrency auto) with it, or leave it out")
 
 
 def job_spec(settings: Settings, job_id: str, plan: PlannedJob) -> JobSpec:
@@ -117,6 +125,10 @@ def job_limits(settings: Settings, plan: PlannedJob) -> Limits:
         limits.model, limits.model_auto = fleet.start, fleet.bounds
     elif not limits.model and fleet.fixed > 0:
         limits.model = fleet.fixed
+    if settings.llm_metrics_url:
+        if not limits.model_auto:
+            raise SettingsError(_metrics_refused("the task files' limits fix the model's max_concurrency"))
+        limits.model_metrics = settings.llm_metrics_url
     limits.model_rpm = limits.model_rpm or settings.llm_fleet_rpm
     limits.model_tpm = limits.model_tpm or settings.llm_fleet_tpm
     defaults = {k: n for k, n in ((MAX_CONCURRENCY, settings.env_fleet_max_concurrency),

@@ -13,6 +13,11 @@
   reporter; it wraps the rate limits' pacer when the job has one. A client whose pacer is
   adaptive retries overloads until the attempt's budget ends, not ``--llm-retries`` times:
   the cap is cut so that the server recovers, and the episode must not fail meanwhile.
+* :class:`MetricsWatch` (one per process, its own duty thread): for a job given
+  ``--llm-metrics-url``, the model server's own load (broker/server_metrics.py), read once a
+  second by the one process of the fleet whose turn it is, never on a call's path. Requests
+  waiting or a full KV cache are an overload, reported as a 429 is; a reading that cannot be
+  had is recorded for status, logged once a minute, and changes nothing.
 """
 
 from __future__ import annotations
@@ -23,15 +28,23 @@ import time
 from typing import Any, Iterable, Mapping
 
 import redis
+import requests
 
 from broker.adaptive import COOLDOWN_MS, LIVE_AUTO, LIVE_MODEL, LIVE_RPM, LIVE_TPM, AdaptiveCaps
 from broker.caps import Limits
+from broker.duty import Duty
 from broker.keys import Keys
+from broker.redact import redact_url
+from broker.server_metrics import MAX_BODY, POLL_MS, MetricsError, ServerMetrics, parse_reading
+from broker.urls import UrlError, check_url
 
 log = logging.getLogger("interactor.adaptive")
 
 LIVE_TTL_S = 3.0  # a job's live limits are read again this often at most (per job, per process)
 OVERLOAD_STATUSES = frozenset({429, 502, 503, 504})
+METRICS_TIMEOUT_S = 1.0  # a metrics read takes at most this long, body included
+WATCH_IDLE_S = 60.0  # a process stops reading a server's metrics when none of its calls went to it for this long
+FAILURE_LOG_S = 60.0  # a metrics endpoint that cannot be read is logged this often at most, per cap
 
 
 class LiveLimits:
@@ -145,10 +158,14 @@ class AdaptivePacer:
 
     adaptive = True  # workers/modelclient.py: overloads are retried within the attempt's budget
 
-    def __init__(self, inner: Any, reporter: AdaptiveReporter, cap_key: str):
+    def __init__(self, inner: Any, reporter: AdaptiveReporter, cap_key: str,
+                 metrics: tuple["MetricsWatch", str] | None = None):
         self.inner, self.reporter, self.cap_key = inner, reporter, cap_key
+        self.metrics = metrics  # (this process's watch, the server's metrics URL) when the job gave one
 
     def before_try(self) -> None:
+        if self.metrics is not None:
+            self.metrics[0].watch(self.cap_key, self.metrics[1])
         if self.inner is not None:
             self.inner.before_try()
 
@@ -167,3 +184,78 @@ class AdaptivePacer:
     def charge(self, tokens: int | None) -> None:
         if self.inner is not None:
             self.inner.charge(tokens)
+
+
+def fetch_metrics(session: requests.Session, url: str, timeout_s: float = METRICS_TIMEOUT_S) -> bytes:
+    """The body of a metrics endpoint, read within ``timeout_s`` and :data:`MAX_BODY` bytes;
+    raises MetricsError, UrlError or a requests error naming what went wrong."""
+    check_url(url)  # written into the job by its submitter: checked again before anything is sent
+    deadline = time.monotonic() + timeout_s
+    with session.get(url, timeout=timeout_s, stream=True, allow_redirects=False,
+                     headers={"Accept": "text/plain", "Accept-Encoding": "identity"}) as resp:
+        if resp.status_code != 200:
+            raise MetricsError(f"HTTP {resp.status_code}")
+        body = bytearray()
+        for chunk in resp.iter_content(64 * 1024):
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise MetricsError(f"a metrics body over {MAX_BODY // (1 << 20)} MB")
+            if time.monotonic() > deadline:
+                raise MetricsError(f"the body took over {timeout_s:g} s")
+        return bytes(body)
+
+
+class MetricsWatch(Duty):
+    """This process's reads of the model servers' metrics (module docstring): each cap a call of
+    this process used within :data:`WATCH_IDLE_S`, when it wins the fleet's turn for it."""
+
+    name = "server-metrics-watch"
+
+    def __init__(self, client: redis.Redis, keys: Keys, reporter: AdaptiveReporter, interval_s: float = POLL_MS / 1000):
+        super().__init__(interval_s)
+        self.metrics = ServerMetrics(client, keys)
+        self.caps = AdaptiveCaps(client, keys)
+        self.reporter = reporter
+        self._lock = threading.Lock()
+        self._watched: dict[str, tuple[str, float]] = {}  # cap key -> (metrics URL, last call seen)
+        self._logged: dict[str, float] = {}  # cap key -> when its last failure was logged
+        self.session = requests.Session()
+        self.session.trust_env = False  # no proxies or .netrc from the environment for an internal endpoint
+        self.reads = 0
+
+    def watch(self, cap_key: str, url: str) -> None:
+        with self._lock:
+            self._watched[cap_key] = (url, time.monotonic())
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for cap_key in [k for k, (_, seen) in self._watched.items() if now - seen > WATCH_IDLE_S]:
+                del self._watched[cap_key]
+            watched = list(self._watched.items())
+        for cap_key, (url, _) in watched:
+            if self.metrics.take_turn(cap_key) and self.caps.state(cap_key) is not None:  # still adaptive
+                self.read(cap_key, url)
+
+    def read(self, cap_key: str, url: str) -> str:
+        """One read of ``url`` for ``cap_key``: the overload it reported ("" if none or no reading)."""
+        self.reads += 1
+        try:
+            reading = parse_reading(fetch_metrics(self.session, url))
+        except (requests.RequestException, MetricsError, UrlError) as exc:
+            self._failed(cap_key, url, f"{type(exc).__name__}: {exc}" if not isinstance(exc, MetricsError) else str(exc))
+            return ""
+        self.metrics.record(cap_key, reading)
+        why = reading.overload()
+        if why:
+            self.reporter.overload(cap_key, why)
+        return why
+
+    def _failed(self, cap_key: str, url: str, error: str) -> None:
+        error = error.replace(url, redact_url(url))[:200]
+        self.metrics.record(cap_key, None, error)
+        now = time.monotonic()
+        if now - self._logged.get(cap_key, -1e9) >= FAILURE_LOG_S:
+            self._logged[cap_key] = now
+            log.warning("model server metrics %s could not be read (%s); the cap of %s goes on by its calls' "
+                        "answers alone (logged once a minute)", redact_url(url), error, cap_key)

@@ -50,7 +50,7 @@ import redis
 
 from broker.caps import Cap, FleetSlots
 from broker.duty import Duty
-from workers.adaptive_caps import AdaptiveReporter, LiveLimits
+from workers.adaptive_caps import AdaptiveReporter, LiveLimits, MetricsWatch
 from workers.budget import Budget
 
 log = logging.getLogger("interactor.fleetcaps")
@@ -114,6 +114,7 @@ class FleetGate:
         # adaptive caps and a job's live limits (workers/adaptive_caps.py), made when first asked for
         self._adaptive: AdaptiveReporter | None = None
         self._live: LiveLimits | None = None
+        self._metrics: MetricsWatch | None = None
         self.round_trips = 0  # takes and gives (the keeper's renewals not counted)
 
     @property
@@ -123,6 +124,17 @@ class FleetGate:
             if self._adaptive is None:
                 self._adaptive = AdaptiveReporter(self.slots.r, self.slots.k)
             return self._adaptive
+
+    @property
+    def metrics(self) -> MetricsWatch:
+        """This process's reads of model servers' metrics (``--llm-metrics-url``), on their own
+        duty thread: a slow endpoint never holds up the keeper's lease renewals."""
+        reporter = self.adaptive
+        with self._lock:
+            if self._metrics is None:
+                self._metrics = MetricsWatch(self.slots.r, self.slots.k, reporter)
+                self._metrics.start()
+            return self._metrics
 
     @property
     def live(self) -> LiveLimits:
@@ -299,6 +311,8 @@ class FleetGate:
         """Give every slot back (a process that stops must not keep them until they lapse)."""
         if self._keeper is not None:
             self._keeper.stop()
+        if self._metrics is not None:
+            self._metrics.stop()
         with self._io:
             with self._lock:
                 gives = [(p, p.free) for p in self._pools.values() if p.free > 0]

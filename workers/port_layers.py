@@ -82,7 +82,9 @@ class Paced:
 class Adaptive:
     """A job whose model cap adapts to the server (``--concurrency auto``, broker/adaptive.py):
     each try's outcome is reported (workers/adaptive_caps.py), and overloads are retried within the
-    attempt's budget. Beside the pacer, on the endpoint, so that every try is seen."""
+    attempt's budget; with ``--llm-metrics-url``, each try also keeps this process's reads of the
+    server's metrics going (MetricsWatch, off the call's path). Beside the pacer, on the
+    endpoint, so that every try is seen."""
 
     def wrap(self, policy: BoundPolicy, c: PortContext) -> BoundPolicy:
         caps = c.caps()
@@ -91,7 +93,8 @@ class Adaptive:
         cap_key = caps.model_caps(c.parts.keys, c.job.llm_base_url)[0].key
         reporter = c.parts.fleet.adaptive
         reporter.track(cap_key, caps.model)
-        return dataclasses.replace(policy, pacer=AdaptivePacer(policy.pacer, reporter, cap_key))
+        metrics = (c.parts.fleet.metrics, caps.model_metrics) if caps.model_metrics else None
+        return dataclasses.replace(policy, pacer=AdaptivePacer(policy.pacer, reporter, cap_key, metrics))
 
 
 class Versioned:
