@@ -3,9 +3,10 @@
 
 The rule is AIMD, as Inspect AI's: the cap's limit grows by one per window of ``limit``
 successful answers, but only while the fleet's demand reaches the limit (calls waited for a
-slot), so a job of 5 episodes does not drift to MAX; it shrinks x0.8 on an overload (HTTP 429,
-502, 503, 504, a read timeout), at most once per :data:`COOLDOWN_MS` so that the 429s of one
-burst cut once. The rule is one script (lua/caps_adapt.lua) over the cap's state in Redis
+slot) and not within :data:`COOLDOWN_MS` of a cut, so a job of 5 episodes does not drift to MAX
+and fast answers do not outgrow a server's metrics, read once a second; it shrinks x0.8 on an
+overload (HTTP 429, 502, 503, 504, a read timeout, the server's own queue or KV-cache use), at
+most once per :data:`COOLDOWN_MS` so that the 429s of one burst cut once. The rule is one script (lua/caps_adapt.lua) over the cap's state in Redis
 (``Keys.cap_adapt``: bounds, successes since the last change, the last cut and its reason) and
 writes the limit in force where takes and renewals read it (``Keys.caps``, broker/caps.py).
 Workers report outcomes (workers/adaptive_caps.py): successes batched per process per keeper tick,

@@ -43,8 +43,9 @@ def test_aimd_grows_with_demand_only_and_cuts_once_per_cooldown(settings):
     assert ad.report(cap, 4, overload="read timeout", cooldown_ms=10) == (3, True)
     assert ad.report(cap, 4, overload="HTTP 429", cooldown_ms=0) == (2, True)
     assert ad.report(cap, 4, overload="HTTP 429", cooldown_ms=0) == (2, False), "never below MIN"
+    assert ad.report(cap, 4, successes=10, demand=True) == (2, False), "no growth within a cooldown of a cut"
     for _ in range(20):
-        ad.report(cap, 4, successes=10, demand=True)
+        ad.report(cap, 4, successes=10, demand=True, cooldown_ms=0)
     assert int(client.hget(keys.caps, cap)) == 6, "never above MAX"
     assert [c["limit"] for c in ad.history(cap)] == [4, 5, 4, 3, 2, 3, 4, 5, 6]
     ad.fix(cap, 3, "set: 3 by someone")

@@ -7,7 +7,8 @@
 -- (a fixed limit was set since): nothing changes, {-1, 0} is returned.
 -- Overload: limit x0.8 (floor, at least min), at most once per cooldown, so that the 429s of one
 -- burst cut once; any overload restarts the window of successes. Else, while demand reaches the
--- limit, successes count: +1 per window of ``limit`` successes, at most max. Returns {limit in force, 1 when it changed}.
+-- limit and no cut was made within the cooldown, successes count (a server's metrics, read once a
+-- second, cut at most once a second: fast answers must not grow the limit back faster): +1 per window of ``limit`` successes, at most max. Returns {limit in force, 1 when it changed}.
 local st = redis.call('HMGET', KEYS[2], 'min', 'max', 'successes', 'cut_at')
 if not st[1] then return {-1, 0} end
 local lo, hi = tonumber(st[1]), tonumber(st[2])
@@ -22,7 +23,7 @@ if reason ~= '' then
     why = 'x0.8: ' .. reason
     cut_at = now
   end
-elseif demand and limit < hi then
+elseif demand and limit < hi and now - cut_at >= tonumber(ARGV[5]) then
   ok = ok + successes
   if ok >= limit then
     why = '+1: ' .. ok .. ' ok at ' .. limit
