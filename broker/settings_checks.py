@@ -21,20 +21,28 @@ FEED_FAILED_POLICIES = ("report", "refill")  # broker/feed.py FAILED_REPORT, FAI
 POOLS = ("gevent", "threads", "prefork", "solo")
 REDIS_WAITS = ("auto", "on", "off")  # broker/replicas.py
 
+# The numeric settings with a least value: (name, ">=" or ">", the least, what the message adds).
+_LEAST = (
+    ("max_steps", ">=", 1, ""), ("concurrency", ">=", 1, ""), ("max_attempts", ">=", 1, ""),
+    ("lease_ttl_s", ">", 1, ""), ("episode_budget_s", ">", 0, ""), ("llm_max_tokens", ">=", 0, " (0 = not sent)"),
+    ("llm_max_concurrency", ">=", 0, ""), ("llm_max_connections", ">=", 0, ""), ("llm_startup_jitter_s", ">=", 0, ""),
+    *((name, ">=", 0, " (0 = none)") for name in ("pause_after_failures", "env_fleet_max_concurrency",
+                                                  "env_fleet_max_instances", "llm_fleet_rpm", "llm_fleet_tpm")),
+    ("experience_top_k", ">=", 1, ""), ("outage_budget_s", ">=", 0, ""), ("shutdown_hard_exit_s", ">", 0, ""),
+    ("worker_stall_s", ">=", 0, " (0 turns the consumer watch off)"), ("job_retention_s", ">", 0, ""),
+    ("feed_max_ahead", ">=", 1, ""), ("feed_refill_max", ">=", 0, ""), ("feed_ack_timeout_s", ">", 0, ""),
+    ("feed_max_connections", ">=", 1, ""), ("feed_request_timeout_s", ">", 0, ""),
+    ("redis_wait_timeout_ms", ">=", 1, " (a WAIT without timeout would never end)"),
+)
+
 
 def settings_problems(s: Any) -> list[str]:
     """What is wrong with the settings ``s`` ([] when nothing is)."""
     problems: list[str] = []
-    if s.max_steps < 1:
-        problems.append("max_steps must be >= 1")
-    if s.concurrency < 1:
-        problems.append("concurrency must be >= 1")
-    if s.max_attempts < 1:
-        problems.append("max_attempts must be >= 1")
-    if s.lease_ttl_s <= 1:
-        problems.append("lease_ttl_s must be > 1")
-    if s.episode_budget_s <= 0:
-        problems.append("episode_budget_s must be > 0")
+    for name, op, least, note in _LEAST:
+        value = getattr(s, name)
+        if value < least or (op == ">" and value == least):
+            problems.append(f"{name} must be {op} {least}{note}")
     if s.pool not in POOLS:
         problems.append(f"pool must be threads, prefork, gevent or solo, not {s.pool!r}")
     if s.llm_params:
@@ -47,17 +55,12 @@ def settings_problems(s: Any) -> list[str]:
         problems.append(f"tokens must be one of {', '.join(repr(m) for m in TOKEN_MODES)}, not {s.tokens!r}")
     if s.cache not in ("", "on", "sampled") or s.cache_max_entries < 1:
         problems.append(f"cache must be on (bare --cache) or sampled, not {s.cache!r}; cache_max_entries >= 1")
-    if s.llm_max_tokens < 0:
-        problems.append("llm_max_tokens must be >= 0 (0 = not sent)")
     if not 0 <= s.llm_top_p <= 1:
         problems.append("llm_top_p must be in (0, 1] (0 = not sent)")
     stop = s.convenience_params().get("stop")
     if stop is not None and not (isinstance(stop, str) or (
             isinstance(stop, list) and stop and all(isinstance(x, str) for x in stop))):
         problems.append(f"llm_stop must be a string or a JSON list of strings, got {s.llm_stop!r}")
-    for name in ("llm_max_concurrency", "llm_max_connections", "llm_startup_jitter_s"):
-        if getattr(s, name) < 0:
-            problems.append(f"{name} must be >= 0")
     if str(s.llm_fleet_max_concurrency).strip().startswith("-"):
         problems.append("llm_fleet_max_concurrency must be >= 0 (0 = none)")
     else:
@@ -65,34 +68,10 @@ def settings_problems(s: Any) -> list[str]:
             parse_concurrency(s.llm_fleet_max_concurrency)
         except ValueError as exc:
             problems.append(f"llm_fleet_max_concurrency: {exc}")
-    for name in ("pause_after_failures", "env_fleet_max_concurrency",
-                 "env_fleet_max_instances", "llm_fleet_rpm", "llm_fleet_tpm"):
-        if getattr(s, name) < 0:
-            problems.append(f"{name} must be >= 0 (0 = none)")
-    if s.experience_top_k < 1:
-        problems.append("experience_top_k must be >= 1")
-    if s.outage_budget_s < 0:
-        problems.append("outage_budget_s must be >= 0")
-    if s.shutdown_hard_exit_s <= 0:
-        problems.append("shutdown_hard_exit_s must be > 0")
-    if s.worker_stall_s < 0:
-        problems.append("worker_stall_s must be >= 0 (0 turns the consumer watch off)")
-    if s.job_retention_s <= 0:
-        problems.append("job_retention_s must be > 0")
-    if s.feed_max_ahead < 1:
-        problems.append("feed_max_ahead must be >= 1")
     if s.feed_stale_policy not in FEED_STALE_POLICIES:
         problems.append(f"feed_stale_policy must be requeue or drop, not {s.feed_stale_policy!r}")
     if s.feed_failed_policy not in FEED_FAILED_POLICIES:
         problems.append(f"feed_failed_policy must be report or refill, not {s.feed_failed_policy!r}")
-    if s.feed_refill_max < 0:
-        problems.append("feed_refill_max must be >= 0")
-    if s.feed_ack_timeout_s <= 0:
-        problems.append("feed_ack_timeout_s must be > 0")
-    if s.feed_max_connections < 1:
-        problems.append("feed_max_connections must be >= 1")
-    if s.feed_request_timeout_s <= 0:
-        problems.append("feed_request_timeout_s must be > 0")
     # URLs the workers connect to: the same check a task file's base_url gets (broker/urls.py).
     for name in ("llm_base_url", "env_base_url", "llm_metrics_url"):
         value = getattr(s, name)
@@ -109,8 +88,6 @@ def settings_problems(s: Any) -> list[str]:
         problems.append(f"redis_url {redact_url(s.redis_url)!r}: {problem}")
     if s.redis_wait not in REDIS_WAITS:
         problems.append(f"redis_wait must be auto, on or off, not {s.redis_wait!r}")
-    if s.redis_wait_timeout_ms < 1:
-        problems.append("redis_wait_timeout_ms must be >= 1 (a WAIT without timeout would never end)")
     try:
         parse_retry_on(s.retry_on)
     except ValueError as exc:

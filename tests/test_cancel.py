@@ -23,6 +23,7 @@ import pytest
 
 from broker import errors, feed
 from broker.cancel import JobCancel, JobCancelled
+from broker.control_records import AuditEntry
 from broker.dlq import DeadLetterQueue
 from broker.keys import Keys, env_instance_id, member
 from broker.ledger import Ledger
@@ -91,7 +92,7 @@ def test_waiting_episodes_end_at_once_running_ones_are_told_and_nothing_starts_a
     # the store learns it in the same step, with the attempt each last ran (the cancel's audit
     # entry, broker/audit.py, follows it on the stream)
     newest = [unpack(fields[b"r"]) for _, fields in redis_client.xrevrange(keys.results, count=2)]
-    assert [type(r).__name__ for r in newest] == ["AuditEntry", "EpisodesCancelled"]
+    assert isinstance(newest[0], AuditEntry) and isinstance(newest[1], EpisodesCancelled)
     last = newest[1]
     assert sorted((row[0], row[4], row[5]) for row in last.episodes) == [
         (ep_id(3), 1, retrying.attempt_id), (ep_id(4), 0, ""), (ep_id(5), 0, "")]
