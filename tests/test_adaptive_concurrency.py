@@ -161,7 +161,10 @@ def test_job_set_rpm_paces_running_episodes_within_seconds(settings, procs, env_
         assert server.ok - fast >= 20, "the job ran too slowly before the change for the test to tell anything"
         out = cli(settings, "job", job.job_id, "set", "--llm-fleet-rpm", "60")
         assert out.returncode == 0 and "60 requests" in out.stdout, out.stdout + out.stderr
-        time.sleep(5)  # the workers' live limits are read every 3 s at most
+        # the workers' live limits are read every 3 s at most; 8 s leaves a loaded machine room to
+        # get every process past its next read (at 5 s, 1 run in 10 with both cores busy still saw a
+        # process at the old rate for part of the window)
+        time.sleep(8)
         before = server.ok + server.refused
         time.sleep(6)
         sent = server.ok + server.refused - before
